@@ -1,0 +1,341 @@
+"""Typed run configuration: frozen dataclasses, TOML files, `--section.key=value` overrides.
+
+A config has two kinds of fields. *Shared* fields define the run (model, data, H, optimizers,
+run id): every peer of a swarm must hold the same values, and `fingerprint()` hashes them.
+*Local* fields describe one peer's machine (its directory, device, micro-batch): they may differ
+between peers and are not part of the fingerprint.
+
+Defaults are the paper's (Douillard et al., 2023): inner AdamW lr 4e-4, weight decay 0.1,
+1,000 warm-up steps then cosine decay, H = 500, batch 512 x 1,024 tokens; outer Nesterov SGD
+with lr 0.7 and momentum 0.9. The profiles in `peers/` scale the run down to a CPU or home GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import hashlib
+import json
+import math
+import sys
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Mapping
+
+import tomli_w
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # Python 3.10
+    import tomli as tomllib
+
+from p2p_diloco.errors import ConfigError
+
+
+def shared(default: Any, doc: str) -> Any:
+    """A field every peer of the run must agree on (part of the fingerprint)."""
+    return field(default=default, metadata={"doc": doc, "local": False})
+
+
+def local(default: Any, doc: str) -> Any:
+    """A field that describes one peer's machine; peers may differ."""
+    return field(default=default, metadata={"doc": doc, "local": True})
+
+
+@dataclass(frozen=True)
+class RunSection:
+    run_id: str = shared("p2p-diloco", "name of the run; peers of one run share it")
+    seed: int = shared(0, "seed of theta(0) and of the data order")
+    rounds: int = shared(100, "outer rounds in the run; the inner lr schedule spans rounds x H steps")
+    dir: str = local("runs/default", "this peer's directory: checkpoints, metrics.jsonl, config.toml")
+    device: str = local("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    eval_every_rounds: int = local(1, "evaluate held-out loss of theta every N rounds (0 = never)")
+    eval_sequences: int = local(64, "held-out sequences per evaluation")
+
+
+@dataclass(frozen=True)
+class ModelSection:
+    preset: str = shared("150m", "model preset: tiny, small, 150m or 1b (Llama-style)")
+    config_path: str = shared("", "a transformers causal-LM config.json (or its folder); overrides preset")
+    tokenizer: str = shared("bytes", "bytes (byte-level, no download) or a tokenizer folder / tokenizer.json")
+    seq_len: int = shared(1024, "tokens per training sequence")
+
+
+@dataclass(frozen=True)
+class DataSection:
+    source: str = shared("stdlib", "stdlib (embedded default corpus), files (local text/jsonl/parquet) or hub")
+    path: str = local("", "source=files: a file, a folder or a glob of .txt, .jsonl/.json or .parquet files")
+    name: str = shared("", "source=hub: dataset name, e.g. allenai/c4 (streamed, never fully downloaded)")
+    subset: str = shared("", "source=hub: dataset configuration, e.g. en")
+    text_field: str = shared("text", "column holding the text in jsonl, parquet and hub datasets")
+    heldout_fraction: float = shared(0.05, "share of documents held out for evaluation (by document)")
+    num_shards: int = shared(64, "the training documents are split into this many disjoint shards")
+    shard: int = local(-1, "this peer's shard; -1 picks one from the peer id and seed")
+
+
+@dataclass(frozen=True)
+class InnerSection:
+    steps: int = shared(500, "H: inner AdamW steps per round")
+    batch_size: int = shared(512, "sequences per inner step (reached by gradient accumulation)")
+    lr: float = shared(4e-4, "peak inner AdamW learning rate")
+    weight_decay: float = shared(0.1, "AdamW weight decay")
+    beta1: float = shared(0.9, "AdamW beta1")
+    beta2: float = shared(0.95, "AdamW beta2")
+    warmup_steps: int = shared(1000, "linear warm-up steps, then cosine decay to min_lr_ratio x lr")
+    min_lr_ratio: float = shared(0.1, "the cosine schedule ends at this fraction of lr")
+    grad_clip: float = shared(1.0, "clip the gradient norm of each inner step to this (0 = off)")
+    micro_batch_size: int = local(8, "sequences per forward pass; lower it if you run out of memory")
+    precision: str = local("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
+
+
+@dataclass(frozen=True)
+class OuterSection:
+    lr: float = shared(0.7, "outer SGD learning rate")
+    momentum: float = shared(0.9, "outer SGD momentum")
+    nesterov: bool = shared(True, "Nesterov momentum (the paper's choice)")
+
+
+@dataclass(frozen=True)
+class SwarmSection:
+    initial_peers: tuple[str, ...] = local((), "multiaddrs of peers or bootstrap nodes to join; empty = train alone")
+
+
+@dataclass(frozen=True)
+class CheckpointSection:
+    keep: int = local(3, "keep this many latest round checkpoints (a checkpoint is written every round)")
+
+
+@dataclass(frozen=True)
+class LogSection:
+    level: str = local("info", "debug, info, warning or error")
+    progress: bool = local(True, "show a live progress bar on the terminal")
+
+
+@dataclass(frozen=True)
+class Config:
+    run: RunSection = field(default_factory=RunSection)
+    model: ModelSection = field(default_factory=ModelSection)
+    data: DataSection = field(default_factory=DataSection)
+    inner: InnerSection = field(default_factory=InnerSection)
+    outer: OuterSection = field(default_factory=OuterSection)
+    swarm: SwarmSection = field(default_factory=SwarmSection)
+    checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
+    log: LogSection = field(default_factory=LogSection)
+
+    def to_dict(self) -> dict[str, dict[str, Any]]:
+        return {name: _section_dict(getattr(self, name)) for name in SECTIONS}
+
+    def shared_dict(self) -> dict[str, dict[str, Any]]:
+        """The fields every peer must share, as plain values."""
+        return {
+            name: {f.name: value for f, value in _items(getattr(self, name)) if not f.metadata["local"]}
+            for name in SECTIONS
+        }
+
+    def fingerprint(self) -> str:
+        """16 hex digits of sha256 over the shared fields; part of every swarm key (I5)."""
+        blob = json.dumps(self.shared_dict(), sort_keys=True, separators=(",", ":"))
+        return hashlib.sha256(blob.encode()).hexdigest()[:16]
+
+    def replace(self, section: str, **values: Any) -> "Config":
+        """A copy with some fields of one section changed, validated."""
+        new = dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **values)})
+        validate(new)
+        return new
+
+
+SECTIONS: dict[str, type] = {f.name: typing.get_type_hints(Config)[f.name] for f in dataclasses.fields(Config)}
+
+
+def _items(section: Any) -> list[tuple[dataclasses.Field, Any]]:
+    return [(f, getattr(section, f.name)) for f in dataclasses.fields(section)]
+
+
+def _section_dict(section: Any) -> dict[str, Any]:
+    return {f.name: list(v) if isinstance(v, tuple) else v for f, v in _items(section)}
+
+
+def field_specs() -> list[tuple[str, str, type, Any, dict]]:
+    """(section, key, type, default, metadata) for every field, in declaration order."""
+    specs = []
+    for section, cls in SECTIONS.items():
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            specs.append((section, f.name, hints[f.name], default, dict(f.metadata)))
+    return specs
+
+
+def diff_shared(a: Mapping[str, Mapping[str, Any]], b: Mapping[str, Mapping[str, Any]]) -> list[str]:
+    """Shared fields that differ between two `shared_dict()`s, as 'section.key: a != b' lines."""
+    out = []
+    for section in sorted(set(a) | set(b)):
+        sa, sb = a.get(section, {}), b.get(section, {})
+        for key in sorted(set(sa) | set(sb)):
+            if sa.get(key) != sb.get(key):
+                out.append(f"{section}.{key}: {sa.get(key)!r} != {sb.get(key)!r}")
+    return out
+
+
+# --- parsing ---------------------------------------------------------------------------------
+
+
+def parse_value(text: str, typ: type, where: str) -> Any:
+    """Turn a command-line string into a field's type, or raise ConfigError naming `where`."""
+    if typ is bool:
+        lowered = text.strip().lower()
+        if lowered in ("1", "true", "yes", "on"):
+            return True
+        if lowered in ("0", "false", "no", "off"):
+            return False
+        raise ConfigError(f"{where} must be true or false, got {text!r}")
+    if _is_str_tuple(typ):
+        return tuple(part.strip() for part in text.split(",") if part.strip())
+    try:
+        return typ(text)
+    except ValueError:
+        raise ConfigError(f"{where} must be {typ.__name__}, got {text!r}") from None
+
+
+def _is_str_tuple(typ: Any) -> bool:
+    return typing.get_origin(typ) is tuple
+
+
+def _coerce(value: Any, typ: type, where: str) -> Any:
+    """Check a TOML value against a field's type (ints are accepted for floats)."""
+    if _is_str_tuple(typ):
+        if isinstance(value, str):
+            value = [value]
+        if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
+            raise ConfigError(f"{where} must be a list of strings, got {value!r}")
+        return tuple(value)
+    if typ is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if typ is int and isinstance(value, bool) or not isinstance(value, typ):
+        raise ConfigError(f"{where} must be {typ.__name__}, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def _unknown(kind: str, name: str, choices: list[str], where: str) -> ConfigError:
+    close = difflib.get_close_matches(name, choices, n=1)
+    hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(choices)}"
+    return ConfigError(f"unknown {kind} {name!r} in {where}{hint}")
+
+
+def from_mapping(data: Mapping[str, Any], where: str = "config") -> Config:
+    """Build and validate a Config from nested {section: {key: value}}."""
+    sections = {}
+    for name, values in data.items():
+        if name not in SECTIONS:
+            raise _unknown("section", name, list(SECTIONS), where)
+        if not isinstance(values, Mapping):
+            raise ConfigError(f"[{name}] in {where} must be a table of key = value")
+        cls = SECTIONS[name]
+        hints = typing.get_type_hints(cls)
+        kwargs = {}
+        for key, value in values.items():
+            if key not in hints:
+                raise _unknown(f"key in [{name}]", key, list(hints), where)
+            kwargs[key] = _coerce(value, hints[key], f"{name}.{key} in {where}")
+        sections[name] = cls(**kwargs)
+    config = Config(**sections)
+    validate(config)
+    return config
+
+
+def load(path: str | Path | None = None, overrides: Mapping[str, str] | None = None) -> Config:
+    """Load a TOML file (or the defaults), apply 'section.key' -> 'value' overrides, validate."""
+    data: dict[str, dict[str, Any]] = {}
+    where = "defaults"
+    if path is not None:
+        where = str(path)
+        try:
+            data = tomllib.loads(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} not found") from None
+        except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
+    hints = {name: typing.get_type_hints(cls) for name, cls in SECTIONS.items()}
+    for dotted, text in (overrides or {}).items():
+        section, _, key = dotted.partition(".")
+        if section not in SECTIONS:
+            raise _unknown("section", section, list(SECTIONS), f"--{dotted}")
+        if key not in hints[section]:
+            raise _unknown(f"key in [{section}]", key, list(hints[section]), f"--{dotted}")
+        data.setdefault(section, {})[key] = parse_value(text, hints[section][key], f"--{dotted}")
+    return from_mapping(data, where)
+
+
+def save(config: Config, path: str | Path) -> None:
+    """Write the resolved config as TOML (loadable with `--config`), atomically."""
+    path = Path(path)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(tomli_w.dumps(config.to_dict()))
+    tmp.replace(path)
+
+
+# --- validation ------------------------------------------------------------------------------
+
+PRESETS = ("tiny", "small", "150m", "1b")
+
+
+def _require(ok: bool, where: str, problem: str, fix: str) -> None:
+    if not ok:
+        section, _, key = where.partition(".")
+        raise ConfigError(f"{where} {problem}; set [{section}] {key} in run.toml or --{where}=... ({fix})")
+
+
+def validate(c: Config) -> None:
+    """Raise ConfigError on the first invalid field, naming it and the fix."""
+    _require(bool(c.run.run_id.strip()), "run.run_id", "must not be empty", "any name")
+    _require(c.run.rounds >= 1, "run.rounds", f"must be >= 1, got {c.run.rounds}", "e.g. 100")
+    _require(bool(c.run.dir.strip()), "run.dir", "must not be empty", "a folder path")
+    _require(_valid_device(c.run.device), "run.device", f"must be auto, cpu, cuda or cuda:N, got {c.run.device!r}", "e.g. auto")
+    _require(c.run.eval_every_rounds >= 0, "run.eval_every_rounds", f"must be >= 0, got {c.run.eval_every_rounds}", "0 = never")
+    _require(c.run.eval_sequences >= 1, "run.eval_sequences", f"must be >= 1, got {c.run.eval_sequences}", "e.g. 64")
+    _require(c.model.preset in PRESETS or bool(c.model.config_path), "model.preset",
+             f"is unknown: {c.model.preset!r}", f"one of {', '.join(PRESETS)}, or set model.config_path")
+    _require(c.model.seq_len >= 2, "model.seq_len", f"must be >= 2, got {c.model.seq_len}", "e.g. 1024")
+    _require(c.data.source in ("stdlib", "files", "hub"), "data.source",
+             f"must be stdlib, files or hub, got {c.data.source!r}", "stdlib needs nothing")
+    _require(c.data.source != "files" or bool(c.data.path), "data.path", "is required when data.source = files", "a file, folder or glob")
+    _require(c.data.source != "hub" or bool(c.data.name), "data.name", "is required when data.source = hub", "e.g. allenai/c4")
+    _require(0.0 < c.data.heldout_fraction < 1.0, "data.heldout_fraction", f"must be in (0, 1), got {c.data.heldout_fraction}", "e.g. 0.05")
+    _require(c.data.num_shards >= 1, "data.num_shards", f"must be >= 1, got {c.data.num_shards}", "e.g. 64")
+    _require(-1 <= c.data.shard < c.data.num_shards, "data.shard",
+             f"must be -1 or in [0, {c.data.num_shards}), got {c.data.shard}", "-1 picks one for you")
+    _require(bool(c.data.text_field), "data.text_field", "must not be empty", "e.g. text")
+    _validate_inner(c.inner)
+    _require(_pos(c.outer.lr), "outer.lr", f"must be > 0, got {c.outer.lr}", "the paper uses 0.7")
+    _require(0.0 <= c.outer.momentum < 1.0, "outer.momentum", f"must be in [0, 1), got {c.outer.momentum}", "the paper uses 0.9")
+    _require(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.checkpoint.keep}", "e.g. 3")
+    _require(c.log.level in ("debug", "info", "warning", "error"), "log.level",
+             f"must be debug, info, warning or error, got {c.log.level!r}", "e.g. info")
+
+
+def _validate_inner(i: InnerSection) -> None:
+    _require(i.steps >= 1, "inner.steps", f"must be >= 1, got {i.steps}", "the paper uses H = 500")
+    _require(i.batch_size >= 1, "inner.batch_size", f"must be >= 1, got {i.batch_size}", "e.g. 512")
+    _require(_pos(i.lr), "inner.lr", f"must be > 0, got {i.lr}", "the paper uses 4e-4")
+    _require(i.weight_decay >= 0 and math.isfinite(i.weight_decay), "inner.weight_decay", f"must be >= 0, got {i.weight_decay}", "e.g. 0.1")
+    _require(0.0 <= i.beta1 < 1.0, "inner.beta1", f"must be in [0, 1), got {i.beta1}", "e.g. 0.9")
+    _require(0.0 <= i.beta2 < 1.0, "inner.beta2", f"must be in [0, 1), got {i.beta2}", "e.g. 0.95")
+    _require(i.warmup_steps >= 0, "inner.warmup_steps", f"must be >= 0, got {i.warmup_steps}", "e.g. 1000")
+    _require(0.0 <= i.min_lr_ratio <= 1.0, "inner.min_lr_ratio", f"must be in [0, 1], got {i.min_lr_ratio}", "e.g. 0.1")
+    _require(i.grad_clip >= 0 and math.isfinite(i.grad_clip), "inner.grad_clip", f"must be >= 0, got {i.grad_clip}", "0 = off")
+    _require(i.micro_batch_size >= 1, "inner.micro_batch_size", f"must be >= 1, got {i.micro_batch_size}", "e.g. 8")
+    _require(i.batch_size % i.micro_batch_size == 0, "inner.micro_batch_size",
+             f"({i.micro_batch_size}) must divide inner.batch_size ({i.batch_size})", "e.g. a power of two")
+    _require(i.precision in ("auto", "fp32", "bf16"), "inner.precision", f"must be auto, fp32 or bf16, got {i.precision!r}", "auto")
+
+
+def _pos(x: float) -> bool:
+    return math.isfinite(x) and x > 0
+
+
+def _valid_device(device: str) -> bool:
+    if device in ("auto", "cpu", "cuda"):
+        return True
+    prefix, _, index = device.partition(":")
+    return prefix == "cuda" and index.isdigit()

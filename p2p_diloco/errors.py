@@ -1,0 +1,29 @@
+"""The package's exceptions. Each message names the problem and, where there is one, the fix."""
+
+
+class P2PDilocoError(Exception):
+    """Base class: the CLI prints these as one line and exits non-zero."""
+
+    exit_code = 1
+
+
+class ConfigError(P2PDilocoError):
+    """A config file, override or CLI argument is invalid."""
+
+    exit_code = 2
+
+
+class DataError(P2PDilocoError):
+    """A corpus cannot be found, read or split."""
+
+
+class ModelError(P2PDilocoError):
+    """An unknown preset, an unreadable model config or tokenizer."""
+
+
+class CheckpointError(P2PDilocoError):
+    """A checkpoint is missing, truncated, corrupt or from another run."""
+
+
+class PseudoGradError(P2PDilocoError):
+    """A pseudo-gradient failed its local checks (not finite, implausibly large)."""
