@@ -1,0 +1,142 @@
+"""The inner loop: H steps of AdamW on one peer's own data, with warm-up + cosine schedule,
+gradient accumulation, clipping and mixed precision. Knows nothing of the network.
+
+The trainer takes a model that is already on its device and never moves it, so a later
+multi-GPU peer can hand it a DDP- or FSDP-wrapped model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import torch
+
+from p2p_diloco.config import InnerSection
+
+
+def lr_at(step: int, cfg: InnerSection, total_steps: int) -> float:
+    """Learning rate of inner step `step` (0-based): linear warm-up, then cosine decay to min_lr_ratio·lr.
+
+    The schedule spans the whole run (rounds × H steps), not one round, as in the paper.
+    """
+    if step < cfg.warmup_steps:
+        return cfg.lr * (step + 1) / cfg.warmup_steps
+    decay_steps = max(total_steps - cfg.warmup_steps, 1)
+    progress = min((step - cfg.warmup_steps) / decay_steps, 1.0)
+    floor = cfg.lr * cfg.min_lr_ratio
+    return floor + (cfg.lr - floor) * 0.5 * (1.0 + math.cos(math.pi * progress))
+
+
+def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
+    """bf16 autocast on CUDA for `auto`, full fp32 on the CPU (bf16 matmuls are slow there)."""
+    if precision == "bf16" or (precision == "auto" and device.type == "cuda"):
+        return torch.bfloat16
+    return None
+
+
+@dataclass(frozen=True)
+class PhaseResult:
+    """What one inner phase did. `stopped` means it was interrupted before `steps` were done."""
+
+    steps: int
+    tokens: int
+    mean_loss: float
+    compute_s: float
+    lr_sum: float
+    stopped: bool
+
+
+class InnerTrainer:
+    """AdamW on the inner model; its state (moments, step) stays on this peer across rounds."""
+
+    def __init__(self, model: torch.nn.Module, cfg: InnerSection, total_steps: int, device: torch.device):
+        self.model, self.cfg, self.total_steps, self.device = model, cfg, total_steps, device
+        self.amp_dtype = autocast_dtype(cfg.precision, device)
+        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+        # Norm gains are not decayed: pulling them toward 0 only hurts (nanoGPT, Chinchilla).
+        self.optimizer = torch.optim.AdamW(
+            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+            lr=cfg.lr,
+            betas=(cfg.beta1, cfg.beta2),
+        )
+        self.step = 0
+
+    def train_step(self, batch: torch.Tensor) -> torch.Tensor:
+        """One optimizer step on `batch` [batch_size, seq_len], accumulated over micro-batches.
+
+        Returns the mean loss as a 0-d tensor on the device (no CPU sync here).
+        """
+        lr = lr_at(self.step, self.cfg, self.total_steps)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.model.train()
+        micro_batches = batch.split(self.cfg.micro_batch_size)
+        total = torch.zeros((), device=self.device)
+        for mb in micro_batches:
+            mb = mb.to(self.device, non_blocking=True)
+            with self._autocast():
+                loss = self.model(input_ids=mb, labels=mb).loss / len(micro_batches)
+            loss.backward()
+            total += loss.detach().float()
+        if self.cfg.grad_clip > 0:
+            torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.step += 1
+        return total
+
+    def run_phase(
+        self,
+        next_batch: Callable[[], torch.Tensor],
+        steps: int,
+        should_stop: Callable[[], bool] = lambda: False,
+        on_step: Callable[[int, float, int], None] = lambda step, loss, tokens: None,
+    ) -> PhaseResult:
+        """Up to `steps` inner steps; stops early (stopped=True) when should_stop() turns true.
+
+        on_step(step_in_phase, loss, tokens_so_far) is called after every step; reading the loss
+        there is a CPU-GPU sync point, which costs little next to a step of accumulated micro-batches.
+        """
+        start = time.perf_counter()
+        losses, tokens, lr_sum = [], 0, 0.0
+        for i in range(steps):
+            if should_stop():
+                break
+            batch = next_batch()
+            lr_sum += lr_at(self.step, self.cfg, self.total_steps)
+            losses.append(float(self.train_step(batch)))
+            tokens += batch.numel()
+            on_step(i + 1, losses[-1], tokens)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        mean = sum(losses) / len(losses) if losses else float("nan")
+        return PhaseResult(len(losses), tokens, mean, time.perf_counter() - start, lr_sum, len(losses) < steps)
+
+    @torch.no_grad()
+    def evaluate(self, batch: torch.Tensor) -> float:
+        """Mean loss of the current model on `batch` [n, seq_len] (held-out sequences)."""
+        self.model.eval()
+        total = 0.0
+        for mb in batch.split(self.cfg.micro_batch_size):
+            mb = mb.to(self.device)
+            with self._autocast():
+                total += float(self.model(input_ids=mb, labels=mb).loss) * len(mb)
+        return total / len(batch)
+
+    def state_dict(self) -> dict:
+        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.step = int(state["step"])
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
+

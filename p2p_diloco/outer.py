@@ -1,0 +1,115 @@
+"""The outer optimiser of DiLoCo, as pure functions on CPU fp32 tensors. No network, no model.
+
+A round's state is `GlobalState(round, params, momentum)`: θ(r) and the outer Nesterov momentum,
+each an ordered {name: fp32 CPU tensor}. Every function returns new tensors and never changes its
+inputs, so a round either produces a whole new state or raises (STYLE rule 3).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+
+from p2p_diloco.errors import PseudoGradError
+
+Tensors = dict[str, torch.Tensor]
+
+# Adam moves each weight by about lr per step (|m / sqrt(v)| is near 1 at most), so the RMS of a
+# round's pseudo-gradient is bounded by the sum of the round's learning rates, plus what weight
+# decay takes. A Δ far above that bound comes from a bug or a bad peer, not from training.
+PSEUDO_GRAD_RMS_SLACK = 10.0
+
+
+@dataclass(frozen=True)
+class GlobalState:
+    """θ(r) and the outer momentum after r rounds; identical on every peer of the round (I1)."""
+
+    round: int
+    params: Tensors
+    momentum: Tensors
+
+    def digest(self) -> str:
+        return digest(self.round, self.params, self.momentum)
+
+
+def initial_state(params: Mapping[str, torch.Tensor]) -> GlobalState:
+    """Round 0: θ(0) copied to CPU fp32, zero momentum."""
+    theta = {name: p.detach().to("cpu", torch.float32, copy=True) for name, p in params.items()}
+    return GlobalState(0, theta, {name: torch.zeros_like(p) for name, p in theta.items()})
+
+
+def pseudo_gradient(global_params: Tensors, inner_params: Mapping[str, torch.Tensor]) -> Tensors:
+    """Δ = θ(r) − θ_i, in fp32 on the CPU. The names of the two must match exactly."""
+    if list(global_params) != list(inner_params):
+        raise PseudoGradError("inner model parameters do not match the global parameters' names")
+    return {name: theta - inner_params[name].detach().to("cpu", torch.float32) for name, theta in global_params.items()}
+
+
+def weighted_mean(deltas: Sequence[Tensors], weights: Sequence[float]) -> Tensors:
+    """Σ w_i Δ_i / Σ w_i, the swarm's average pseudo-gradient (weights: tokens of each peer)."""
+    if not deltas or len(deltas) != len(weights):
+        raise ValueError(f"need one weight per pseudo-gradient, got {len(deltas)} and {len(weights)}")
+    total = float(sum(weights))
+    if not total > 0:
+        raise ValueError(f"weights must sum to > 0, got {list(weights)}")
+    return {name: sum(w * d[name] for w, d in zip(weights, deltas)) / total for name in deltas[0]}
+
+
+def outer_step(state: GlobalState, delta: Tensors, lr: float, momentum: float, nesterov: bool) -> GlobalState:
+    """θ(r+1) from θ(r) and the averaged Δ: SGD with (Nesterov) momentum, as torch.optim.SGD does it.
+
+    buf ← μ·buf + Δ;  step = Δ + μ·buf (Nesterov) or buf;  θ ← θ − lr·step.
+    """
+    params, bufs = {}, {}
+    for name, theta in state.params.items():
+        buf = momentum * state.momentum[name] + delta[name]
+        step = delta[name] + momentum * buf if nesterov else buf
+        params[name] = theta - lr * step
+        bufs[name] = buf
+    return GlobalState(state.round + 1, params, bufs)
+
+
+def norm(tensors: Mapping[str, torch.Tensor]) -> float:
+    """L2 norm over all tensors, in float64 so large models do not overflow the sum."""
+    return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
+
+
+def check_pseudo_gradient(delta: Tensors, lr_sum: float, weight_decay: float = 0.0) -> float:
+    """Raise PseudoGradError unless Δ is finite and its RMS is plausible for the round; return its norm.
+
+    lr_sum: the sum of the inner learning rates over the round's steps (see PSEUDO_GRAD_RMS_SLACK).
+    """
+    for name, t in delta.items():
+        if not bool(torch.isfinite(t).all()):
+            raise PseudoGradError(f"pseudo-gradient of {name} is not finite (nan or inf): the inner phase diverged")
+    total = norm(delta)
+    numel = sum(t.numel() for t in delta.values())
+    rms = total / math.sqrt(max(numel, 1))
+    limit = PSEUDO_GRAD_RMS_SLACK * lr_sum * (1.0 + weight_decay)
+    if rms > limit:
+        raise PseudoGradError(
+            f"pseudo-gradient RMS {rms:.3g} exceeds {limit:.3g} ({PSEUDO_GRAD_RMS_SLACK:g} x the round's summed lr "
+            f"{lr_sum:.3g}): the inner phase did not come from AdamW at this lr"
+        )
+    return total
+
+
+def digest(round_: int, params: Mapping[str, torch.Tensor], momentum: Mapping[str, torch.Tensor]) -> str:
+    """sha256 over the round number, names, shapes, dtypes and bytes of θ and momentum (32 hex digits).
+
+    Two peers agree (I1) exactly when their digests are equal: this hashes the raw bytes, so a
+    difference in the last bit of one weight shows.
+    """
+    h = hashlib.sha256(struct.pack("<q", round_))
+    for kind, tensors in (("params", params), ("momentum", momentum)):
+        h.update(kind.encode())
+        for name, t in tensors.items():
+            t = t.detach().to("cpu").contiguous()
+            h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:32]

@@ -1,0 +1,263 @@
+"""One peer's life: rounds of inner phase -> pseudo-gradient -> (average) -> outer step -> checkpoint.
+
+Alone (no initial peers), the average of one pseudo-gradient is itself: that is DiLoCo with k = 1,
+which the paper reports already beats plain training. The swarm puts the network between the
+pseudo-gradient and the outer step; nothing else in a round changes.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import logging
+import math
+import secrets
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2p_diloco import checkpoint, config as config_mod, data, model as model_mod, outer
+from p2p_diloco.config import Config
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.inner import InnerTrainer, PhaseResult, lr_at
+from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_device(spec: str) -> torch.device:
+    if spec == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(spec)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(
+            f"run.device = {spec} but torch {torch.__version__} sees no GPU; install a CUDA build of torch "
+            f"(README: GPU peers) or set --run.device=cpu"
+        )
+    return device
+
+
+@dataclass
+class Totals:
+    """Counters over the whole run, carried through checkpoints."""
+
+    tokens: int = 0
+    inner_steps: int = 0
+    compute_s: float = 0.0
+
+
+class Peer:
+    """Builds everything a peer needs from a Config, then runs rounds until the run ends or `stop` is set."""
+
+    def __init__(self, config: Config, resume: bool = False):
+        self.config = config
+        self.run_dir = Path(config.run.dir)
+        # Everything that can fail on bad input is built before the run dir is touched: an error
+        # leaves nothing behind and overwrites nothing.
+        self.tokenizer = model_mod.load_tokenizer(config.model.tokenizer)
+        self.model_config = model_mod.model_config(config.model, self.tokenizer.vocab_size)
+        self.corpus = data.open_corpus(config.data)
+        self.device = resolve_device(config.run.device)
+        self._lock = self._claim_run_dir(resume)
+        self.peer_id = self._peer_id()
+        self.log = PeerLogger(logger, self.peer_id[:4])
+        self.model = model_mod.init_model(self.model_config, config.run.seed).to(self.device)
+        self.total_steps = config.run.rounds * config.inner.steps
+        self.trainer = InnerTrainer(self.model, config.inner, self.total_steps, self.device)
+        shard = config.data.shard if config.data.shard >= 0 else data.pick_shard(self.peer_id, config.run.seed, config.data.num_shards)
+        self.stream = data.TrainStream(
+            self.corpus, self.tokenizer, config.model.seq_len, shard, config.data.num_shards,
+            config.run.seed, config.data.heldout_fraction,
+        )
+        self.heldout = None
+        if config.run.eval_every_rounds > 0:
+            self.heldout = data.heldout_batch(
+                self.corpus, self.tokenizer, config.model.seq_len, config.run.eval_sequences, config.data.heldout_fraction
+            )
+        self.state = outer.initial_state(dict(self.model.named_parameters()))
+        self.totals = Totals()
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.progress = Progress(config.log.progress, self.peer_id[:4])
+        config_mod.save(config, self.run_dir / "config.toml")
+        self._start(resume, shard)
+
+    # --- setup -------------------------------------------------------------------------------
+
+    def _claim_run_dir(self, resume: bool) -> Any:
+        """Create the run dir and hold a lock on it: two peers writing one run dir would corrupt it."""
+        existing = checkpoint.latest(self.run_dir)
+        if existing is not None and not resume:
+            raise ConfigError(
+                f"run dir {self.run_dir} already holds checkpoints (latest {existing.name}); pass --resume to "
+                f"continue that run or choose another --run.dir"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(self.run_dir / ".lock", "a+")
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            lock.close()
+            raise ConfigError(f"another peer is running in {self.run_dir}; stop it or choose another --run.dir") from None
+        return lock
+
+    def _peer_id(self) -> str:
+        """A random id made on first start and kept in the run dir, so a resumed peer keeps its data shard."""
+        path = self.run_dir / "peer_id"
+        if path.exists():
+            return path.read_text().strip()
+        peer_id = secrets.token_hex(8)
+        path.write_text(peer_id + "\n")
+        return peer_id
+
+    def _start(self, resume: bool, shard: int) -> None:
+        params = model_mod.count_parameters(self.model)
+        self.log.info(
+            "%s: %s parameters, %s, device %s, shard %d of %d, config %s",
+            self.config.run.run_id, f"{params:,}", self.corpus.description, self.device, shard,
+            self.config.data.num_shards, self.config.fingerprint(),
+        )
+        path = checkpoint.latest(self.run_dir) if resume else None
+        if path is not None:
+            self._restore(checkpoint.load(path, self.config.shared_dict()))
+            self.log.info("resumed from %s (digest %s)", path, self.state.digest())
+            return
+        if resume:
+            self.log.info("no checkpoint in %s: starting at round 0", checkpoint.checkpoint_dir(self.run_dir))
+        self.metrics.truncate_after(-1)
+        record: dict[str, Any] = {"round": 0, "tokens": 0, "digest": self.state.digest()}
+        if self.heldout is not None:
+            record.update(self._eval_record())
+            self.log.info("held-out loss of theta(0): %.4f", record["eval_loss"])
+        self.metrics.append(record)
+        self._save()
+
+    def _restore(self, payload: dict[str, Any]) -> None:
+        self.state = outer.GlobalState(payload["round"], payload["params"], payload["momentum"])
+        self._load_theta()
+        self.trainer.load_state_dict(payload["trainer"])
+        self.stream.load_state_dict(payload["data"])
+        self.totals = Totals(**payload["totals"])
+        torch.set_rng_state(payload["rng"]["torch"])
+        self.log.round = self.state.round
+        self.metrics.truncate_after(self.state.round)
+
+    # --- rounds ------------------------------------------------------------------------------
+
+    def run(self, stop: threading.Event | None = None) -> None:
+        """Run rounds until config.run.rounds are done or `stop` is set (e.g. by Ctrl+C).
+
+        A round interrupted by `stop` is discarded: the peer's state stays at the last round
+        boundary, which is already checkpointed, so a resume repeats that round exactly.
+        """
+        stop = stop or threading.Event()
+        while self.state.round < self.config.run.rounds and not stop.is_set():
+            if not self.run_round(stop):
+                self.log.info("stopped: the partial round was discarded; resume with --resume from round %d", self.state.round)
+                return
+        if self.state.round >= self.config.run.rounds:
+            self.log.info("run complete: %d rounds, digest %s", self.state.round, self.state.digest())
+
+    def run_round(self, stop: threading.Event) -> bool:
+        """One round: commits a new state, metrics record and checkpoint, or (if stopped) changes nothing durable."""
+        started = time.perf_counter()
+        r = self.state.round
+        self.log.round = r
+        phase = self._inner_phase(stop)
+        if phase.stopped:
+            return False
+        delta = outer.pseudo_gradient(self.state.params, dict(self.model.named_parameters()))
+        delta_norm = outer.check_pseudo_gradient(delta, phase.lr_sum, self.config.inner.weight_decay)
+        # Alone, the round's average is this peer's own Δ; the swarm replaces this line with an all-reduce.
+        averaged = delta
+        oc = self.config.outer
+        self.state = outer.outer_step(self.state, averaged, oc.lr, oc.momentum, oc.nesterov)
+        self._load_theta()
+        self.totals.tokens += phase.tokens
+        self.totals.inner_steps += phase.steps
+        self.totals.compute_s += phase.compute_s
+        record = self._round_record(phase, delta_norm)
+        record["wall_s"] = time.perf_counter() - started
+        self.metrics.append(record)
+        self._save()
+        self.log.round = self.state.round
+        self._log_round(record)
+        return True
+
+    def _inner_phase(self, stop: threading.Event) -> PhaseResult:
+        steps = self.config.inner.steps
+        self.progress.start(self.state.round, steps)
+        started = time.perf_counter()
+
+        def on_step(step: int, loss: float, tokens: int) -> None:
+            self.log.step, self.log.steps = step, steps
+            self.progress.update(loss, tokens / max(time.perf_counter() - started, 1e-9))
+            if step % max(steps // 4, 1) == 0:
+                self.log.debug("loss %.4f", loss)
+
+        try:
+            return self.trainer.run_phase(lambda: self.stream.next_batch(self.config.inner.batch_size), steps, stop.is_set, on_step)
+        finally:
+            self.log.step = None
+            self.progress.close()
+
+    def _load_theta(self) -> None:
+        """Copy θ(r) into the inner model: the start of every inner phase (step 1 of the round)."""
+        with torch.no_grad():
+            for name, p in self.model.named_parameters():
+                p.copy_(self.state.params[name])
+
+    def _round_record(self, phase: PhaseResult, delta_norm: float) -> dict[str, Any]:
+        record: dict[str, Any] = {
+            "round": self.state.round,
+            "inner_steps": phase.steps,
+            "tokens": phase.tokens,
+            "total_tokens": self.totals.tokens,
+            "train_loss": phase.mean_loss,
+            "lr": lr_at(self.trainer.step - 1, self.config.inner, self.total_steps),
+            "pseudo_grad_norm": delta_norm,
+            "group_size": 1,
+            "digest": self.state.digest(),
+            "compute_s": phase.compute_s,
+            "tokens_per_s": phase.tokens / max(phase.compute_s, 1e-9),
+        }
+        every = self.config.run.eval_every_rounds
+        if self.heldout is not None and (self.state.round % every == 0 or self.state.round == self.config.run.rounds):
+            record.update(self._eval_record())
+        return record
+
+    def _eval_record(self) -> dict[str, float]:
+        loss = self.trainer.evaluate(self.heldout)
+        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
+
+    def _log_round(self, record: dict[str, Any]) -> None:
+        evaluated = f", held-out loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+        self.log.info(
+            "round done: train loss %.4f%s, %s tokens at %s tok/s, |delta| %.3g, digest %s",
+            record["train_loss"], evaluated, f"{record['tokens']:,}", f"{record['tokens_per_s']:,.0f}",
+            record["pseudo_grad_norm"], record["digest"][:12],
+        )
+
+    def _save(self) -> None:
+        payload = {
+            "round": self.state.round,
+            "params": self.state.params,
+            "momentum": self.state.momentum,
+            "digest": self.state.digest(),
+            "shared_config": self.config.shared_dict(),
+            "config": self.config.to_dict(),
+            "fingerprint": self.config.fingerprint(),
+            "peer_id": self.peer_id,
+            "trainer": self.trainer.state_dict(),
+            "data": self.stream.state_dict(),
+            "totals": vars(self.totals).copy(),
+            "rng": {"torch": torch.get_rng_state()},
+        }
+        checkpoint.save(self.run_dir, payload, self.config.checkpoint.keep)
+
+    def close(self) -> None:
+        self.progress.close()
+        self._lock.close()
+
