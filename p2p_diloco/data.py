@@ -32,6 +32,7 @@ from p2p_diloco.errors import DataError
 log = logging.getLogger(__name__)
 
 KeyFilter = Optional[Callable[[str], bool]]
+Packed = tuple[int, int, list[int]]  # (epoch, position in the epoch order, tokens + eos) of one document
 STDLIB_SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 
@@ -173,13 +174,13 @@ class TrainStream:
         self._docs, self._epoch, self._index, self._tokens = docs, epoch, index, tokens
         self._offset, self.tokens_consumed = state["offset"], state["tokens_consumed"]
 
-    def _open(self, epoch: int, start: int) -> tuple[Iterator[tuple[int, int, list[int]]], tuple[int, int, list[int]]]:
+    def _open(self, epoch: int, start: int) -> tuple[Iterator[Packed], Packed]:
         """The packed-document iterator from (epoch, start) and its first item."""
         docs = self._packed_docs(epoch, start)
         return docs, next(docs)
 
-    def _packed_docs(self, epoch: int, start: int) -> Iterator[tuple[int, int, list[int]]]:
-        """(epoch, position, tokens + eos) of this shard's train documents, epoch after epoch."""
+    def _packed_docs(self, epoch: int, start: int) -> Iterator[Packed]:
+        """This shard's train documents from (epoch, start) on, epoch after epoch."""
         while True:
             found = False
             for position, doc in self._corpus._scan(epoch, self._seed, start, self._is_mine):

@@ -1,0 +1,279 @@
+"""The data module: corpora, splits, shards, packing and bit-exact resume."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import datasets
+import huggingface_hub
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from p2p_diloco.config import DataSection
+from p2p_diloco.data import (FiniteCorpus, TrainStream, heldout_batch, is_heldout, open_corpus,
+                             pick_shard, shard_of)
+from p2p_diloco.errors import DataError
+from p2p_diloco.model import ByteTokenizer
+
+
+@pytest.fixture(autouse=True)
+def offline_hf(tmp_path, monkeypatch):
+    """No test reaches the hub or writes to ~/.cache: datasets read these at import, so patch both."""
+    cache = tmp_path / "hf"
+    for name, value in {"HF_HOME": cache, "HF_DATASETS_CACHE": cache / "datasets",
+                        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}.items():
+        monkeypatch.setenv(name, str(value))
+    monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache / "datasets")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+
+
+class LetterTokenizer:
+    """a -> 1, b -> 2, ...; eos is 0, so packed rows can be written out by hand."""
+
+    eos_token_id = 0
+
+    def encode(self, text: str) -> list[int]:
+        return [ord(ch) - ord("a") + 1 for ch in text]
+
+
+def hand_corpus(texts: dict[str, str]) -> FiniteCorpus:
+    return FiniteCorpus("hand-made", list(texts), texts.__getitem__)
+
+
+def keyed_corpus(n: int) -> FiniteCorpus:
+    """n documents whose text is their key, 'd000'..: with bytes and seq_len 5, one row is one document."""
+    return hand_corpus({f"d{i:03d}": f"d{i:03d}" for i in range(n)})
+
+
+def row_keys(rows: torch.Tensor) -> list[str]:
+    return [ByteTokenizer().decode(row[:4].tolist()) for row in rows]
+
+
+def one_epoch_keys(corpus, shard: int, num_shards: int, seed: int, fraction: float) -> list[str]:
+    stream = TrainStream(corpus, ByteTokenizer(), 5, shard, num_shards, seed, fraction)
+    keys = []
+    while stream.state_dict()["epoch"] == 0:
+        keys += row_keys(stream.next_batch(1))
+    return keys
+
+
+def stream_of(corpus, tokenizer=None, seq_len=7, shard=1, num_shards=2, seed=3, fraction=0.1):
+    return TrainStream(corpus, tokenizer or ByteTokenizer(), seq_len, shard, num_shards, seed, fraction)
+
+
+def assert_resumes_bit_exactly(make_stream, batches: int, n: int) -> None:
+    """At every batch boundary a fresh stream loaded with the state draws what the original draws."""
+    original = make_stream()
+    for _ in range(batches):
+        resumed = make_stream()
+        resumed.load_state_dict(original.state_dict())
+        assert torch.equal(resumed.next_batch(n), original.next_batch(n))
+        assert resumed.state_dict() == original.state_dict()
+
+
+def write_jsonl(path, rows: list[dict]) -> None:
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+
+
+def files_corpus(path, text_field: str = "text"):
+    return open_corpus(DataSection(source="files", path=str(path), text_field=text_field))
+
+
+# --- packing --------------------------------------------------------------------------------
+
+def test_epoch_order_is_a_pinned_permutation_per_seed_and_epoch():
+    corpus = hand_corpus({"a": "", "b": "", "c": ""})
+    order = lambda epoch, seed: [doc.key for doc in corpus.documents(epoch, seed)]  # noqa: E731
+    # Golden values: sha256-based, so the same on every machine and Python version.
+    assert order(0, 0) == ["b", "c", "a"]
+    assert order(1, 0) == ["a", "b", "c"]
+    assert order(0, 1) == ["a", "c", "b"]
+    assert [doc.key for doc in corpus.documents(0, 0, start=1)] == ["c", "a"]
+
+
+def test_packing_puts_eos_after_each_document_and_wraps_to_the_next_epoch():
+    corpus = hand_corpus({"a": "ab", "b": "c", "c": "def"})
+    stream = TrainStream(corpus, LetterTokenizer(), seq_len=4, shard=0, num_shards=1, seed=0, heldout_fraction=0)
+    # epoch 0 is b, c, a: 3 0 4 5 6 0 1 2 0; epoch 1 is a, b, c: 1 2 0 3 0 4 5 6 0
+    assert stream.next_batch(3).tolist() == [[3, 0, 4, 5], [6, 0, 1, 2], [0, 1, 2, 0]]
+    assert stream.state_dict() == {"epoch": 1, "index": 1, "offset": 0, "tokens_consumed": 12}
+    assert stream.next_batch(1).tolist() == [[3, 0, 4, 5]]
+    assert stream.state_dict() == {"epoch": 1, "index": 2, "offset": 2, "tokens_consumed": 16}
+    assert stream.tokens_consumed == 16
+
+
+def test_next_batch_is_a_long_tensor_of_n_rows():
+    batch = stream_of(keyed_corpus(20), seq_len=16).next_batch(3)
+    assert batch.dtype == torch.long and batch.shape == (3, 16)
+
+
+# --- splits and shards ----------------------------------------------------------------------
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_shards_are_disjoint_and_with_heldout_cover_the_corpus(seed):
+    corpus, fraction = keyed_corpus(100), 0.2
+    shard0 = one_epoch_keys(corpus, 0, 2, seed, fraction)
+    shard1 = one_epoch_keys(corpus, 1, 2, seed, fraction)
+    heldout = {f"d{i:03d}" for i in range(100) if is_heldout(f"d{i:03d}", fraction)}
+    assert shard0 and shard1 and heldout
+    assert len(set(shard0)) == len(shard0) and len(set(shard1)) == len(shard1)  # each document once an epoch
+    assert not set(shard0) & set(shard1)
+    assert not (set(shard0) | set(shard1)) & heldout
+    assert set(shard0) | set(shard1) | heldout == {f"d{i:03d}" for i in range(100)}
+
+
+def test_heldout_batch_is_the_heldout_documents_the_same_every_call():
+    corpus, fraction = keyed_corpus(100), 0.2
+    heldout = {f"d{i:03d}" for i in range(100) if is_heldout(f"d{i:03d}", fraction)}
+    batch = heldout_batch(corpus, ByteTokenizer(), 5, len(heldout), fraction)
+    assert set(row_keys(batch)) == heldout
+    assert torch.equal(batch, heldout_batch(corpus, ByteTokenizer(), 5, len(heldout), fraction))
+
+
+def test_heldout_batch_too_large_names_what_fits_and_the_fix():
+    corpus, fraction = keyed_corpus(100), 0.2
+    count = sum(is_heldout(f"d{i:03d}", fraction) for i in range(100))
+    with pytest.raises(DataError, match=rf"fill only {count} of {count + 1} .*run.eval_sequences.*heldout_fraction"):
+        heldout_batch(corpus, ByteTokenizer(), 5, count + 1, fraction)
+
+
+def test_split_functions_are_deterministic_and_in_range():
+    keys = [f"k{i}" for i in range(2000)]
+    assert not any(is_heldout(k, 0.0) for k in keys) and all(is_heldout(k, 1.0) for k in keys)
+    assert 150 < sum(is_heldout(k, 0.1) for k in keys) < 250
+    assert {shard_of(k, 7, 4) for k in keys} == {0, 1, 2, 3}
+    assert shard_of("x", 7, 4) == shard_of("x", 7, 4)
+    assert [pick_shard(f"peer{i}", 0, 64) for i in range(3)] == [pick_shard(f"peer{i}", 0, 64) for i in range(3)]
+    assert all(0 <= pick_shard(f"peer{i}", 0, 8) < 8 for i in range(50))
+
+
+def test_a_shard_without_training_documents_is_an_error_naming_the_fix():
+    with pytest.raises(DataError, match=r"shard \d+ of 64 has no training documents.*lower data.num_shards"):
+        # 3 documents over 64 shards: most shards are empty; find one.
+        for shard in range(64):
+            stream_of(keyed_corpus(3), shard=shard, num_shards=64, fraction=0)
+
+
+# --- resume ---------------------------------------------------------------------------------
+
+def test_resume_on_a_small_corpus_is_bit_exact_at_every_batch_across_epochs(tmp_path):
+    write_jsonl(tmp_path / "docs.jsonl", [{"text": f"doc {i} " * (i % 5 + 1)} for i in range(30)])
+    corpus = files_corpus(tmp_path / "docs.jsonl")
+    assert_resumes_bit_exactly(lambda: stream_of(corpus), batches=15, n=3)  # ~3 epochs of shard 1
+
+
+def test_resume_on_the_stdlib_is_bit_exact():
+    corpus = open_corpus(DataSection())
+    assert_resumes_bit_exactly(lambda: stream_of(corpus, seq_len=1024, num_shards=4), batches=4, n=8)
+
+
+def test_load_state_dict_rejects_garbage_and_keeps_its_position():
+    stream = stream_of(keyed_corpus(50), seq_len=5, fraction=0)  # shard 1 of 2, seed 3
+    stream.next_batch(2)
+    before = stream.state_dict()
+    good = dict(before)
+    bad_states = [None, [], {}, {**good, "extra": 0}, {k: v for k, v in good.items() if k != "offset"},
+                  {**good, "epoch": "0"}, {**good, "index": -1}, {**good, "offset": True},
+                  {**good, "offset": 5},  # past the end of a 4-byte document + eos
+                  {**good, "index": 10_000}]  # no such document
+    for state in bad_states:
+        with pytest.raises(DataError, match="data state"):
+            stream.load_state_dict(state)
+        assert stream.state_dict() == before
+    next_row = stream.next_batch(1)
+    corpus = keyed_corpus(50)
+    in_shard_0 = next(pos for pos, doc in enumerate(corpus.documents(0, 3)) if shard_of(doc.key, 3, 2) == 0)
+    with pytest.raises(DataError, match="another corpus, shard or seed"):
+        stream.load_state_dict({**good, "epoch": 0, "index": in_shard_0, "offset": 0})
+    stream.load_state_dict(before)
+    assert torch.equal(stream.next_batch(1), next_row)
+
+
+# --- sources --------------------------------------------------------------------------------
+
+def test_stdlib_corpus_lists_python_files_in_a_deterministic_order():
+    corpus = open_corpus(DataSection(source="stdlib"))
+    assert corpus.finite
+    first = [doc.key for _, doc in zip(range(5), corpus.documents(0, 0))]
+    assert first == [doc.key for _, doc in zip(range(5), open_corpus(DataSection()).documents(0, 0))]
+    assert first != [doc.key for _, doc in zip(range(5), corpus.documents(1, 0))]
+    count = int(re.search(r"stdlib of Python 3\.\d+ \(([\d,]+) files, [\d.]+ MB\)", corpus.description)[1].replace(",", ""))
+    keys = [doc.key for doc in corpus.documents(0, 0)]  # reads every file: ~0.4 s
+    assert count == len(keys) > 500
+    assert "os.py" in keys and all(k.endswith(".py") for k in keys)
+    assert not any(part in k for k in keys for part in ("site-packages", "dist-packages", "__pycache__"))
+    assert any("def " in doc.text for _, doc in zip(range(5), corpus.documents(0, 0)))
+
+
+def test_files_folder_of_txt_gives_one_document_per_file(tmp_path):
+    (tmp_path / "sub").mkdir()
+    (tmp_path / "a.txt").write_text("first line\nsecond line\n")
+    (tmp_path / "sub" / "b.txt").write_text("another file")
+    (tmp_path / "notes.md").write_text("ignored: not a supported extension")
+    corpus = files_corpus(tmp_path)
+    assert sorted(doc.text for doc in corpus.documents(0, 0)) == ["another file", "first line\nsecond line\n"]
+    assert "2 files, 2 documents" in corpus.description
+
+
+def test_files_jsonl_reads_a_custom_text_field(tmp_path):
+    write_jsonl(tmp_path / "d.jsonl", [{"body": "hello", "id": 1}, {"body": "world", "id": 2}])
+    corpus = files_corpus(tmp_path / "d.jsonl", text_field="body")
+    assert sorted((doc.key, doc.text) for doc in corpus.documents(0, 0)) == [("0", "hello"), ("1", "world")]
+
+
+def test_files_parquet_and_globs_load(tmp_path):
+    pq.write_table(pa.table({"text": ["p0", "p1"]}), tmp_path / "x-0.parquet")
+    pq.write_table(pa.table({"text": ["p2"]}), tmp_path / "x-1.parquet")
+    corpus = files_corpus(tmp_path / "x-*.parquet")
+    assert sorted(doc.text for doc in corpus.documents(0, 0)) == ["p0", "p1", "p2"]
+
+
+@pytest.mark.parametrize("setup, path, text_field, message", [
+    (None, "missing", "text", r"missing does not exist"),
+    (None, "*.jsonl", "text", r"glob .*\*\.jsonl matches no file"),
+    ({"d.jsonl": '{"body": "x"}\n'}, "d.jsonl", "text", r"no column 'text' \(it has body\); set data.text_field"),
+    ({"d.csv": "text\nx\n"}, "d.csv", "text", r"d\.csv has an unsupported extension"),
+    ({"a.txt": "x", "b.jsonl": '{"text": "y"}\n'}, ".", "text", r"mixes file kinds \(json, text\)"),
+    ({"e.jsonl": ""}, "e.jsonl", "text", r"cannot load .*e\.jsonl.*non-empty"),
+    ({"notes.md": "x"}, ".", "text", r"has no \.txt/\.jsonl/\.json/\.parquet files"),
+])
+def test_files_errors_name_the_problem(tmp_path, setup, path, text_field, message):
+    for name, text in (setup or {}).items():
+        (tmp_path / name).write_text(text)
+    with pytest.raises(DataError, match=message):
+        files_corpus(tmp_path / path, text_field=text_field)
+
+
+def test_files_without_a_path_is_an_error():
+    with pytest.raises(DataError, match="needs data.path"):
+        open_corpus(DataSection(source="files"))
+
+
+def test_hub_source_streams_a_local_stand_in_in_natural_order_and_skips(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [{"text": f"row {i}"} for i in range(10)])
+    corpus = open_corpus(DataSection(source="hub", name=str(tmp_path)))
+    assert not corpus.finite and str(tmp_path) in corpus.description
+    assert [(d.key, d.text) for d in corpus.documents(0, 0)] == [(str(i), f"row {i}") for i in range(10)]
+    assert [d.key for d in corpus.documents(5, 9, start=7)] == ["7", "8", "9"]
+    assert_resumes_bit_exactly(lambda: stream_of(corpus, seq_len=4, fraction=0.2), batches=8, n=2)
+
+
+def test_hub_dataset_that_cannot_be_reached_says_it_needs_network():
+    with pytest.raises(DataError, match=r"hub dataset 'someone/no-such-dataset'.*need network access"):
+        open_corpus(DataSection(source="hub", name="someone/no-such-dataset"))
+
+
+def test_hub_missing_text_field_names_the_columns(tmp_path):
+    write_jsonl(tmp_path / "train.jsonl", [{"body": "x"}])
+    corpus = open_corpus(DataSection(source="hub", name=str(tmp_path)))
+    with pytest.raises(DataError, match=r"no column 'text' \(it has body\)"):
+        next(corpus.documents(0, 0))
+
+
+def test_unknown_source_is_an_error():
+    with pytest.raises(DataError, match="unknown data.source 'ftp'"):
+        open_corpus(DataSection(source="ftp"))
