@@ -119,8 +119,11 @@ def reference_markdown() -> str:
 
 
 def cmd_export(args: argparse.Namespace) -> int:
+    import transformers
+
     from p2p_diloco.export import export_run
 
+    transformers.utils.logging.disable_progress_bar()
     out = export_run(args.run_dir, args.out, args.round)
     print(f"exported to {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
     return 0

@@ -81,8 +81,8 @@ class Peer:
         self.totals = Totals()
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
         self.progress = Progress(config.log.progress, self.peer_id[:4])
-        config_mod.save(config, self.run_dir / "config.toml")
         self._start(resume, shard)
+        config_mod.save(config, self.run_dir / "config.toml")
 
     # --- setup -------------------------------------------------------------------------------
 
@@ -153,12 +153,12 @@ class Peer:
         boundary, which is already checkpointed, so a resume repeats that round exactly.
         """
         stop = stop or threading.Event()
-        while self.state.round < self.config.run.rounds and not stop.is_set():
-            if not self.run_round(stop):
-                self.log.info("stopped: the partial round was discarded; resume with --resume from round %d", self.state.round)
+        while self.state.round < self.config.run.rounds:
+            if stop.is_set() or not self.run_round(stop):
+                self.log.info("stopped: the partial round was discarded; the checkpoint of round %d is on disk, "
+                              "continue with --resume", self.state.round)
                 return
-        if self.state.round >= self.config.run.rounds:
-            self.log.info("run complete: %d rounds, digest %s", self.state.round, self.state.digest())
+        self.log.info("run complete: %d rounds, digest %s", self.state.round, self.state.digest())
 
     def run_round(self, stop: threading.Event) -> bool:
         """One round: commits a new state, metrics record and checkpoint, or (if stopped) changes nothing durable."""

@@ -1,0 +1,169 @@
+"""The `p2p-diloco` command as a user runs it: subprocesses, real signals, exit codes, files left behind."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from p2p_diloco import checkpoint
+
+from tests.conftest import TINY
+
+CLI = [sys.executable, "-m", "p2p_diloco.cli"]
+
+
+def options(overrides):
+    return [f"--{k}={v}" for k, v in overrides.items()]
+
+
+def run_cli(*args, timeout=120):
+    return subprocess.run([*CLI, *args], capture_output=True, text=True, timeout=timeout)
+
+
+def assert_one_line_error(result, *fragments):
+    assert result.returncode != 0
+    last = result.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: "), result.stderr
+    assert "Traceback" not in result.stderr
+    for fragment in fragments:
+        assert fragment in last, last
+
+
+def snapshot(folder: Path) -> dict:
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+
+
+def wait_until(condition, proc, timeout_s):
+    """Wait for condition() with a deadline, failing at once if `proc` exits first."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"condition not met within {timeout_s} s")
+        try:
+            proc.wait(timeout=0.1)
+        except subprocess.TimeoutExpired:
+            continue
+        raise AssertionError(f"process exited early with {proc.returncode}: {proc.stderr.read()}")
+
+
+def metric_rounds(run_dir: Path) -> list[int]:
+    path = run_dir / "metrics.jsonl"
+    return [json.loads(line)["round"] for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def test_help_documents_every_config_field():
+    out = run_cli("peer", "--help").stdout
+    from p2p_diloco.config import field_specs
+
+    for section, key, *_ in field_specs():
+        assert f"--{section}.{key}" in out
+    assert "--resume" in out and "--initial-peers" in out
+
+
+def test_console_script_is_installed():
+    result = subprocess.run(["p2p-diloco", "--help"], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0 and "peer" in result.stdout and "export" in result.stdout
+
+
+@pytest.mark.parametrize(
+    "extra, fragments",
+    [
+        ({"data.source": "files", "data.path": "/nonexistent/corpus"}, ["data.path /nonexistent/corpus does not exist"]),
+        ({"model.preset": "huge"}, ["model.preset is unknown: 'huge'"]),
+        ({"inner.lr": "-0.001"}, ["inner.lr must be > 0, got -0.001", "[inner] lr"]),
+        ({"model.tokenizer": "/nonexistent/tok.json"}, ["/nonexistent/tok.json"]),
+        ({"swarm.initial_peers": "/ip4/127.0.0.1/tcp/1"}, ["joining a swarm is not in this version yet"]),
+    ],
+    ids=["missing-data-path", "unknown-preset", "negative-lr", "missing-tokenizer", "initial-peers"],
+)
+def test_bad_input_is_one_line_and_creates_nothing(tmp_path, extra, fragments):
+    run_dir = tmp_path / "run"
+    result = run_cli("peer", *options({**TINY, "run.dir": str(run_dir), **extra}))
+    assert_one_line_error(result, *fragments)
+    assert not run_dir.exists()
+
+
+def test_unknown_option_is_refused():
+    result = run_cli("peer", "--inner.lrr=1")
+    assert result.returncode == 2 and "unrecognized arguments: --inner.lrr=1" in result.stderr
+
+
+def test_truncated_checkpoint_is_refused_and_nothing_is_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    args = options({**TINY, "run.dir": str(run_dir), "run.rounds": "2"})
+    assert run_cli("peer", *args).returncode == 0
+    latest = checkpoint.latest(run_dir)
+    latest.write_bytes(latest.read_bytes()[:1000])
+    before = snapshot(run_dir)
+    result = run_cli("peer", "--resume", *args)
+    assert_one_line_error(result, "round-000002.pt is truncated or corrupt", "move it away")
+    assert snapshot(run_dir) == before
+
+
+def test_existing_run_without_resume_is_refused(tmp_path):
+    run_dir = tmp_path / "run"
+    args = options({**TINY, "run.dir": str(run_dir), "run.rounds": "1"})
+    assert run_cli("peer", *args).returncode == 0
+    before = snapshot(run_dir)
+    assert_one_line_error(run_cli("peer", *args), "already holds checkpoints", "--resume")
+    assert snapshot(run_dir) == before
+
+
+def stop_after_rounds(args, run_dir, rounds, signum):
+    """Start a peer, let it finish `rounds` more rounds, send `signum`; return (exit code, stderr)."""
+    start = len(metric_rounds(run_dir))
+    proc = subprocess.Popen([*CLI, "peer", *args], stderr=subprocess.PIPE, text=True)
+    try:
+        wait_until(lambda: len(metric_rounds(run_dir)) >= start + rounds, proc, timeout_s=120)
+        proc.send_signal(signum)
+        _, err = proc.communicate(timeout=60)
+    finally:
+        proc.kill()
+        proc.wait(timeout=30)
+    return proc.returncode, err
+
+
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM], ids=["ctrl-c", "sigterm"])
+def test_signal_stops_cleanly_and_resume_continues(tmp_path, signum):
+    run_dir = tmp_path / "run"
+    args = options({**TINY, "run.dir": str(run_dir), "run.rounds": "1000"})
+    code, err = stop_after_rounds(args, run_dir, 3, signum)
+    assert code == 0, err
+    assert "partial round was discarded" in err
+    stopped_at = checkpoint.load(checkpoint.latest(run_dir))["round"]
+    assert stopped_at >= 2 and metric_rounds(run_dir) == list(range(stopped_at + 1))
+    code, err = stop_after_rounds(["--resume", *args], run_dir, 2, signum)
+    assert code == 0, err
+    assert f"resumed from {checkpoint.path_for(run_dir, stopped_at)}" in err
+    resumed_to = checkpoint.load(checkpoint.latest(run_dir))["round"]
+    assert resumed_to >= stopped_at + 1 and metric_rounds(run_dir) == list(range(resumed_to + 1))
+
+
+def test_export_loads_in_transformers_with_thetas_values(tmp_path):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    run_dir, out = tmp_path / "run", tmp_path / "model"
+    assert run_cli("peer", *options({**TINY, "run.dir": str(run_dir), "run.rounds": "2"})).returncode == 0
+    result = run_cli("export", str(run_dir), str(out))
+    assert result.returncode == 0, result.stderr
+    theta = checkpoint.load(checkpoint.latest(run_dir))["params"]
+    model = AutoModelForCausalLM.from_pretrained(out)
+    for name, p in model.named_parameters():
+        assert torch.equal(p.detach(), theta[name]), name
+    assert AutoTokenizer.from_pretrained(out)("def f():")["input_ids"] == list(b"def f():")
+    again = run_cli("export", str(run_dir), str(out))
+    assert_one_line_error(again, str(out))
+    assert_one_line_error(run_cli("export", str(tmp_path / "nothing"), str(tmp_path / "m2")), "no latest checkpoint")
+
+
+def test_config_command_prints_the_resolved_config_and_fingerprint():
+    result = run_cli("config", "--inner.steps=7")
+    assert result.returncode == 0
+    assert result.stdout.startswith("# fingerprint ") and "steps = 7" in result.stdout
+    assert os.linesep.join(["", "[inner]"]) in result.stdout
