@@ -20,10 +20,9 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
     groups = {section: parser.add_argument_group(f"[{section}]") for section in config_mod.SECTIONS}
     for section, key, typ, default, meta in config_mod.field_specs():
         kind = "local" if meta["local"] else "shared"
-        shown = ",".join(default) if isinstance(default, tuple) else default
         groups[section].add_argument(
             f"--{section}.{key}", dest=f"{section}.{key}", metavar=_metavar(typ),
-            help=f"{meta['doc']} (default: {shown!s}; {kind})",
+            help=f"{meta['doc']} (default: {config_mod.format_value(default)}; {kind})".replace("%", "%%"),
         )
 
 
@@ -113,8 +112,8 @@ def reference_markdown() -> str:
     """The config reference of the README, generated from the dataclasses."""
     lines = ["| option | default | shared | meaning |", "|---|---|---|---|"]
     for section, key, _, default, meta in config_mod.field_specs():
-        shown = ",".join(default) if isinstance(default, tuple) else default
-        lines.append(f"| `{section}.{key}` | `{shown!s}` | {'' if meta['local'] else 'yes'} | {meta['doc']} |")
+        shown = config_mod.format_value(default)
+        lines.append(f"| `{section}.{key}` | `{shown}` | {'' if meta['local'] else 'yes'} | {meta['doc']} |")
     return "\n".join(lines)
 
 

@@ -167,6 +167,11 @@ def field_specs() -> list[tuple[str, str, type, Any, dict]]:
     return specs
 
 
+def format_value(value: Any) -> str:
+    """A value as it is written in run.toml (true, "text", ["a", "b"])."""
+    return tomli_w.dumps({"v": list(value) if isinstance(value, tuple) else value})[4:].strip()
+
+
 def diff_shared(a: Mapping[str, Mapping[str, Any]], b: Mapping[str, Mapping[str, Any]]) -> list[str]:
     """Shared fields that differ between two `shared_dict()`s, as 'section.key: a != b' lines."""
     out = []
