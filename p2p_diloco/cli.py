@@ -9,7 +9,7 @@ import threading
 from typing import Sequence
 
 from p2p_diloco import config as config_mod
-from p2p_diloco.errors import ConfigError, P2PDilocoError
+from p2p_diloco.errors import P2PDilocoError
 
 EPILOG = "Every config field is also an option: --section.key VALUE (see `p2p-diloco config --reference`)."
 
@@ -43,6 +43,19 @@ def build_parser() -> argparse.ArgumentParser:
     peer.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="same as --swarm.initial_peers")
     _add_config_options(peer)
 
+    boot = sub.add_parser("bootstrap", help="run a bootstrap node: a stable entry point into the swarm")
+    boot.add_argument("--identity", default="bootstrap.key", help="private key file fixing the node's address (made on first start; keep it private)")
+    boot.add_argument("--host", default="0.0.0.0", help="IP address to listen on")
+    boot.add_argument("--port", type=int, default=31337, help="TCP port to listen on")
+    boot.add_argument("--announce", default="", metavar="PUBLIC_IP", help="public IP to announce, if it differs from --host")
+    boot.add_argument("--config", metavar="RUN_TOML", help="the run's config: report the rounds its peers are at")
+    boot.add_argument("--report-every", type=float, default=30.0, metavar="SECONDS", help="log the swarm status this often")
+
+    demo = sub.add_parser("demo", help="a bootstrap node and N peers on 127.0.0.1, one combined view")
+    demo.add_argument("--peers", type=int, default=3, help="number of peer processes")
+    demo.add_argument("--rounds", type=int, default=10, help="rounds to train")
+    demo.add_argument("--dir", default="runs/demo", help="folder for the peers' run dirs and logs (emptied first)")
+
     show = sub.add_parser("config", help="print the resolved config and its fingerprint", epilog=EPILOG)
     show.add_argument("--reference", action="store_true", help="print every field as a Markdown table instead")
     _add_config_options(show)
@@ -66,15 +79,10 @@ def cmd_peer(args: argparse.Namespace) -> int:
     from p2p_diloco.peer import Peer
 
     cfg = config_from_args(args)
-    if cfg.swarm.initial_peers:
-        raise ConfigError(
-            "--initial-peers: joining a swarm is not in this version yet (it trains one peer alone); "
-            "drop --initial-peers / swarm.initial_peers to train alone"
-        )
     setup_logging(cfg.log.level)
     stop = threading.Event()
-    _install_stop_handlers(stop)
     peer = Peer(cfg, resume=args.resume)
+    _install_stop_handlers(stop)  # after Peer(): hivemind's averager resets SIGINT when it starts
     try:
         peer.run(stop)
     finally:
@@ -82,18 +90,49 @@ def cmd_peer(args: argparse.Namespace) -> int:
     return 0
 
 
-def _install_stop_handlers(stop: threading.Event) -> None:
-    """First Ctrl+C / SIGTERM: stop after the current inner step (the last round's checkpoint
-    is on disk). A second Ctrl+C: stop at once."""
+def _install_stop_handlers(stop: threading.Event, what: str = "stopping after this inner step") -> None:
+    """First Ctrl+C / SIGTERM: a clean stop (for a peer: after the current inner step, the last
+    round's checkpoint is on disk). A second Ctrl+C: stop at once."""
 
     def handler(signum: int, frame: object) -> None:
         if stop.is_set():
             raise KeyboardInterrupt
         stop.set()
-        print(f"\n{signal.Signals(signum).name}: stopping after this inner step (again to stop now)", file=sys.stderr)
+        print(f"\n{signal.Signals(signum).name}: {what} (again to stop now)", file=sys.stderr)
 
     signal.signal(signal.SIGINT, handler)
     signal.signal(signal.SIGTERM, handler)
+
+
+def cmd_bootstrap(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from p2p_diloco.metrics import setup_logging
+    from p2p_diloco.swarm.bootstrap import Bootstrap
+
+    overrides = {"swarm.host": args.host, "swarm.port": str(args.port), "swarm.announce_host": args.announce}
+    cfg = config_mod.load(args.config, overrides)
+    setup_logging(cfg.log.level)
+    node = Bootstrap(cfg, Path(args.identity))
+    stop = threading.Event()
+    _install_stop_handlers(stop, "stopping the bootstrap node")  # after the DHT started: it touches signals
+    try:
+        print("bootstrap node up; give peers this line (any of the addresses works):")
+        print("  --initial-peers " + " ".join(node.initial_peers()), flush=True)
+        node.serve(stop, args.report_every)
+    finally:
+        node.close()
+    return 0
+
+
+def cmd_demo(args: argparse.Namespace) -> int:
+    from p2p_diloco.demo import run_demo
+    from p2p_diloco.metrics import setup_logging
+
+    setup_logging("info")
+    stop = threading.Event()
+    _install_stop_handlers(stop, "stopping every peer of the demo")
+    return run_demo(args.peers, args.rounds, args.dir, stop, emit=lambda line: print(line, flush=True))
 
 
 def cmd_config(args: argparse.Namespace) -> int:
@@ -128,7 +167,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"peer": cmd_peer, "config": cmd_config, "export": cmd_export}
+COMMANDS = {"peer": cmd_peer, "bootstrap": cmd_bootstrap, "demo": cmd_demo, "config": cmd_config, "export": cmd_export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -99,6 +99,17 @@ class OuterSection:
 @dataclass(frozen=True)
 class SwarmSection:
     initial_peers: tuple[str, ...] = local((), "multiaddrs of peers or bootstrap nodes to join; empty = train alone")
+    host: str = local("0.0.0.0", "IP address to listen on (127.0.0.1 keeps the peer on this machine)")
+    port: int = local(0, "TCP port to listen on; 0 picks a free one")
+    announce_host: str = local("", "public IP address to announce, when it differs from host (port forwarding)")
+    identity_path: str = local("", "private key file fixing this peer's id; empty = identity.key in run.dir")
+    client_mode: bool = local(False, "for peers others cannot reach (behind NAT): send and receive, never reduce")
+    nat_traversal: bool = local(False, "UPnP/NAT-PMP port mapping, AutoNAT and relays (they probe the LAN)")
+    compression: str = shared("fp32", "pseudo-gradient codec on the wire: fp32 or scaled-fp16")
+    matchmaking_time_s: float = shared(5.0, "how long peers that finished a round wait for each other to form a group")
+    averaging_timeout_s: float = shared(60.0, "deadline of one all-reduce; a dead or hung peer costs at most this")
+    agreement_timeout_s: float = shared(15.0, "how long to wait for the group's digests after the outer step")
+    join_timeout_s: float = local(30.0, "deadline to start, reach the initial peers, or download a state")
 
 
 @dataclass(frozen=True)
@@ -314,6 +325,7 @@ def validate(c: Config) -> None:
     _validate_inner(c.inner)
     _require(_pos(c.outer.lr), "outer.lr", f"must be > 0, got {c.outer.lr}", "the paper uses 0.7")
     _require(0.0 <= c.outer.momentum < 1.0, "outer.momentum", f"must be in [0, 1), got {c.outer.momentum}", "the paper uses 0.9")
+    _validate_swarm(c.swarm)
     _require(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.checkpoint.keep}", "e.g. 3")
     _require(c.log.level in ("debug", "info", "warning", "error"), "log.level",
              f"must be debug, info, warning or error, got {c.log.level!r}", "e.g. info")
@@ -333,6 +345,15 @@ def _validate_inner(i: InnerSection) -> None:
     _require(i.batch_size % i.micro_batch_size == 0, "inner.micro_batch_size",
              f"({i.micro_batch_size}) must divide inner.batch_size ({i.batch_size})", "e.g. a power of two")
     _require(i.precision in ("auto", "fp32", "bf16"), "inner.precision", f"must be auto, fp32 or bf16, got {i.precision!r}", "auto")
+
+
+def _validate_swarm(s: SwarmSection) -> None:
+    _require(0 <= s.port <= 65535, "swarm.port", f"must be in [0, 65535], got {s.port}", "0 picks a free port")
+    _require(s.compression in ("fp32", "scaled-fp16"), "swarm.compression",
+             f"must be fp32 or scaled-fp16, got {s.compression!r}", "fp32 is exact")
+    for name in ("matchmaking_time_s", "averaging_timeout_s", "agreement_timeout_s", "join_timeout_s"):
+        value = getattr(s, name)
+        _require(_pos(value), f"swarm.{name}", f"must be > 0 seconds, got {value}", "every network wait has a deadline")
 
 
 def _pos(x: float) -> bool:

@@ -27,3 +27,15 @@ class CheckpointError(P2PDilocoError):
 
 class PseudoGradError(P2PDilocoError):
     """A pseudo-gradient failed its local checks (not finite, implausibly large)."""
+
+
+class SwarmError(P2PDilocoError):
+    """The swarm cannot be joined or served: addresses, ports, identity, peers, another run config."""
+
+
+class AveragingError(P2PDilocoError):
+    """A round's all-reduce failed or was incomplete; nothing of it was applied (I2)."""
+
+
+class StateDownloadError(P2PDilocoError):
+    """No peer served a state that matches the digest the swarm published."""

@@ -113,3 +113,20 @@ def digest(round_: int, params: Mapping[str, torch.Tensor], momentum: Mapping[st
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+def flatten(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:
+    """All tensors as one flat fp32 vector, in the mapping's order (what the swarm averages and sends)."""
+    return torch.cat([t.detach().reshape(-1).to(torch.float32) for t in tensors.values()])
+
+
+def unflatten(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> Tensors:
+    """The inverse of `flatten`, shaped like `like`; the sizes must match exactly."""
+    total = sum(t.numel() for t in like.values())
+    if flat.dim() != 1 or flat.numel() != total:
+        raise ValueError(f"flat vector of {tuple(flat.shape)} does not hold the {total} values expected")
+    out, offset = {}, 0
+    for name, t in like.items():
+        out[name] = flat[offset:offset + t.numel()].view(t.shape).clone()
+        offset += t.numel()
+    return out

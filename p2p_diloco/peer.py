@@ -21,7 +21,7 @@ import torch
 
 from p2p_diloco import checkpoint, config as config_mod, data, model as model_mod, outer
 from p2p_diloco.config import Config
-from p2p_diloco.errors import ConfigError
+from p2p_diloco.errors import AveragingError, ConfigError
 from p2p_diloco.inner import InnerTrainer, PhaseResult, lr_at
 from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress
 
@@ -61,10 +61,30 @@ class Peer:
         self.model_config = model_mod.model_config(config.model, self.tokenizer.vocab_size)
         self.corpus = data.open_corpus(config.data)
         self.device = resolve_device(config.run.device)
+        if config.swarm.initial_peers:
+            from p2p_diloco.swarm.node import parse_initial_peers  # imports hivemind: swarm peers only
+
+            parse_initial_peers(config.swarm.initial_peers)
         self._lock = self._claim_run_dir(resume)
-        self.peer_id = self._peer_id()
-        self.log = PeerLogger(logger, self.peer_id[:4])
+        self.swarm = None
+        self.progress = Progress(False, "")
+        try:
+            self._build(resume)
+        except BaseException:
+            self.close()
+            raise
+
+    def _build(self, resume: bool) -> None:
+        config = self.config
         self.model = model_mod.init_model(self.model_config, config.run.seed).to(self.device)
+        self.state = outer.initial_state(dict(self.model.named_parameters()))
+        if config.swarm.initial_peers:
+            from p2p_diloco.swarm import Swarm  # imports hivemind: only peers that join a swarm pay for it
+
+            numel = sum(t.numel() for t in self.state.params.values())
+            self.swarm = Swarm(config, self.run_dir, numel, self._serve_state)
+        self.peer_id = self.swarm.peer_id if self.swarm else self._peer_id()
+        self.log = PeerLogger(logger, self.peer_id[-4:])
         self.total_steps = config.run.rounds * config.inner.steps
         self.trainer = InnerTrainer(self.model, config.inner, self.total_steps, self.device)
         shard = config.data.shard if config.data.shard >= 0 else data.pick_shard(self.peer_id, config.run.seed, config.data.num_shards)
@@ -77,10 +97,9 @@ class Peer:
             self.heldout = data.heldout_batch(
                 self.corpus, self.tokenizer, config.model.seq_len, config.run.eval_sequences, config.data.heldout_fraction
             )
-        self.state = outer.initial_state(dict(self.model.named_parameters()))
         self.totals = Totals()
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
-        self.progress = Progress(config.log.progress, self.peer_id[:4])
+        self.progress = Progress(config.log.progress, self.peer_id[-4:])
         self._start(resume, shard)
         config_mod.save(config, self.run_dir / "config.toml")
 
@@ -123,16 +142,27 @@ class Peer:
         if path is not None:
             self._restore(checkpoint.load(path, self.config.shared_dict()))
             self.log.info("resumed from %s (digest %s)", path, self.state.digest())
-            return
-        if resume:
+        elif resume:
             self.log.info("no checkpoint in %s: starting at round 0", checkpoint.checkpoint_dir(self.run_dir))
-        self.metrics.truncate_after(-1)
-        record: dict[str, Any] = {"round": 0, "tokens": 0, "digest": self.state.digest()}
+        caught_up = False
+        if self.swarm is not None:
+            self.swarm.check_config()
+            caught_up = self._catch_up()
+        if path is None:
+            self.metrics.truncate_after(-1)
+        if path is None or caught_up:
+            self._record_start()
+            self._save()
+        if self.swarm is not None:
+            self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
+
+    def _record_start(self) -> None:
+        """The metrics record of the state this peer starts from: θ(0), or the round it caught up to."""
+        record: dict[str, Any] = {"round": self.state.round, "tokens": 0, "digest": self.state.digest()}
         if self.heldout is not None:
             record.update(self._eval_record())
-            self.log.info("held-out loss of theta(0): %.4f", record["eval_loss"])
+            self.log.info("held-out loss of theta(%d): %.4f", self.state.round, record["eval_loss"])
         self.metrics.append(record)
-        self._save()
 
     def _restore(self, payload: dict[str, Any]) -> None:
         self.state = outer.GlobalState(payload["round"], payload["params"], payload["momentum"])
@@ -163,28 +193,102 @@ class Peer:
     def run_round(self, stop: threading.Event) -> bool:
         """One round: commits a new state, metrics record and checkpoint, or (if stopped) changes nothing durable."""
         started = time.perf_counter()
-        r = self.state.round
-        self.log.round = r
+        if self.swarm is not None:
+            self._catch_up()
+        self.log.round = self.state.round
         phase = self._inner_phase(stop)
         if phase.stopped:
             return False
         delta = outer.pseudo_gradient(self.state.params, dict(self.model.named_parameters()))
         delta_norm = outer.check_pseudo_gradient(delta, phase.lr_sum, self.config.inner.weight_decay)
-        # Alone, the round's average is this peer's own Δ; the swarm replaces this line with an all-reduce.
-        averaged = delta
+        averaged, group, comm = self._average(delta, phase.tokens)
         oc = self.config.outer
         self.state = outer.outer_step(self.state, averaged, oc.lr, oc.momentum, oc.nesterov)
         self._load_theta()
+        if self.swarm is not None:
+            self._agree(group, phase)
         self.totals.tokens += phase.tokens
         self.totals.inner_steps += phase.steps
         self.totals.compute_s += phase.compute_s
-        record = self._round_record(phase, delta_norm)
+        record = {**self._round_record(phase, delta_norm), "group_size": len(group), **comm}
         record["wall_s"] = time.perf_counter() - started
         self.metrics.append(record)
         self._save()
         self.log.round = self.state.round
         self._log_round(record)
         return True
+
+    # --- the swarm's part of a round ----------------------------------------------------------
+
+    def _average(self, delta: outer.Tensors, tokens: int) -> tuple[outer.Tensors, tuple[str, ...], dict[str, Any]]:
+        """The round's average pseudo-gradient, the group it came from, and what it cost.
+
+        Alone (no swarm, or nobody else reached this round in time) the average is this peer's own Δ.
+        A failed all-reduce applies nothing of it (I2): this peer then uses its own Δ, and the
+        digest check after the outer step brings it back to the group's state if they differ.
+        """
+        alone = (delta, (self.peer_id,), {"allreduce_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
+        if self.swarm is None:
+            return alone
+        try:
+            result = self.swarm.average(outer.flatten(delta), tokens, self.state.round)
+        except AveragingError as e:
+            self.log.warning("%s; using this peer's own pseudo-gradient", e)
+            return alone
+        if result is None:
+            self.log.info("no other peer reached round %d within the matchmaking window: averaging alone", self.state.round)
+            return alone
+        comm = {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received}
+        return outer.unflatten(result.delta, delta), result.group, comm
+
+    def _agree(self, group: tuple[str, ...], phase: PhaseResult) -> None:
+        """Publish this round's digest; if the group's majority holds another, reload the majority's state."""
+        mine = self.state.digest()
+        self.swarm.publish_round(self.state.round, mine, phase.tokens, phase.mean_loss)
+        if len(group) == 1:
+            return
+        digests = self.swarm.wait_for_digests(self.state.round, group)
+        majority, holders = self.swarm.majority(digests)
+        if majority != mine:
+            self.log.warning("digest %s differs from the group's majority %s: reloading its state", mine[:12], majority[:12])
+            self._adopt(self.state.round, majority, holders)
+            self.swarm.publish_round(self.state.round, self.state.digest(), phase.tokens, phase.mean_loss)
+
+    def _catch_up(self) -> bool:
+        """If the swarm is at a later round (or the same round with another majority digest), download its state."""
+        latest = self.swarm.latest()
+        if latest is None:
+            return False
+        round_, digest, holders = latest
+        if round_ < self.state.round or (round_ == self.state.round and digest == self.state.digest()):
+            return False
+        self._adopt(round_, digest, holders)
+        # The inner lr schedule follows the swarm's round, not this peer's own step count.
+        self.trainer.step = max(self.trainer.step, round_ * self.config.inner.steps)
+        self.log.info("caught up with the swarm at round %d (digest %s)", round_, digest[:12])
+        return True
+
+    def _adopt(self, round_: int, digest: str, holders: list[str]) -> None:
+        _, (theta, momentum) = self.swarm.download_state(round_, digest, holders, self._verify_state)
+        like = self.state.params
+        self.state = outer.GlobalState(round_, outer.unflatten(theta, like), outer.unflatten(momentum, like))
+        self._load_theta()
+        self.log.round = round_
+
+    def _verify_state(self, metadata: dict, tensors: list[torch.Tensor]) -> str:
+        """The digest of a downloaded state, or "malformed" if it does not even have this model's shape."""
+        try:
+            theta, momentum = tensors
+            like = self.state.params
+            return outer.digest(int(metadata["round"]), outer.unflatten(theta.float(), like), outer.unflatten(momentum.float(), like))
+        except (ValueError, KeyError, TypeError):
+            return "malformed"
+
+    def _serve_state(self) -> tuple[dict, list[torch.Tensor]]:
+        """(round, digest) and [θ, momentum] for a peer that downloads our state; runs in a background thread.
+        GlobalState is immutable and replaced whole, so one read of self.state is a consistent snapshot."""
+        state = self.state
+        return {"round": state.round, "digest": state.digest()}, [outer.flatten(state.params), outer.flatten(state.momentum)]
 
     def _inner_phase(self, stop: threading.Event) -> PhaseResult:
         steps = self.config.inner.steps
@@ -218,7 +322,6 @@ class Peer:
             "train_loss": phase.mean_loss,
             "lr": lr_at(self.trainer.step - 1, self.config.inner, self.total_steps),
             "pseudo_grad_norm": delta_norm,
-            "group_size": 1,
             "digest": self.state.digest(),
             "compute_s": phase.compute_s,
             "tokens_per_s": phase.tokens / max(phase.compute_s, 1e-9),
@@ -258,6 +361,10 @@ class Peer:
         checkpoint.save(self.run_dir, payload, self.config.checkpoint.keep)
 
     def close(self) -> None:
+        """Leave the swarm and release the run dir; safe to call on a half-built peer."""
         self.progress.close()
+        if self.swarm is not None:
+            self.swarm.close()
+            self.swarm = None
         self._lock.close()
 

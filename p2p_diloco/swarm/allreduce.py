@@ -23,6 +23,9 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import PeerID
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
@@ -38,7 +41,8 @@ class ConsistentAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose every member ends with bit-identical results."""
 
     def __init__(self, *args: Any, **kwargs: Any):
-        super().__init__(*args, return_deltas=False, **kwargs)
+        super().__init__(*args, **kwargs)
+        self.tensor_part_container.return_deltas = False  # results are averages, not deltas
         self.failures: list[str] = []
         self.bytes_sent = 0
         self.bytes_received = 0
@@ -157,6 +161,41 @@ class DiLoCoAverager(DecentralizedAverager):
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
+
+    def download_state_from(self, peer: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """(metadata, tensors) served by one chosen peer, within `timeout` seconds in all (I3).
+
+        hivemind's load_state_from_peers picks the peer itself and applies its timeout per chunk;
+        a joiner must choose the peer (one that published the right digest) and bound the whole download.
+        """
+        future = MPFuture()
+        self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, deadline=time.monotonic() + timeout, future=future)))
+        return future.result(timeout=timeout + 5)
+
+    async def _download_state_from(self, peer: str, deadline: float, future: MPFuture) -> None:
+        try:
+            result = await asyncio.wait_for(self._fetch_state(PeerID.from_base58(peer)), deadline - time.monotonic())
+            future.set_result(result)
+        except BaseException as e:  # report every failure to the caller, which tries the next peer
+            if not future.done():
+                future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+
+    async def _fetch_state(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata, tensors, parts = None, [], []
+        async for message in stream:
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        if not isinstance(metadata, dict):
+            return None
+        return metadata, tensors
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         started = time.perf_counter()

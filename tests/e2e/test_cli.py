@@ -67,7 +67,8 @@ def test_help_documents_every_config_field():
 
 
 def test_console_script_is_installed():
-    result = subprocess.run(["p2p-diloco", "--help"], capture_output=True, text=True, timeout=60)
+    script = Path(sys.executable).parent / "p2p-diloco"  # installed next to the interpreter of this venv
+    result = subprocess.run([str(script), "--help"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0 and "peer" in result.stdout and "export" in result.stdout
 
 
@@ -78,9 +79,10 @@ def test_console_script_is_installed():
         ({"model.preset": "huge"}, ["model.preset is unknown: 'huge'"]),
         ({"inner.lr": "-0.001"}, ["inner.lr must be > 0, got -0.001", "[inner] lr"]),
         ({"model.tokenizer": "/nonexistent/tok.json"}, ["/nonexistent/tok.json"]),
-        ({"swarm.initial_peers": "/ip4/127.0.0.1/tcp/1"}, ["joining a swarm is not in this version yet"]),
+        ({"swarm.initial_peers": "/ip4/127.0.0.1/tcp/1"}, ["has no /p2p/<peer id> part"]),
+        ({"swarm.initial_peers": "127.0.0.1:31337"}, ["is not a multiaddr"]),
     ],
-    ids=["missing-data-path", "unknown-preset", "negative-lr", "missing-tokenizer", "initial-peers"],
+    ids=["missing-data-path", "unknown-preset", "negative-lr", "missing-tokenizer", "peer-without-id", "not-a-maddr"],
 )
 def test_bad_input_is_one_line_and_creates_nothing(tmp_path, extra, fragments):
     run_dir = tmp_path / "run"

@@ -105,3 +105,13 @@ def test_initial_state_copies_to_cpu_fp32_with_zero_momentum():
     with torch.no_grad():
         p.add_(1)
     assert s.params["w"].tolist() == [1.0, 1.0, 1.0]
+
+
+def test_flatten_round_trip_and_size_check():
+    like = {"a": torch.zeros(2, 3), "b": torch.zeros(4)}
+    flat = torch.arange(10, dtype=torch.float32)
+    back = outer.unflatten(flat, like)
+    assert back["a"].tolist() == [[0, 1, 2], [3, 4, 5]] and back["b"].tolist() == [6, 7, 8, 9]
+    assert torch.equal(outer.flatten(back), flat)
+    with pytest.raises(ValueError, match="does not hold the 10 values"):
+        outer.unflatten(torch.zeros(9), like)

@@ -1,0 +1,132 @@
+"""`p2p-diloco demo`: a bootstrap node and N peer processes on 127.0.0.1, one combined view.
+
+Each peer is a real `p2p-diloco peer` subprocess with its own run dir and log; the view reads
+their metrics.jsonl and prints one line per round once every peer finished it, with the held-out
+losses and whether all digests are equal. Ctrl+C stops every peer cleanly.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from typing import Callable
+
+from p2p_diloco import config as config_mod
+
+DEMO = {
+    "run.run_id": "demo", "run.eval_sequences": "32",
+    "model.preset": "tiny", "model.seq_len": "128",
+    "data.num_shards": "16",
+    "inner.steps": "30", "inner.batch_size": "16", "inner.micro_batch_size": "16",
+    "inner.lr": "3e-3", "inner.warmup_steps": "30",
+    "swarm.host": "127.0.0.1", "swarm.matchmaking_time_s": "3", "log.progress": "false",
+}
+STOP_DEADLINE_S = 60
+
+
+def demo_config(rounds: int) -> config_mod.Config:
+    return config_mod.load(None, {**DEMO, "run.rounds": str(rounds)})
+
+
+def run_demo(n_peers: int, rounds: int, folder: str | Path, stop: threading.Event, emit: Callable[[str], None]) -> int:
+    """Run the demo until every peer finished `rounds` or `stop` is set; 0 if all peers agreed and exited cleanly."""
+    from p2p_diloco.swarm.bootstrap import Bootstrap  # imports hivemind
+
+    folder = Path(folder)
+    shutil.rmtree(folder, ignore_errors=True)
+    folder.mkdir(parents=True)
+    cfg = demo_config(rounds)
+    config_mod.save(cfg, folder / "run.toml")
+    boot = Bootstrap(cfg, folder / "bootstrap.key")
+    procs: list[subprocess.Popen] = []
+    try:
+        maddrs = boot.initial_peers()
+        emit(f"bootstrap node: {maddrs[0]}")
+        for i in range(n_peers):
+            procs.append(_start_peer(i, folder, maddrs))
+        emit(f"{n_peers} peers started; logs in {folder}/peer-*.log")
+        agreed = _watch(procs, folder, rounds, stop, emit)
+    finally:
+        codes = _stop_all(procs, interrupt=stop.is_set() or not agreed)
+        boot.close()
+    emit(f"peers exited with {codes}")
+    return 0 if agreed and all(code == 0 for code in codes) else 1
+
+
+def _start_peer(i: int, folder: Path, maddrs: list[str]) -> subprocess.Popen:
+    log = open(folder / f"peer-{i}.log", "w")
+    cmd = [sys.executable, "-m", "p2p_diloco.cli", "peer", "--config", str(folder / "run.toml"),
+           "--run.dir", str(folder / f"peer-{i}"), "--data.shard", str(i), "--initial-peers", *maddrs]
+    # One thread per peer: N peers share this machine's cores; oversubscribing them slows everyone.
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+
+
+def _records(folder: Path, i: int) -> dict[int, dict]:
+    path = folder / f"peer-{i}" / "metrics.jsonl"
+    if not path.exists():
+        return {}
+    out = {}
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:  # a line being written right now
+            continue
+        out[record["round"]] = record
+    return out
+
+
+def _watch(procs: list[subprocess.Popen], folder: Path, rounds: int, stop: threading.Event,
+           emit: Callable[[str], None]) -> bool:
+    """Print each round once all live peers have it; True if every shown round had equal digests."""
+    shown, agreed = 0, True
+    while not stop.wait(0.5):
+        recs = [_records(folder, i) for i in range(len(procs))]
+        live = [i for i, p in enumerate(procs) if p.poll() is None or recs[i]]
+        while shown + 1 <= rounds and live and all(shown + 1 in recs[i] for i in live):
+            shown += 1
+            agreed &= _emit_round(shown, [recs[i][shown] for i in live], emit)
+        if shown >= rounds or all(p.poll() is not None for p in procs):
+            break
+    return agreed and shown >= rounds
+
+
+def _emit_round(r: int, recs: list[dict], emit: Callable[[str], None]) -> bool:
+    digests = {rec["digest"] for rec in recs}
+    losses = " ".join(f"{rec['eval_loss']:.3f}" if rec.get("eval_loss") is not None else "-" for rec in recs)
+    group = max(rec.get("group_size", 1) for rec in recs)
+    same = "equal" if len(digests) == 1 else f"DIFFER ({len(digests)})"
+    emit(f"round {r:3d}  held-out loss {losses}  group {group}  "
+         f"all-reduce {max(rec.get('allreduce_s', 0) for rec in recs):.2f} s  digests {same} {sorted(digests)[0][:12]}")
+    return len(digests) == 1
+
+
+def _stop_all(procs: list[subprocess.Popen], interrupt: bool) -> list[int]:
+    """End every peer: a peer that finished its rounds exits by itself; otherwise (or past the
+    deadline) SIGINT, a clean stop; SIGKILL for what is still there after another deadline."""
+    if interrupt:
+        _signal_live(procs, signal.SIGINT)
+    codes = []
+    for p in procs:
+        try:
+            codes.append(p.wait(timeout=STOP_DEADLINE_S))
+        except subprocess.TimeoutExpired:
+            p.send_signal(signal.SIGINT)
+            try:
+                codes.append(p.wait(timeout=STOP_DEADLINE_S))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                codes.append(p.wait(timeout=STOP_DEADLINE_S))
+    return codes
+
+
+def _signal_live(procs: list[subprocess.Popen], signum: int) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signum)

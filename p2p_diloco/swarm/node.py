@@ -1,0 +1,97 @@
+"""Starting a DHT node: listen and announce addresses, identity file, initial peers, NAT features.
+
+hivemind's errors (a daemon that does not start, a port in use, a key that is not a key, peers that
+cannot be reached) become SwarmError with a message that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+from pathlib import Path
+from typing import Any, Sequence
+
+import hivemind
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.utils.multiaddr import Multiaddr
+
+from p2p_diloco.config import SwarmSection
+from p2p_diloco.errors import SwarmError
+
+logger = logging.getLogger(__name__)
+
+
+def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
+    """Check each initial peer is a full multiaddr with a /p2p/ peer id, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3..."""
+    for text in maddrs:
+        try:
+            maddr = Multiaddr(text)
+        except Exception as e:  # multiaddr raises several types for malformed text
+            raise SwarmError(f"initial peer {text!r} is not a multiaddr ({e}); copy the line the bootstrap node printed") from None
+        if "/p2p/" not in str(maddr):
+            raise SwarmError(f"initial peer {text!r} has no /p2p/<peer id> part; copy the full line the bootstrap node printed")
+    return list(maddrs)
+
+
+def listen_maddrs(cfg: SwarmSection) -> tuple[list[str], list[str]]:
+    """(host multiaddrs, announce multiaddrs) from the config's host, port and announce_host."""
+    try:
+        version = "ip6" if ipaddress.ip_address(cfg.host).version == 6 else "ip4"
+    except ValueError:
+        raise SwarmError(f"swarm.host {cfg.host!r} is not an IP address; use e.g. 0.0.0.0 or 127.0.0.1") from None
+    host = [f"/{version}/{cfg.host}/tcp/{cfg.port}"]
+    announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host else []
+    return host, announce
+
+
+def start_dht(cfg: SwarmSection, identity_path: Path | None, initial_peers: Sequence[str], client_mode: bool,
+              validators: Sequence[Any] = ()) -> hivemind.DHT:
+    """Start a DHT node in a background process and join the swarm through `initial_peers`."""
+    host, announce = listen_maddrs(cfg)
+    nat = cfg.nat_traversal
+    if identity_path is not None and identity_path.exists():
+        _check_identity(identity_path)
+    try:
+        return hivemind.DHT(
+            initial_peers=parse_initial_peers(initial_peers), start=True, client_mode=client_mode,
+            host_maddrs=host, announce_maddrs=announce or None,
+            identity_path=str(identity_path) if identity_path else None,
+            record_validators=list(validators),
+            # UPnP/NAT-PMP probing, AutoNAT and relays reach out to the LAN: only when asked for.
+            nat_port_map=nat, auto_nat=nat, use_relay=nat, use_auto_relay=nat,
+            startup_timeout=cfg.join_timeout_s,
+        )
+    except SwarmError:
+        raise
+    except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, TimeoutError... with long texts
+        raise SwarmError(_explain(e, cfg, initial_peers)) from None
+
+
+def _check_identity(path: Path) -> None:
+    """The identity file must hold the libp2p private key hivemind wrote there, nothing else."""
+    from hivemind.proto import crypto_pb2
+
+    try:
+        key = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+        ok = bool(key.data)
+    except Exception:  # protobuf raises DecodeError and others on foreign bytes
+        ok = False
+    if not ok:
+        raise SwarmError(f"identity file {path} is not a private key; delete it to make a new one (this peer then "
+                         f"gets a new peer id), or point swarm.identity_path at the right file")
+
+
+def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) -> str:
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    lowered = str(error).lower()
+    if "address already in use" in lowered or "bind" in lowered:
+        return f"port {cfg.port} on {cfg.host} is already in use ({text}); choose another --swarm.port or 0 for any"
+    if initial_peers and ("connect" in lowered or "bootstrap" in lowered or "timeout" in lowered or "dial" in lowered):
+        return (f"could not reach any initial peer ({', '.join(initial_peers)}): {text}; check the address and that "
+                f"the bootstrap node is running")
+    return f"could not start the DHT node: {text}"
+
+
+def make_validator() -> RSASignatureValidator:
+    """Signs this peer's DHT records and checks everyone's: only a record's owner can write it (I4)."""
+    return RSASignatureValidator()

@@ -1,0 +1,104 @@
+"""Signed DHT records of a run: configs and each peer's latest round. Values are validated on read (I4).
+
+Every record lives under a subkey that holds its owner's RSA public key, so hivemind's
+RSASignatureValidator lets only the owner write it. What a record *says* is still untrusted:
+`RoundRecord.parse` drops anything malformed, and majorities decide, never a single record.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import asdict, dataclass
+from typing import Any, Iterable
+
+from hivemind.utils import get_dht_time
+
+RECORD_TTL_S = 600.0  # a peer that stops refreshing its record drops out of the swarm's view after this
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
+
+
+def run_prefix(run_id: str, fingerprint: str) -> str:
+    """The DHT namespace of a run and config: peers with another config never meet (I5)."""
+    safe = re.sub(r"[^A-Za-z0-9_-]", "_", run_id)
+    return f"{safe}-{fingerprint}"
+
+
+def round_bits(round_: int) -> str:
+    """hivemind group bits for round r: one matchmaking key, so one group, per round."""
+    return format(round_, "032b")
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    peer: str
+    round: int
+    digest: str
+    tokens: int
+    loss: float
+
+    @classmethod
+    def parse(cls, value: Any) -> "RoundRecord | None":
+        """A record from the DHT, or None if it is malformed (it came from another peer: trust nothing)."""
+        if not isinstance(value, dict):
+            return None
+        try:
+            record = cls(str(value["peer"]), int(value["round"]), str(value["digest"]), int(value["tokens"]),
+                         float(value["loss"]))
+        except (KeyError, TypeError, ValueError):
+            return None
+        if record.round < 0 or record.tokens < 0 or not _DIGEST.match(record.digest) or len(record.peer) > 128:
+            return None
+        return record
+
+
+def _store(dht: Any, validator: Any, key: str, value: Any) -> None:
+    dht.store(key, value, expiration_time=get_dht_time() + RECORD_TTL_S, subkey=validator.local_public_key)
+
+
+def _read(dht: Any, key: str) -> list[Any]:
+    found = dht.get(key, latest=True)
+    if found is None or not isinstance(found.value, dict):
+        return []
+    return [entry.value for entry in found.value.values() if hasattr(entry, "value")]
+
+
+def publish_round(dht: Any, validator: Any, prefix: str, record: RoundRecord) -> None:
+    _store(dht, validator, f"{prefix}_rounds", asdict(record))
+
+
+def read_rounds(dht: Any, prefix: str) -> dict[str, RoundRecord]:
+    """Each peer's latest round record; a peer id claimed by two owners is dropped as ambiguous."""
+    parsed = [r for r in map(RoundRecord.parse, _read(dht, f"{prefix}_rounds")) if r is not None]
+    counts = Counter(r.peer for r in parsed)
+    return {r.peer: r for r in parsed if counts[r.peer] == 1}
+
+
+def latest_majority(recs: Iterable[RoundRecord]) -> tuple[int, str, list[str]] | None:
+    """(round, digest, peers) of the highest round, with the digest most peers hold (ties: smallest digest)."""
+    recs = list(recs)
+    if not recs:
+        return None
+    top = max(r.round for r in recs)
+    digests = Counter(r.digest for r in recs if r.round == top)
+    digest = min(digests, key=lambda d: (-digests[d], d))
+    return top, digest, sorted(r.peer for r in recs if r.round == top and r.digest == digest)
+
+
+def majority(digests: dict[str, str]) -> str:
+    """The digest most peers hold; ties go to the smallest digest so every peer picks the same one."""
+    counts = Counter(digests.values())
+    return min(counts, key=lambda d: (-counts[d], d))
+
+
+def publish_config(dht: Any, validator: Any, run_id: str, fingerprint: str, shared: dict) -> None:
+    _store(dht, validator, f"{run_prefix(run_id, 'configs')}", {"fingerprint": fingerprint, "shared": shared})
+
+
+def read_configs(dht: Any, run_id: str) -> dict[str, tuple[str, dict]]:
+    """Configs that peers of this run id published: {fingerprint: (fingerprint, shared fields)}."""
+    out = {}
+    for value in _read(dht, run_prefix(run_id, "configs")):
+        if isinstance(value, dict) and isinstance(value.get("fingerprint"), str) and isinstance(value.get("shared"), dict):
+            out[value["fingerprint"]] = (value["fingerprint"], value["shared"])
+    return out
