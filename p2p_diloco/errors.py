@@ -33,6 +33,12 @@ class SwarmError(P2PDilocoError):
     """The swarm cannot be joined or served: addresses, ports, identity, peers, another run config."""
 
 
+class RunConfigMismatch(SwarmError):
+    """The run's peers hold another config (I5): a config problem, so the exit code of one."""
+
+    exit_code = 2
+
+
 class AveragingError(P2PDilocoError):
     """A round's all-reduce failed or was incomplete; nothing of it was applied (I2)."""
 

@@ -202,11 +202,14 @@ class Peer:
         delta = outer.pseudo_gradient(self.state.params, dict(self.model.named_parameters()))
         delta_norm = outer.check_pseudo_gradient(delta, phase.lr_sum, self.config.inner.weight_decay)
         averaged, group, comm = self._average(delta, phase.tokens)
+        # Who should agree on the round's result: the group, and every live peer that was at this round.
+        r = self.state.round
+        peers = set(group) | (self.swarm.peers_at(r, r + 1) if self.swarm is not None else set())
         oc = self.config.outer
         self.state = outer.outer_step(self.state, averaged, oc.lr, oc.momentum, oc.nesterov)
         self._load_theta()
         if self.swarm is not None:
-            self._agree(group, phase)
+            self._agree(peers, phase)
         self.totals.tokens += phase.tokens
         self.totals.inner_steps += phase.steps
         self.totals.compute_s += phase.compute_s
@@ -241,13 +244,18 @@ class Peer:
         comm = {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received}
         return outer.unflatten(result.delta, delta), result.group, comm
 
-    def _agree(self, group: tuple[str, ...], phase: PhaseResult) -> None:
-        """Publish this round's digest; if the group's majority holds another, reload the majority's state."""
+    def _agree(self, peers: set[str], phase: PhaseResult) -> None:
+        """Publish this round's digest; if the majority of `peers` holds another, reload the majority's state.
+
+        `peers` are the round's group and every peer seen at this round: a peer that missed the
+        group (it averaged alone) thus rejoins the majority's state in the same round. Waiting is
+        bounded by swarm.agreement_timeout_s (I3); a peer that died is simply not counted.
+        """
         mine = self.state.digest()
         self.swarm.publish_round(self.state.round, mine, phase.tokens, phase.mean_loss)
-        if len(group) == 1:
+        if peers <= {self.peer_id}:
             return
-        digests = self.swarm.wait_for_digests(self.state.round, group)
+        digests = self.swarm.wait_for_digests(self.state.round, tuple(sorted(peers | {self.peer_id})))
         majority, holders = self.swarm.majority(digests)
         if majority != mine:
             self.log.warning("digest %s differs from the group's majority %s: reloading its state", mine[:12], majority[:12])

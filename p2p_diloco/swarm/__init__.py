@@ -22,7 +22,7 @@ import torch
 from hivemind.compression import NoCompression, ScaledFloat16Compression
 
 from p2p_diloco.config import Config, diff_shared
-from p2p_diloco.errors import AveragingError, StateDownloadError, SwarmError
+from p2p_diloco.errors import AveragingError, RunConfigMismatch, StateDownloadError, SwarmError
 from p2p_diloco.swarm import records
 from p2p_diloco.swarm.allreduce import DiLoCoAverager
 from p2p_diloco.swarm.node import make_validator, start_dht
@@ -81,7 +81,7 @@ class Swarm:
         records.publish_config(self.dht, self.validator, self.config.run.run_id, self.config.fingerprint(), mine)
         if others and self.config.fingerprint() not in others:
             fp, shared = next(iter(others.values()))
-            raise SwarmError(
+            raise RunConfigMismatch(
                 f"run {self.config.run.run_id!r} is running with another config (fingerprint {fp}): "
                 f"{'; '.join(diff_shared(shared, mine))}; use the run's config file"
             )
@@ -93,6 +93,10 @@ class Swarm:
     def peers(self) -> dict[str, records.RoundRecord]:
         """The latest round record of every live peer of this run, by peer id."""
         return records.read_rounds(self.dht, self.prefix)
+
+    def peers_at(self, *rounds: int) -> set[str]:
+        """Peer ids whose latest record is at one of `rounds`."""
+        return {p for p, r in self.peers().items() if r.round in rounds}
 
     def latest(self) -> tuple[int, str, list[str]] | None:
         """(round, majority digest, peers holding it) of the swarm's latest round, or None if nobody is there."""

@@ -84,8 +84,11 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         sender_index = self.sender_peer_ids.index(self.peer_id)
         for part_index, part in enumerate(self.parts_for_local_averaging):
             averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
-            decoded = deserialize_torch_tensor(self._encode_average(part_index, averaged))
-            self.tensor_part_container.register_processed_part(peer_index, part_index, decoded)
+            encoded = self._encode_average(part_index, averaged)
+            # Counted here, not where the replies are sent: those may still be in flight when our
+            # own result is complete. One reply per other sender.
+            self.bytes_sent += len(encoded.buffer) * (len(self.sender_peer_ids) - 1)
+            self.tensor_part_container.register_processed_part(peer_index, part_index, deserialize_torch_tensor(encoded))
 
     async def _send_and_receive(self, peer_id: Any, peer_index: int) -> None:
         done_sending = asyncio.Event()
@@ -132,7 +135,6 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                 averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
                 encoded = await asyncio.get_event_loop().run_in_executor(None, self._encode_average, part_index, averaged)
                 part_index += 1
-                self.bytes_sent += len(encoded.buffer)
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
         finally:
             if part_index != self.tensor_part_reducer.num_parts:

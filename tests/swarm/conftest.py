@@ -1,0 +1,111 @@
+"""Real swarms on 127.0.0.1: a bootstrap node and peers, each its own process; all ended after the test."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.conftest import TINY
+
+CLI = [sys.executable, "-m", "p2p_diloco.cli"]
+# The tiny run of tests/conftest.py, on loopback, with short swarm deadlines.
+SWARM = {
+    **TINY,
+    "run.rounds": "4",
+    "inner.steps": "3",
+    "data.num_shards": "8",
+    "swarm.host": "127.0.0.1",
+    "swarm.matchmaking_time_s": "4",
+    "swarm.averaging_timeout_s": "20",
+    "swarm.agreement_timeout_s": "15",
+    "swarm.join_timeout_s": "20",
+}
+del SWARM["data.shard"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # several peers share 2 cores
+
+
+def wait_until(condition, procs, timeout_s, what):
+    """Wait for condition() with a deadline; fail at once if one of `procs` exits early."""
+    deadline = time.monotonic() + timeout_s
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout_s} s")
+        for p in procs:
+            if p.poll() is not None and p.returncode != 0:
+                raise AssertionError(f"{what}: a process exited with {p.returncode}: {Path(p.args[-1]).name}")
+        try:
+            procs[0].wait(timeout=0.2)  # a bounded wait that also notices the process ending
+        except subprocess.TimeoutExpired:
+            pass
+
+
+class Swarm:
+    """Starts processes and remembers them, so the fixture can end every one of them."""
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.procs: list[subprocess.Popen] = []
+        self.maddr = None
+
+    def bootstrap(self) -> str:
+        log = open(self.folder / "bootstrap.log", "w")
+        proc = subprocess.Popen([*CLI, "bootstrap", "--host", "127.0.0.1", "--port", "0", "--report-every", "5",
+                                 "--identity", str(self.folder / "bootstrap.key")],
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
+        self.procs.append(proc)
+        deadline = time.monotonic() + 60
+        for line in proc.stdout:  # the node prints its address as soon as it is up
+            if line.strip().startswith("--initial-peers"):
+                self.maddr = line.split()[1]
+                return self.maddr
+            assert time.monotonic() < deadline, "bootstrap node did not print its address"
+        raise AssertionError(f"bootstrap node exited: {proc.wait(timeout=10)}")
+
+    def peer(self, name: str, extra: dict | None = None, script: list[str] | None = None) -> subprocess.Popen:
+        options = {**SWARM, **(extra or {}), "run.dir": str(self.folder / name)}
+        cmd = [*(script or CLI), "peer", *[f"--{k}={v}" for k, v in options.items()], "--initial-peers", self.maddr]
+        log = open(self.folder / f"{name}.log", "w")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        proc.args = [*cmd, str(self.folder / f"{name}.log")]
+        self.procs.append(proc)
+        return proc
+
+    def records(self, name: str) -> dict[int, dict]:
+        path = self.folder / name / "metrics.jsonl"
+        if not path.exists():
+            return {}
+        out = {}
+        for line in path.read_text().splitlines():
+            if line.endswith("}"):
+                record = json.loads(line)
+                out[record["round"]] = record
+        return out
+
+    def log(self, name: str) -> str:
+        return (self.folder / f"{name}.log").read_text()
+
+    def end_all(self) -> None:
+        for p in self.procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGINT)
+        for p in self.procs:
+            try:
+                p.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait(timeout=30)
+
+
+@pytest.fixture
+def swarm(tmp_path):
+    s = Swarm(tmp_path)
+    s.bootstrap()
+    try:
+        yield s
+    finally:
+        s.end_all()

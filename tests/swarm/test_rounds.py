@@ -1,0 +1,68 @@
+"""Serverless DiLoCo rounds between real peer processes: agreement, catch-up, refusal, tampering."""
+
+import pytest
+
+from tests.swarm.conftest import SWARM, wait_until
+
+ROUNDS = int(SWARM["run.rounds"])
+
+
+@pytest.mark.timeout(240)
+def test_three_peers_agree_on_every_round(swarm):
+    peers = {name: swarm.peer(name) for name in ("a", "b", "c")}
+    wait_until(lambda: all(p.poll() is not None for p in peers.values()), list(peers.values()), 200, "3 peers finish")
+    assert [p.returncode for p in peers.values()] == [0, 0, 0], [swarm.log(n)[-2000:] for n in peers]
+    records = {name: swarm.records(name) for name in peers}
+    for r in range(1, ROUNDS + 1):
+        digests = {name: records[name][r]["digest"] for name in peers}
+        assert len(set(digests.values())) == 1, f"round {r}: {digests}"
+    # after the first round all three average together
+    sizes = [records[name][r]["group_size"] for name in peers for r in range(2, ROUNDS + 1)]
+    assert sizes.count(3) >= len(sizes) - 2, sizes
+    assert all(records[name][ROUNDS]["bytes_sent"] > 0 for name in peers)
+
+
+@pytest.mark.timeout(240)
+def test_joiner_catches_up_and_agrees_from_its_first_round(swarm):
+    extra = {"run.rounds": "6"}
+    first = [swarm.peer("a", extra), swarm.peer("b", extra)]
+    wait_until(lambda: 2 in swarm.records("a") and 2 in swarm.records("b"), first, 120, "2 rounds done")
+    joiner = swarm.peer("c", extra)
+    everyone = [*first, joiner]
+    wait_until(lambda: all(p.poll() is not None for p in everyone), everyone, 200, "all finish")
+    assert [p.returncode for p in everyone] == [0, 0, 0], swarm.log("c")[-2000:]
+    assert "caught up with the swarm at round" in swarm.log("c")
+    joined = swarm.records("c")
+    start = min(joined)
+    assert start >= 2, joined.keys()
+    assert joined[start]["digest"] == swarm.records("a")[start]["digest"]
+    for r in range(start + 1, 7):
+        assert joined[r]["digest"] == swarm.records("a")[r]["digest"] == swarm.records("b")[r]["digest"], r
+
+
+@pytest.mark.timeout(180)
+def test_peer_with_another_config_is_refused_naming_the_field(swarm):
+    running = swarm.peer("a", {"run.rounds": "1000"})
+    wait_until(lambda: 0 in swarm.records("a"), [running], 90, "first peer up")
+    other = swarm.peer("b", {"run.rounds": "1000", "inner.lr": "0.001"})
+    assert other.wait(timeout=120) == 2
+    assert "inner.lr: 0.003 != 0.001" in swarm.log("b")
+    assert running.poll() is None
+
+
+@pytest.mark.timeout(180)
+def test_tampered_state_offered_to_a_joiner_is_rejected(swarm):
+    # The only peer of the run serves a state whose bytes do not match the digest it published.
+    liar = swarm.peer("liar", {"run.rounds": "1000"}, script=[*swarm_python(), "-m", "tests.swarm.tampering_peer"])
+    wait_until(lambda: 1 in swarm.records("liar"), [liar], 120, "liar at round 1")
+    joiner = swarm.peer("joiner", {"run.rounds": "1000"})
+    assert joiner.wait(timeout=120) == 1
+    log = swarm.log("joiner")
+    assert "does not match the published" in log and "rejected" in log
+    assert not swarm.records("joiner"), "the joiner must not train on a state it could not verify"
+
+
+def swarm_python():
+    import sys
+
+    return [sys.executable]
