@@ -82,13 +82,14 @@ class Swarm:
         if others and self.config.fingerprint() not in others:
             fp, shared = next(iter(others.values()))
             raise RunConfigMismatch(
-                f"run {self.config.run.run_id!r} is running with another config (fingerprint {fp}): "
-                f"{'; '.join(diff_shared(shared, mine))}; use the run's config file"
+                f"run {self.config.run.run_id!r} is running with another config (fingerprint {fp}); fields that "
+                f"differ (swarm != this peer): {'; '.join(diff_shared(shared, mine))}; use the run's config file"
             )
 
     def publish_round(self, round_: int, digest: str, tokens: int, loss: float) -> None:
         records.publish_round(self.dht, self.validator, self.prefix, records.RoundRecord(
-            peer=self.peer_id, round=round_, digest=digest, tokens=tokens, loss=loss if math.isfinite(loss) else -1.0))
+            peer=self.peer_id, round=round_, digest=digest, tokens=tokens, loss=loss if math.isfinite(loss) else -1.0,
+            addrs=tuple(self.visible_maddrs())))
 
     def peers(self) -> dict[str, records.RoundRecord]:
         """The latest round record of every live peer of this run, by peer id."""
@@ -144,8 +145,16 @@ class Swarm:
             raise AveragingError(f"round {round_}: group members {bad} averaged another round; result dropped")
         with self.averager.get_tensors() as (buffer,):
             averaged = buffer.clone()
+        self._measure_bandwidth(result)
         return Averaged(averaged, tuple(sorted(str(p) for p in gathered)), result["allreduce_s"],
                         result.get("bytes_sent", 0), result.get("bytes_received", 0))
+
+    def _measure_bandwidth(self, result: dict) -> None:
+        """Tell the next group what this peer actually moved per second in this all-reduce: the
+        load balancer sizes each peer's share by these figures, so they come from measurement."""
+        moved = result.get("bytes_sent", 0) + result.get("bytes_received", 0)
+        if moved > 0 and result["allreduce_s"] > 0:
+            self.averager.bandwidth = float(moved / result["allreduce_s"])
 
     # --- state download ----------------------------------------------------------------------
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import socket
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -48,6 +49,7 @@ def start_dht(cfg: SwarmSection, identity_path: Path | None, initial_peers: Sequ
               validators: Sequence[Any] = ()) -> hivemind.DHT:
     """Start a DHT node in a background process and join the swarm through `initial_peers`."""
     host, announce = listen_maddrs(cfg)
+    _check_port_free(cfg.host, cfg.port)
     nat = cfg.nat_traversal
     if identity_path is not None and identity_path.exists():
         _check_identity(identity_path)
@@ -65,6 +67,20 @@ def start_dht(cfg: SwarmSection, identity_path: Path | None, initial_peers: Sequ
         raise
     except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, TimeoutError... with long texts
         raise SwarmError(_explain(e, cfg, initial_peers)) from None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """libp2p listens with SO_REUSEPORT, so a second node on a taken port starts and misbehaves
+    instead of failing: check with a plain bind first."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise SwarmError(f"port {port} on {host} is not free ({e.strerror}); stop what uses it or choose "
+                             f"another port (0 picks a free one)") from None
 
 
 def _check_identity(path: Path) -> None:

@@ -36,6 +36,7 @@ class RoundRecord:
     digest: str
     tokens: int
     loss: float
+    addrs: tuple[str, ...] = ()  # where the peer listens (its multiaddrs), for operators and dashboards
 
     @classmethod
     def parse(cls, value: Any) -> "RoundRecord | None":
@@ -43,8 +44,9 @@ class RoundRecord:
         if not isinstance(value, dict):
             return None
         try:
+            addrs = tuple(str(a) for a in value.get("addrs", ())[:8])
             record = cls(str(value["peer"]), int(value["round"]), str(value["digest"]), int(value["tokens"]),
-                         float(value["loss"]))
+                         float(value["loss"]), addrs)
         except (KeyError, TypeError, ValueError):
             return None
         if record.round < 0 or record.tokens < 0 or not _DIGEST.match(record.digest) or len(record.peer) > 128:
@@ -64,7 +66,7 @@ def _read(dht: Any, key: str) -> list[Any]:
 
 
 def publish_round(dht: Any, validator: Any, prefix: str, record: RoundRecord) -> None:
-    _store(dht, validator, f"{prefix}_rounds", asdict(record))
+    _store(dht, validator, f"{prefix}_rounds", {**asdict(record), "addrs": list(record.addrs)})
 
 
 def read_rounds(dht: Any, prefix: str) -> dict[str, RoundRecord]:

@@ -1,0 +1,52 @@
+"""The consistent all-reduce: the weighted mean by hand, identical bytes on every member (I1)."""
+
+import json
+import selectors
+import subprocess
+import sys
+import time
+
+import pytest
+import torch
+
+from tests.swarm.average_worker import NUMEL
+from tests.swarm.conftest import ENV
+
+
+def read_line(proc, timeout_s):
+    """One line of the worker's stdout, or fail after `timeout_s` (never block without a deadline)."""
+    sel = selectors.DefaultSelector()
+    sel.register(proc.stdout, selectors.EVENT_READ)
+    if not sel.select(timeout_s):
+        raise AssertionError(f"worker printed nothing within {timeout_s} s")
+    return proc.stdout.readline().strip()
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("codec", ["fp32", "scaled-fp16"])
+def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
+    weights = [1.0, 1.0, 2.0]  # tokens of each peer
+    workers = [
+        subprocess.Popen([sys.executable, "-m", "tests.swarm.average_worker", swarm.maddr, str(i), str(w), codec,
+                          str(swarm.folder / f"w{i}")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
+        for i, w in enumerate(weights)
+    ]
+    swarm.procs.extend(workers)
+    for w in workers:
+        assert read_line(w, 90) == "ready"
+    for w in workers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    results = [json.loads(read_line(w, 60)) for w in workers]
+    for w in workers:
+        assert w.wait(timeout=60) == 0
+    # (1·1 + 2·1 + 3·2) / 4 = 2.25 times the ramp (1 + j/1000)
+    expected = 2.25 * (1 + torch.arange(NUMEL, dtype=torch.float32) / 1000)
+    assert [r["group"] for r in results] == [3, 3, 3]
+    assert len({r["sha256"] for r in results}) == 1, "every member must hold the same bytes"
+    got = torch.tensor(results[0]["values"])
+    if codec == "fp32":
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=0)
+    else:
+        torch.testing.assert_close(got, expected, rtol=1e-3, atol=0)  # scaled fp16: ~2e-4 relative error
+    assert all(r["bytes_sent"] > 0 for r in results)

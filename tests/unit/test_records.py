@@ -1,0 +1,33 @@
+"""DHT records from other peers are untrusted: malformed ones are dropped; majorities are deterministic."""
+
+from p2p_diloco.swarm.records import RoundRecord, latest_majority, majority, round_bits, run_prefix
+
+D1, D2 = "a" * 32, "b" * 32
+
+
+def rec(peer, round_, digest):
+    return RoundRecord(peer, round_, digest, 10, 1.0)
+
+
+def test_parse_keeps_good_records_and_drops_malformed_ones():
+    good = {"peer": "12D3x", "round": 3, "digest": D1, "tokens": 5, "loss": 2.5, "addrs": ["/ip4/1.2.3.4/tcp/1"]}
+    assert RoundRecord.parse(good) == RoundRecord("12D3x", 3, D1, 5, 2.5, ("/ip4/1.2.3.4/tcp/1",))
+    for bad in [None, "text", {**good, "round": -1}, {**good, "digest": "zz"}, {**good, "tokens": "many"},
+                {k: v for k, v in good.items() if k != "peer"}, {**good, "peer": "x" * 500}]:
+        assert RoundRecord.parse(bad) is None, bad
+
+
+def test_latest_majority_takes_the_highest_round_and_its_most_common_digest():
+    recs = [rec("p1", 4, D2), rec("p2", 5, D1), rec("p3", 5, D2), rec("p4", 5, D1)]
+    assert latest_majority(recs) == (5, D1, ["p2", "p4"])
+    assert latest_majority([]) is None
+
+
+def test_ties_go_to_the_smallest_digest_so_every_peer_picks_the_same():
+    assert majority({"p1": D2, "p2": D1}) == D1
+    assert majority({"p1": D2, "p2": D2, "p3": D1}) == D2
+
+
+def test_keys_separate_runs_configs_and_rounds():
+    assert run_prefix("my run.v2", "abc") == "my_run_v2-abc"
+    assert round_bits(5) == "0" * 29 + "101" and len({round_bits(r) for r in range(100)}) == 100
