@@ -85,7 +85,7 @@ def _records(folder: Path, i: int) -> dict[int, dict]:
 def _watch(procs: list[subprocess.Popen], folder: Path, rounds: int, stop: threading.Event,
            emit: Callable[[str], None]) -> bool:
     """Print each round once all live peers have it; True if every shown round had equal digests."""
-    shown, agreed = 0, True
+    shown, agreed = -1, True  # round 0: θ(0), before any training
     while not stop.wait(0.5):
         recs = [_records(folder, i) for i in range(len(procs))]
         live = [i for i, p in enumerate(procs) if p.poll() is None or recs[i]]
@@ -94,6 +94,11 @@ def _watch(procs: list[subprocess.Popen], folder: Path, rounds: int, stop: threa
             agreed &= _emit_round(shown, [recs[i][shown] for i in live], emit)
         if shown >= rounds or all(p.poll() is not None for p in procs):
             break
+    if shown >= 1:
+        first, last = _records(folder, 0).get(0, {}), _records(folder, 0).get(shown, {})
+        if first.get("eval_loss") is not None and last.get("eval_loss") is not None:
+            emit(f"held-out loss {first['eval_loss']:.3f} -> {last['eval_loss']:.3f} over {shown} rounds; "
+                 f"digests {'equal on every peer in every round' if agreed else 'DIFFERED in some round'}")
     return agreed and shown >= rounds
 
 
@@ -102,8 +107,8 @@ def _emit_round(r: int, recs: list[dict], emit: Callable[[str], None]) -> bool:
     losses = " ".join(f"{rec['eval_loss']:.3f}" if rec.get("eval_loss") is not None else "-" for rec in recs)
     group = max(rec.get("group_size", 1) for rec in recs)
     same = "equal" if len(digests) == 1 else f"DIFFER ({len(digests)})"
-    emit(f"round {r:3d}  held-out loss {losses}  group {group}  "
-         f"all-reduce {max(rec.get('allreduce_s', 0) for rec in recs):.2f} s  digests {same} {sorted(digests)[0][:12]}")
+    comm = f"group {group}  all-reduce {max(rec.get('allreduce_s', 0) for rec in recs):.2f} s" if r else "theta(0)" + " " * 20
+    emit(f"round {r:3d}  held-out loss {losses}  {comm}  digests {same} {sorted(digests)[0][:12]}")
     return len(digests) == 1
 
 
