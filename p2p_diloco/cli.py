@@ -113,7 +113,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     overrides = {"swarm.host": args.host, "swarm.port": str(args.port), "swarm.announce_host": args.announce}
     cfg = config_mod.load(args.config, overrides)
     setup_logging(cfg.log.level)
-    node = Bootstrap(cfg, Path(args.identity))
+    node = Bootstrap(cfg, Path(args.identity), watch_run=args.config is not None)
     stop = threading.Event()
     _install_stop_handlers(stop, "stopping the bootstrap node")  # after the DHT started: it touches signals
     try:

@@ -160,6 +160,14 @@ class DiLoCoAverager(DecentralizedAverager):
         self._state_provider = state_provider
         super().__init__(*args, **kwargs)
 
+    async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind leaves this process's p2p client socket in /tmp: shut the replica down too."""
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            if getattr(self, "_p2p", None) is not None:
+                await self._p2p.shutdown()
+
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         metadata, tensors = self._state_provider()
         return metadata, tensors, None

@@ -19,9 +19,9 @@ logger = logging.getLogger(__name__)
 
 
 class Bootstrap:
-    def __init__(self, config: Config, identity_path: Path):
+    def __init__(self, config: Config, identity_path: Path, watch_run: bool = True):
         identity_path.parent.mkdir(parents=True, exist_ok=True)
-        self.config = config
+        self.config, self.watch_run = config, watch_run
         self.dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, False, [make_validator()])
         self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
 
@@ -32,6 +32,8 @@ class Bootstrap:
     def status(self) -> str:
         """One line: peers in the routing table, and the rounds this run's peers published."""
         known = self.dht.run_coroutine(_routing_table_size)
+        if not self.watch_run:
+            return f"{known} peers in the routing table (pass --config RUN_TOML to see the run's rounds)"
         rounds = Counter(r.round for r in records.read_rounds(self.dht, self.prefix).values())
         seen = ", ".join(f"round {r}: {n} peer{'s' if n > 1 else ''}" for r, n in sorted(rounds.items())) or "no round records yet"
         return f"{known} peers in the routing table; run {self.config.run.run_id!r}: {seen}"

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from p2p_diloco import config
+
 from tests.conftest import TINY
 
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
@@ -54,8 +56,10 @@ class Swarm:
 
     def bootstrap(self) -> str:
         log = open(self.folder / "bootstrap.log", "w")
-        proc = subprocess.Popen([*CLI, "bootstrap", "--host", "127.0.0.1", "--port", "0", "--report-every", "5",
-                                 "--identity", str(self.folder / "bootstrap.key")],
+        run_toml = self.folder / "run.toml"
+        config.save(config.load(None, SWARM), run_toml)  # the bootstrap node reports this run's rounds
+        proc = subprocess.Popen([*CLI, "bootstrap", "--host", "127.0.0.1", "--port", "0", "--report-every", "2",
+                                 "--identity", str(self.folder / "bootstrap.key"), "--config", str(run_toml)],
                                 stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
         self.procs.append(proc)
         deadline = time.monotonic() + 60

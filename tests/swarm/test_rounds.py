@@ -20,6 +20,7 @@ def test_three_peers_agree_on_every_round(swarm):
     sizes = [records[name][r]["group_size"] for name in peers for r in range(2, ROUNDS + 1)]
     assert sizes.count(3) >= len(sizes) - 2, sizes
     assert all(records[name][ROUNDS]["bytes_sent"] > 0 for name in peers)
+    assert f"run 'p2p-diloco': round {ROUNDS}: 3 peers" in (swarm.folder / "bootstrap.log").read_text()
 
 
 @pytest.mark.timeout(240)
@@ -66,3 +67,14 @@ def swarm_python():
     import sys
 
     return [sys.executable]
+
+
+@pytest.mark.timeout(240)
+def test_client_mode_peer_averages_through_a_reachable_peer(swarm):
+    peers = [swarm.peer("reachable"), swarm.peer("client", {"swarm.client_mode": "true"})]
+    wait_until(lambda: all(p.poll() is not None for p in peers), peers, 200, "both finish")
+    assert [p.returncode for p in peers] == [0, 0], swarm.log("client")[-2000:]
+    reachable, client = swarm.records("reachable"), swarm.records("client")
+    for r in range(1, ROUNDS + 1):
+        assert reachable[r]["digest"] == client[r]["digest"], r
+    assert [client[r]["group_size"] for r in range(2, ROUNDS + 1)] == [2] * (ROUNDS - 1)
