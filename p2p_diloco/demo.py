@@ -45,18 +45,20 @@ def run_demo(n_peers: int, rounds: int, folder: str | Path, stop: threading.Even
     config_mod.save(cfg, folder / "run.toml")
     boot = Bootstrap(cfg, folder / "bootstrap.key")
     procs: list[subprocess.Popen] = []
+    agreed, shown = False, -1
     try:
         maddrs = boot.initial_peers()
         emit(f"bootstrap node: {maddrs[0]}")
         for i in range(n_peers):
             procs.append(_start_peer(i, folder, maddrs))
         emit(f"{n_peers} peers started; logs in {folder}/peer-*.log")
-        agreed = _watch(procs, folder, rounds, stop, emit)
+        agreed, shown = _watch(procs, folder, rounds, stop, emit)
     finally:
-        codes = _stop_all(procs, interrupt=stop.is_set() or not agreed)
+        codes = _stop_all(procs, interrupt=stop.is_set() or shown < rounds)
         boot.close()
     emit(f"peers exited with {codes}")
-    return 0 if agreed and all(code == 0 for code in codes) else 1
+    # Done, or stopped by the user: either way a success if every peer agreed and left cleanly.
+    return 0 if agreed and (shown >= rounds or stop.is_set()) and all(code == 0 for code in codes) else 1
 
 
 def _start_peer(i: int, folder: Path, maddrs: list[str]) -> subprocess.Popen:
@@ -83,8 +85,8 @@ def _records(folder: Path, i: int) -> dict[int, dict]:
 
 
 def _watch(procs: list[subprocess.Popen], folder: Path, rounds: int, stop: threading.Event,
-           emit: Callable[[str], None]) -> bool:
-    """Print each round once all live peers have it; True if every shown round had equal digests."""
+           emit: Callable[[str], None]) -> tuple[bool, int]:
+    """Print each round once all live peers have it; (every shown round had equal digests, last round shown)."""
     shown, agreed = -1, True  # round 0: θ(0), before any training
     while not stop.wait(0.5):
         recs = [_records(folder, i) for i in range(len(procs))]
@@ -99,7 +101,7 @@ def _watch(procs: list[subprocess.Popen], folder: Path, rounds: int, stop: threa
         if first.get("eval_loss") is not None and last.get("eval_loss") is not None:
             emit(f"held-out loss {first['eval_loss']:.3f} -> {last['eval_loss']:.3f} over {shown} rounds; "
                  f"digests {'equal on every peer in every round' if agreed else 'DIFFERED in some round'}")
-    return agreed and shown >= rounds
+    return agreed, shown
 
 
 def _emit_round(r: int, recs: list[dict], emit: Callable[[str], None]) -> bool:
