@@ -19,3 +19,34 @@ def test_demo_runs_two_peers_that_agree_and_stops_them(tmp_path):
     assert "group 2" in rounds[1] and "group 2" in rounds[2]
     assert "peers exited with [0, 0]" in lines
     assert "digests equal on every peer in every round" in result.stdout
+
+
+@pytest.mark.timeout(240)
+def test_ctrl_c_stops_the_demo_and_every_peer_cleanly(tmp_path):
+    import selectors
+    import signal
+    import time
+
+    proc = subprocess.Popen([*CLI, "demo", "--peers", "2", "--rounds", "1000", "--dir", str(tmp_path / "demo")],
+                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+    try:
+        sel = selectors.DefaultSelector()
+        sel.register(proc.stdout, selectors.EVENT_READ)
+        deadline, seen = time.monotonic() + 150, []
+        while not any(line.startswith("round   1") for line in seen):
+            assert sel.select(max(deadline - time.monotonic(), 0)), f"no round 1 within the deadline: {seen}"
+            line = proc.stdout.readline()
+            assert line, f"demo exited early: {seen}"
+            seen.append(line)
+        proc.send_signal(signal.SIGINT)
+        rest, _ = proc.communicate(timeout=120)
+    finally:
+        if proc.poll() is None:  # the demo ends its own peers on SIGINT; SIGKILL only as a last resort
+            proc.send_signal(signal.SIGINT)
+            try:
+                proc.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait(timeout=30)
+    assert proc.returncode == 0, rest
+    assert "peers exited with [0, 0]" in rest
