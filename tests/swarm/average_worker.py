@@ -1,37 +1,71 @@
 """One swarm member that averages a known pseudo-gradient once and prints what it got.
 
-    python -m tests.swarm.average_worker MADDR INDEX WEIGHT CODEC RUN_DIR
+    python -m tests.swarm.average_worker MADDR INDEX WEIGHT CODEC RUN_DIR [NUMEL] [die-as-reducer]
 Prints "ready" once joined, waits for "go" on stdin, then prints one JSON line: the averaged
-values, the sha256 of their bytes and the group size.
+values, the sha256 of their bytes and the group size; or the error, and whether this peer's own
+pseudo-gradient is still intact in the averaging buffer.
+
+With `die-as-reducer` the peer SIGKILLs itself (its main process, then its averager process) as soon
+as a second part of its span arrives from another peer: a reducer dying in the middle of the
+all-reduce, after it already answered for its first part.
 """
 
 import hashlib
 import json
+import os
+import signal
 import sys
 from pathlib import Path
 
 import torch
 
 from p2p_diloco import config
+from p2p_diloco.errors import AveragingError
 from p2p_diloco.swarm import Swarm
+from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
 
 NUMEL = 1000
 
 
-def known_delta(index: int) -> torch.Tensor:
+def die_as_reducer() -> None:
+    """Patch the reducer side (it runs in the averager process) to die at the second part it receives."""
+    original = ConsistentAllReduceRunner._accumulate_parts_streaming
+
+    async def dying(self, stream, sender_index):
+        async def parts():
+            count = 0
+            async for message in stream:
+                count += 1
+                if count == 2:
+                    os.kill(os.getppid(), signal.SIGKILL)
+                    os.kill(os.getpid(), signal.SIGKILL)
+                yield message
+
+        async for reply in original(self, parts(), sender_index):
+            yield reply
+
+    ConsistentAllReduceRunner._accumulate_parts_streaming = dying
+
+
+def known_delta(index: int, numel: int = NUMEL) -> torch.Tensor:
     """Δ_i[j] = (i + 1) · (1 + j / 1000)."""
-    return (index + 1) * (1 + torch.arange(NUMEL, dtype=torch.float32) / 1000)
+    return (index + 1) * (1 + torch.arange(numel, dtype=torch.float32) / 1000)
 
 
-def main(maddr: str, index: int, weight: float, codec: str, run_dir: str) -> None:
+def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel: int = NUMEL) -> None:
     cfg = config.load(None, {"swarm.host": "127.0.0.1", "swarm.initial_peers": maddr, "swarm.compression": codec,
                              "swarm.matchmaking_time_s": "4", "swarm.averaging_timeout_s": "20", "run.dir": run_dir})
     Path(run_dir).mkdir(parents=True)
-    swarm = Swarm(cfg, Path(run_dir), NUMEL, lambda: ({}, []))
+    swarm = Swarm(cfg, Path(run_dir), numel, lambda: ({}, []))
     try:
         print("ready", flush=True)
         assert sys.stdin.readline().strip() == "go"
-        result = swarm.average(known_delta(index), weight, round_=0)
+        delta = known_delta(index, numel)
+        try:
+            result = swarm.average(delta, weight, round_=0)
+        except AveragingError as e:
+            print(json.dumps({"error": str(e), "own_delta_intact": bool(torch.equal(swarm.buffer, delta))}), flush=True)
+            return
         values = result.delta
         print(json.dumps({"values": values.tolist(), "sha256": hashlib.sha256(values.numpy().tobytes()).hexdigest(),
                           "group": len(result.group), "bytes_sent": result.bytes_sent}), flush=True)
@@ -40,4 +74,7 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str) -> Non
 
 
 if __name__ == "__main__":
-    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5])
+    if "die-as-reducer" in sys.argv:
+        die_as_reducer()
+    numel = int(sys.argv[6]) if len(sys.argv) > 6 else NUMEL
+    main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5], numel)

@@ -52,6 +52,7 @@ class Swarm:
     def __init__(self, folder: Path):
         self.folder = folder
         self.procs: list[subprocess.Popen] = []
+        self.sessions: set[int] = set()  # process groups we started, ended as a whole at the end
         self.maddr = None
 
     def bootstrap(self) -> str:
@@ -103,6 +104,17 @@ class Swarm:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=30)
+        for pgid in self.sessions:
+            _end_session(pgid)
+
+
+def _end_session(pgid: int) -> None:
+    """A process started in its own session (a fault-injection worker) leaves its DHT process and
+    p2pd behind when it is SIGKILLed: end its whole process group, whose id is the pid we started."""
+    try:
+        os.killpg(pgid, signal.SIGKILL)
+    except ProcessLookupError:  # the group is already gone
+        pass
 
 
 @pytest.fixture

@@ -22,21 +22,30 @@ def read_line(proc, timeout_s):
     return proc.stdout.readline().strip()
 
 
-@pytest.mark.timeout(180)
-@pytest.mark.parametrize("codec", ["fp32", "scaled-fp16"])
-def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
-    weights = [1.0, 1.0, 2.0]  # tokens of each peer
-    workers = [
-        subprocess.Popen([sys.executable, "-m", "tests.swarm.average_worker", swarm.maddr, str(i), str(w), codec,
-                          str(swarm.folder / f"w{i}")], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV)
-        for i, w in enumerate(weights)
-    ]
-    swarm.procs.extend(workers)
+def start_workers(swarm, weights, codec, *extra_by_worker):
+    """One average_worker process per weight, all joined and then released together."""
+    workers = []
+    for i, w in enumerate(weights):
+        extra = list(extra_by_worker[i]) if i < len(extra_by_worker) else []
+        workers.append(subprocess.Popen(
+            [sys.executable, "-m", "tests.swarm.average_worker", swarm.maddr, str(i), str(w), codec,
+             str(swarm.folder / f"w{i}"), *extra],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV, start_new_session=True))
+        swarm.procs.append(workers[-1])
+        swarm.sessions.add(workers[-1].pid)
     for w in workers:
         assert read_line(w, 90) == "ready"
     for w in workers:
         w.stdin.write("go\n")
         w.stdin.flush()
+    return workers
+
+
+@pytest.mark.timeout(180)
+@pytest.mark.parametrize("codec", ["fp32", "scaled-fp16"])
+def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
+    weights = [1.0, 1.0, 2.0]  # tokens of each peer
+    workers = start_workers(swarm, weights, codec)
     results = [json.loads(read_line(w, 60)) for w in workers]
     for w in workers:
         assert w.wait(timeout=60) == 0
@@ -50,3 +59,16 @@ def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
     else:
         torch.testing.assert_close(got, expected, rtol=1e-3, atol=0)  # scaled fp16: ~2e-4 relative error
     assert all(r["bytes_sent"] > 0 for r in results)
+
+
+@pytest.mark.timeout(180)
+def test_reducer_killed_mid_allreduce_leaves_no_partial_update(swarm):
+    # 3M values: each peer reduces a span of ~1M, i.e. 2 parts; peer 0 dies when its second part arrives.
+    numel = "3000000"
+    workers = start_workers(swarm, [1.0, 1.0, 1.0], "fp32", [numel, "die-as-reducer"], [numel], [numel])
+    survivors = [json.loads(read_line(w, 90)) for w in workers[1:]]
+    assert workers[0].wait(timeout=60) == -9  # SIGKILL
+    for result in survivors:
+        assert "error" in result, "a survivor applied an average that misses the dead reducer's span"
+        assert "all-reduce failed" in result["error"]
+        assert result["own_delta_intact"], "the kept pseudo-gradient must survive for a retry"
