@@ -233,6 +233,9 @@ class Peer:
         alone = (delta, (self.peer_id,), {"allreduce_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
         if self.swarm is None:
             return alone
+        r = self.state.round
+        if not any(rec.round >= r - 1 for peer, rec in self.swarm.peers().items() if peer != self.peer_id):
+            return alone  # nobody else is near this round: skip the matchmaking wait
         try:
             result = self.swarm.average(outer.flatten(delta), tokens, self.state.round)
         except AveragingError as e:
