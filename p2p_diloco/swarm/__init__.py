@@ -11,6 +11,7 @@ Every wait has a deadline from the config (I3).
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import time
@@ -19,7 +20,10 @@ from pathlib import Path
 from typing import Any, Callable
 
 import torch
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.compression import NoCompression, ScaledFloat16Compression
+from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from p2p_diloco.config import Config, diff_shared
 from p2p_diloco.errors import AveragingError, RunConfigMismatch, StateDownloadError, SwarmError
@@ -29,6 +33,9 @@ from p2p_diloco.swarm.node import make_validator, start_dht
 
 logger = logging.getLogger(__name__)
 
+# What a failed averaging step raises from inside hivemind; anything else is a bug and propagates.
+HIVEMIND_ERRORS = (AllreduceException, MatchmakingException, P2PDaemonError, P2PHandlerError, TimeoutError,
+                   asyncio.TimeoutError, ConnectionError, asyncio.CancelledError)
 CODECS = {"fp32": NoCompression, "scaled-fp16": ScaledFloat16Compression}
 PART_SIZE_BYTES = 2 * 1024 * 1024  # 25-30 % faster than hivemind's 512 KiB default, measured here
 
@@ -133,7 +140,7 @@ class Swarm:
         try:
             result = self.averager.step(weight=float(weight), timeout=timeout, allow_retries=False,
                                         gather={"round": round_})
-        except Exception as e:  # hivemind raises AllreduceException, MatchmakingException, TimeoutError...
+        except HIVEMIND_ERRORS as e:
             if "could not find a group" in str(e).lower() or isinstance(e, TimeoutError):
                 return None
             raise AveragingError(f"round {round_} all-reduce failed: {type(e).__name__}: {str(e)[:200]}") from None
