@@ -108,6 +108,7 @@ class SwarmSection:
     compression: str = shared("fp32", "pseudo-gradient codec on the wire: fp32 or scaled-fp16")
     matchmaking_time_s: float = shared(5.0, "how long peers that finished a round wait for each other to form a group")
     averaging_timeout_s: float = shared(60.0, "deadline of one all-reduce; a dead or hung peer costs at most this")
+    averaging_retries: int = shared(1, "after a failed all-reduce, the survivors retry this many times with their kept pseudo-gradients")
     agreement_timeout_s: float = shared(15.0, "how long to wait for the group's digests after the outer step")
     join_timeout_s: float = local(30.0, "deadline to start, reach the initial peers, or download a state")
 
@@ -351,6 +352,7 @@ def _validate_swarm(s: SwarmSection) -> None:
     _require(0 <= s.port <= 65535, "swarm.port", f"must be in [0, 65535], got {s.port}", "0 picks a free port")
     _require(s.compression in ("fp32", "scaled-fp16"), "swarm.compression",
              f"must be fp32 or scaled-fp16, got {s.compression!r}", "fp32 is exact")
+    _require(0 <= s.averaging_retries <= 10, "swarm.averaging_retries", f"must be in [0, 10], got {s.averaging_retries}", "e.g. 1")
     for name in ("matchmaking_time_s", "averaging_timeout_s", "agreement_timeout_s", "join_timeout_s"):
         value = getattr(s, name)
         _require(_pos(value), f"swarm.{name}", f"must be > 0 seconds, got {value}", "every network wait has a deadline")

@@ -21,7 +21,7 @@ import torch
 
 from p2p_diloco import checkpoint, config as config_mod, data, model as model_mod, outer
 from p2p_diloco.config import Config
-from p2p_diloco.errors import AveragingError, ConfigError
+from p2p_diloco.errors import AveragingError, ConfigError, StateDownloadError
 from p2p_diloco.inner import InnerTrainer, PhaseResult, lr_at
 from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress
 
@@ -236,16 +236,29 @@ class Peer:
         r = self.state.round
         if not any(rec.round >= r - 1 for peer, rec in self.swarm.peers().items() if peer != self.peer_id):
             return alone  # nobody else is near this round: skip the matchmaking wait
-        try:
-            result = self.swarm.average(outer.flatten(delta), tokens, self.state.round)
-        except AveragingError as e:
-            self.log.warning("%s; using this peer's own pseudo-gradient", e)
+        result = self._average_with_retries(outer.flatten(delta), tokens)
+        if result is False:
             return alone
         if result is None:
             self.log.info("no other peer reached round %d within the matchmaking window: averaging alone", self.state.round)
             return alone
         comm = {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received}
         return outer.unflatten(result.delta, delta), result.group, comm
+
+    def _average_with_retries(self, flat_delta: torch.Tensor, tokens: int) -> Any:
+        """The swarm's average, None if nobody else came, False if every attempt failed.
+
+        A failed all-reduce applied nothing and left `flat_delta` as it was (I2), so the survivors,
+        who all saw the failure, match again for the same round and retry with the same Δ.
+        """
+        attempts = 1 + self.config.swarm.averaging_retries
+        for attempt in range(1, attempts + 1):
+            try:
+                return self.swarm.average(flat_delta, tokens, self.state.round, retry=attempt > 1)
+            except AveragingError as e:
+                more = "retrying among the survivors" if attempt < attempts else "using this peer's own pseudo-gradient"
+                self.log.warning("%s (attempt %d of %d); %s", e, attempt, attempts, more)
+        return False
 
     def _agree(self, peers: set[str], phase: PhaseResult) -> None:
         """Publish this round's digest; if the majority of `peers` holds another, reload the majority's state.
@@ -262,8 +275,8 @@ class Peer:
         majority, holders = self.swarm.majority(digests)
         if majority != mine:
             self.log.warning("digest %s differs from the group's majority %s: reloading its state", mine[:12], majority[:12])
-            self._adopt(self.state.round, majority, holders)
-            self.swarm.publish_round(self.state.round, self.state.digest(), phase.tokens, phase.mean_loss)
+            if self._try_adopt(self.state.round, majority, holders):
+                self.swarm.publish_round(self.state.round, self.state.digest(), phase.tokens, phase.mean_loss)
 
     def _catch_up(self) -> bool:
         """If the swarm is at a later round (or the same round with another majority digest), download its state."""
@@ -273,11 +286,25 @@ class Peer:
         round_, digest, holders = latest
         if round_ < self.state.round or (round_ == self.state.round and digest == self.state.digest()):
             return False
-        self._adopt(round_, digest, holders)
+        if not self._try_adopt(round_, digest, holders):
+            return False
         # The inner lr schedule follows the swarm's round, not this peer's own step count.
         self.trainer.step = max(self.trainer.step, round_ * self.config.inner.steps)
         self.log.info("caught up with the swarm at round %d (digest %s)", round_, digest[:12])
         return True
+
+    def _try_adopt(self, round_: int, digest: str, holders: list[str]) -> bool:
+        """Download and adopt a verified state; on failure keep this peer's own and say so.
+
+        The holders may all be gone (their records outlive them for a while): the peer then
+        carries on with its own state, and the next round's catch-up or agreement tries again.
+        """
+        try:
+            self._adopt(round_, digest, holders)
+            return True
+        except StateDownloadError as e:
+            self.log.warning("%s; keeping this peer's own state (round %d)", e, self.state.round)
+            return False
 
     def _adopt(self, round_: int, digest: str, holders: list[str]) -> None:
         _, (theta, momentum) = self.swarm.download_state(round_, digest, holders, self._verify_state)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import math
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -63,6 +64,11 @@ class Swarm:
         self.dht = start_dht(sc, identity, sc.initial_peers, sc.client_mode, [self.validator])
         self.peer_id = str(self.dht.peer_id)
         self.buffer = torch.zeros(numel, dtype=torch.float32)
+        # hivemind's DHT handle is one pipe: the heartbeat thread and the peer's thread take turns.
+        self._dht_lock = threading.Lock()
+        self._last_record: records.RoundRecord | None = None
+        self._stop_heartbeat = threading.Event()
+        self._heartbeat = threading.Thread(target=self._refresh_records, name="swarm-heartbeat", daemon=True)
         try:
             self.averager = DiLoCoAverager(
                 [self.buffer], self.dht, start=True, prefix=self.prefix,
@@ -75,17 +81,31 @@ class Swarm:
         except Exception as e:  # the averager process failed to start: never leave the DHT running
             self.dht.shutdown()
             raise SwarmError(f"could not start the averager: {e}") from None
+        self._heartbeat.start()
+
+    def _refresh_records(self) -> None:
+        """Re-publish this peer's latest record every REFRESH_S: records expire after RECORD_TTL_S,
+        so a peer that died drops out of everyone's view within a minute and a half."""
+        while not self._stop_heartbeat.wait(records.REFRESH_S):
+            if self._last_record is not None:
+                try:
+                    with self._dht_lock:
+                        records.publish_round(self.dht, self.validator, self.prefix, self._last_record)
+                except Exception as e:  # a failed refresh is retried at the next beat; never kill the peer
+                    logger.debug("record refresh failed: %s", e)
 
     def visible_maddrs(self) -> list[str]:
-        return [str(m) for m in self.dht.get_visible_maddrs()]
+        with self._dht_lock:
+            return [str(m) for m in self.dht.get_visible_maddrs()]
 
     # --- records -----------------------------------------------------------------------------
 
     def check_config(self) -> None:
         """Publish this peer's shared config; refuse to join a run whose peers hold another (I5)."""
         mine = self.config.shared_dict()
-        others = records.read_configs(self.dht, self.config.run.run_id)
-        records.publish_config(self.dht, self.validator, self.config.run.run_id, self.config.fingerprint(), mine)
+        with self._dht_lock:
+            others = records.read_configs(self.dht, self.config.run.run_id)
+            records.publish_config(self.dht, self.validator, self.config.run.run_id, self.config.fingerprint(), mine)
         if others and self.config.fingerprint() not in others:
             fp, shared = next(iter(others.values()))
             raise RunConfigMismatch(
@@ -94,13 +114,17 @@ class Swarm:
             )
 
     def publish_round(self, round_: int, digest: str, tokens: int, loss: float) -> None:
-        records.publish_round(self.dht, self.validator, self.prefix, records.RoundRecord(
+        record = records.RoundRecord(
             peer=self.peer_id, round=round_, digest=digest, tokens=tokens, loss=loss if math.isfinite(loss) else -1.0,
-            addrs=tuple(self.visible_maddrs())))
+            addrs=tuple(self.visible_maddrs()))
+        with self._dht_lock:
+            records.publish_round(self.dht, self.validator, self.prefix, record)
+        self._last_record = record
 
     def peers(self) -> dict[str, records.RoundRecord]:
         """The latest round record of every live peer of this run, by peer id."""
-        return records.read_rounds(self.dht, self.prefix)
+        with self._dht_lock:
+            return records.read_rounds(self.dht, self.prefix)
 
     def peers_at(self, *rounds: int) -> set[str]:
         """Peer ids whose latest record is at one of `rounds`."""
@@ -126,9 +150,10 @@ class Swarm:
 
     # --- averaging ---------------------------------------------------------------------------
 
-    def average(self, delta: torch.Tensor, weight: float, round_: int) -> Averaged | None:
+    def average(self, delta: torch.Tensor, weight: float, round_: int, retry: bool = False) -> Averaged | None:
         """All-reduce this round's pseudo-gradient with the peers that reached the same round.
 
+        `retry`: this round's all-reduce failed before; wait long enough for the other survivors.
         Returns None when no other peer showed up within the matchmaking window (the peer then
         averages alone). Raises AveragingError if a group formed but its all-reduce failed: the
         caller's `delta` is untouched and nothing was applied (I2).
@@ -137,6 +162,11 @@ class Swarm:
             buffer.copy_(delta)
         self.averager.set_group_bits(records.round_bits(round_))
         timeout = self.config.swarm.matchmaking_time_s * 3
+        if retry:
+            # Survivors notice a failed all-reduce at different moments: a reducer that drops a
+            # sender at once, a sender only when its reducer's timeout (half the averaging
+            # deadline) runs out. Wait that much longer so they still meet.
+            timeout += self.config.swarm.averaging_timeout_s / 2
         try:
             result = self.averager.step(weight=float(weight), timeout=timeout, allow_retries=False,
                                         gather={"round": round_})
@@ -192,6 +222,9 @@ class Swarm:
 
     def close(self) -> None:
         """Leave the swarm: stop the averager and the DHT processes (also on errors)."""
+        self._stop_heartbeat.set()
+        if self._heartbeat.is_alive():
+            self._heartbeat.join(timeout=10)
         for part in (self.averager, self.dht):
             try:
                 part.shutdown()

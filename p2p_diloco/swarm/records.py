@@ -14,7 +14,8 @@ from typing import Any, Iterable
 
 from hivemind.utils import get_dht_time
 
-RECORD_TTL_S = 600.0  # a peer that stops refreshing its record drops out of the swarm's view after this
+RECORD_TTL_S = 90.0  # a peer that stops refreshing its record drops out of the swarm's view after this
+REFRESH_S = 30.0  # live peers re-publish their latest record this often (a heartbeat)
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 

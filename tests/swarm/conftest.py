@@ -71,13 +71,22 @@ class Swarm:
             assert time.monotonic() < deadline, "bootstrap node did not print its address"
         raise AssertionError(f"bootstrap node exited: {proc.wait(timeout=10)}")
 
-    def peer(self, name: str, extra: dict | None = None, script: list[str] | None = None) -> subprocess.Popen:
+    def peer(self, name: str, extra: dict | None = None, script: list[str] | None = None,
+             fault: str | None = None, resume: bool = False) -> subprocess.Popen:
+        """A peer process; with `fault` (see faulty_peer.py) one that fails on purpose, in its own session."""
         options = {**SWARM, **(extra or {}), "run.dir": str(self.folder / name)}
+        if fault:
+            script = [sys.executable, "-m", "tests.swarm.faulty_peer"]
         cmd = [*(script or CLI), "peer", *[f"--{k}={v}" for k, v in options.items()], "--initial-peers", self.maddr]
-        log = open(self.folder / f"{name}.log", "w")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV)
+        if resume:
+            cmd.append("--resume")
+        log = open(self.folder / f"{name}.log", "a")
+        env = {**ENV, "FAULT": fault} if fault else ENV
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=bool(fault))
         proc.args = [*cmd, str(self.folder / f"{name}.log")]
         self.procs.append(proc)
+        if fault:
+            self.sessions.add(proc.pid)
         return proc
 
     def records(self, name: str) -> dict[int, dict]:
@@ -95,6 +104,8 @@ class Swarm:
         return (self.folder / f"{name}.log").read_text()
 
     def end_all(self) -> None:
+        for pgid in self.sessions:  # fault subjects (maybe stopped): no clean exit to wait for
+            _end_session(pgid)
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
@@ -110,7 +121,8 @@ class Swarm:
 
 def _end_session(pgid: int) -> None:
     """A process started in its own session (a fault-injection worker) leaves its DHT process and
-    p2pd behind when it is SIGKILLed: end its whole process group, whose id is the pid we started."""
+    p2pd behind when it is SIGKILLed: end its whole process group, whose id is the pid we started.
+    SIGKILL also ends stopped processes."""
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:  # the group is already gone
