@@ -147,6 +147,10 @@ class Peer:
         caught_up = False
         if self.swarm is not None:
             self.swarm.check_config()
+            if self.config.swarm.client_mode:
+                # Announce first, so reachable peers know to wait for this one at the next matchmaking.
+                self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
+                self.swarm.wait_for_reachable_peer()
             caught_up = self._catch_up()
         if path is None:
             self.metrics.truncate_after(-1)
@@ -233,9 +237,6 @@ class Peer:
         alone = (delta, (self.peer_id,), {"allreduce_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
         if self.swarm is None:
             return alone
-        r = self.state.round
-        if not any(rec.round >= r - 1 for peer, rec in self.swarm.peers().items() if peer != self.peer_id):
-            return alone  # nobody else is near this round: skip the matchmaking wait
         result = self._average_with_retries(outer.flatten(delta), tokens)
         if result is False:
             return alone
@@ -284,7 +285,10 @@ class Peer:
         if latest is None:
             return False
         round_, digest, holders = latest
-        if round_ < self.state.round or (round_ == self.state.round and digest == self.state.digest()):
+        if round_ == self.state.round and digest == self.state.digest():
+            return False
+        # A client-mode peer follows the reachable peers even when it ran ahead of them alone.
+        if round_ < self.state.round and not self.config.swarm.client_mode:
             return False
         if not self._try_adopt(round_, digest, holders):
             return False

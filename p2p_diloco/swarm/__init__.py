@@ -116,7 +116,7 @@ class Swarm:
     def publish_round(self, round_: int, digest: str, tokens: int, loss: float) -> None:
         record = records.RoundRecord(
             peer=self.peer_id, round=round_, digest=digest, tokens=tokens, loss=loss if math.isfinite(loss) else -1.0,
-            addrs=tuple(self.visible_maddrs()))
+            addrs=tuple(self.visible_maddrs()), serves=not self.config.swarm.client_mode)
         with self._dht_lock:
             records.publish_round(self.dht, self.validator, self.prefix, record)
         self._last_record = record
@@ -144,9 +144,26 @@ class Swarm:
             time.sleep(0.2)  # a DHT poll interval, bounded by the deadline above
 
     def majority(self, digests: dict[str, str]) -> tuple[str, list[str]]:
-        """The majority digest among `digests` (ties: the smallest) and the peers holding it."""
-        winner = records.majority(digests)
-        return winner, sorted(p for p, d in digests.items() if d == winner)
+        """The majority digest among `digests` (ties: the smallest) and the peers holding it that
+        can serve it (client-mode peers cannot)."""
+        clients = {p for p, r in self.peers().items() if not r.serves}
+        if self.config.swarm.client_mode:
+            clients.add(self.peer_id)
+        # Client-mode peers follow the reachable ones: their digests count only if nobody else's is in.
+        counted = {p: d for p, d in digests.items() if p not in clients} or digests
+        winner = records.majority(counted)
+        return winner, sorted(p for p, d in digests.items() if d == winner and p not in clients)
+
+    def wait_for_reachable_peer(self) -> None:
+        """A client-mode peer cannot reduce or serve: it needs a reachable peer of the run to train with."""
+        deadline = time.monotonic() + self.config.swarm.join_timeout_s
+        while not any(r.serves for r in self.peers().values()):
+            if time.monotonic() > deadline:
+                raise SwarmError(
+                    f"no reachable peer of run {self.config.run.run_id!r} within {self.config.swarm.join_timeout_s:g} s: "
+                    f"a client-mode peer needs at least one peer that others can connect to; start one, or turn "
+                    f"swarm.client_mode off if this peer is reachable")
+            time.sleep(0.5)  # a DHT poll interval, bounded by the deadline above
 
     # --- averaging ---------------------------------------------------------------------------
 

@@ -38,6 +38,7 @@ class RoundRecord:
     tokens: int
     loss: float
     addrs: tuple[str, ...] = ()  # where the peer listens (its multiaddrs), for operators and dashboards
+    serves: bool = True  # False for client-mode peers: nobody can connect to them to download a state
 
     @classmethod
     def parse(cls, value: Any) -> "RoundRecord | None":
@@ -47,7 +48,7 @@ class RoundRecord:
         try:
             addrs = tuple(str(a) for a in value.get("addrs", ())[:8])
             record = cls(str(value["peer"]), int(value["round"]), str(value["digest"]), int(value["tokens"]),
-                         float(value["loss"]), addrs)
+                         float(value["loss"]), addrs, bool(value.get("serves", True)))
         except (KeyError, TypeError, ValueError):
             return None
         if record.round < 0 or record.tokens < 0 or not _DIGEST.match(record.digest) or len(record.peer) > 128:
@@ -78,8 +79,11 @@ def read_rounds(dht: Any, prefix: str) -> dict[str, RoundRecord]:
 
 
 def latest_majority(recs: Iterable[RoundRecord]) -> tuple[int, str, list[str]] | None:
-    """(round, digest, peers) of the highest round, with the digest most peers hold (ties: smallest digest)."""
-    recs = list(recs)
+    """(round, digest, peers) of the highest round, with the digest most peers hold (ties: smallest digest).
+
+    Only peers that serve their state count: a client-mode peer's state cannot be downloaded, so
+    it cannot be the swarm's reference; it follows the reachable peers instead."""
+    recs = [r for r in recs if r.serves]
     if not recs:
         return None
     top = max(r.round for r in recs)
