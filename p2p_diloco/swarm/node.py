@@ -40,6 +40,8 @@ def listen_maddrs(cfg: SwarmSection) -> tuple[list[str], list[str]]:
         version = "ip6" if ipaddress.ip_address(cfg.host).version == 6 else "ip4"
     except ValueError:
         raise SwarmError(f"swarm.host {cfg.host!r} is not an IP address; use e.g. 0.0.0.0 or 127.0.0.1") from None
+    if cfg.announce_host and cfg.port == 0:
+        raise SwarmError("an announced address needs a fixed port: set --port / swarm.port (e.g. 31337) and forward it")
     host = [f"/{version}/{cfg.host}/tcp/{cfg.port}"]
     announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host else []
     return host, announce

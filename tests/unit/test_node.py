@@ -1,0 +1,31 @@
+"""Swarm addresses from the config, checked before anything starts."""
+
+import pytest
+
+from p2p_diloco import config
+from p2p_diloco.errors import SwarmError
+from p2p_diloco.swarm.node import listen_maddrs, parse_initial_peers
+
+PEER = "/ip4/1.2.3.4/tcp/31337/p2p/QmW6jYSj4CRDDYnptoKGFN2nFvhFYYUrynQh5Nsu72XBP8"
+
+
+def swarm(**values):
+    return config.load().replace("swarm", **values).swarm
+
+
+def test_listen_and_announce_addresses():
+    assert listen_maddrs(swarm(host="127.0.0.1", port=0)) == (["/ip4/127.0.0.1/tcp/0"], [])
+    assert listen_maddrs(swarm(host="::", port=5)) == (["/ip6/::/tcp/5"], [])
+    assert listen_maddrs(swarm(port=31337, announce_host="5.6.7.8")) == (["/ip4/0.0.0.0/tcp/31337"], ["/ip4/5.6.7.8/tcp/31337"])
+
+
+def test_bad_addresses_name_the_fix():
+    with pytest.raises(SwarmError, match="needs a fixed port"):
+        listen_maddrs(swarm(announce_host="5.6.7.8"))
+    with pytest.raises(SwarmError, match="is not an IP address"):
+        listen_maddrs(swarm(host="localhost"))
+    with pytest.raises(SwarmError, match="has no /p2p/<peer id> part"):
+        parse_initial_peers(["/ip4/1.2.3.4/tcp/31337"])
+    with pytest.raises(SwarmError, match="is not a multiaddr"):
+        parse_initial_peers(["1.2.3.4:31337"])
+    assert parse_initial_peers([PEER]) == [PEER]
