@@ -273,6 +273,7 @@ class Peer:
         if peers <= {self.peer_id}:
             return
         digests = self.swarm.wait_for_digests(self.state.round, tuple(sorted(peers | {self.peer_id})))
+        digests[self.peer_id] = mine  # our own record may not be readable yet: we know our digest
         majority, holders = self.swarm.majority(digests)
         if majority != mine:
             self.log.warning("digest %s differs from the group's majority %s: reloading its state", mine[:12], majority[:12])

@@ -61,10 +61,12 @@ def _store(dht: Any, validator: Any, key: str, value: Any) -> None:
 
 
 def _read(dht: Any, key: str) -> list[Any]:
+    """The values under `key`, freshest first (by expiration: each is stored with the same TTL)."""
     found = dht.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    return [entry.value for entry in found.value.values() if hasattr(entry, "value")]
+    entries = [entry for entry in found.value.values() if hasattr(entry, "value")]
+    return [entry.value for entry in sorted(entries, key=lambda e: -e.expiration_time)]
 
 
 def publish_round(dht: Any, validator: Any, prefix: str, record: RoundRecord) -> None:
@@ -72,10 +74,14 @@ def publish_round(dht: Any, validator: Any, prefix: str, record: RoundRecord) ->
 
 
 def read_rounds(dht: Any, prefix: str) -> dict[str, RoundRecord]:
-    """Each peer's latest round record; a peer id claimed by two owners is dropped as ambiguous."""
-    parsed = [r for r in map(RoundRecord.parse, _read(dht, f"{prefix}_rounds")) if r is not None]
-    counts = Counter(r.peer for r in parsed)
-    return {r.peer: r for r in parsed if counts[r.peer] == 1}
+    """Each peer's latest round record. A peer id under two owner keys (a restarted peer signs with
+    a new key; its old record lives until it expires) counts once: the freshest record wins.
+    Nothing here is trusted further: digests are checked on every download."""
+    out: dict[str, RoundRecord] = {}
+    for record in map(RoundRecord.parse, _read(dht, f"{prefix}_rounds")):
+        if record is not None and record.peer not in out:
+            out[record.peer] = record
+    return out
 
 
 def latest_majority(recs: Iterable[RoundRecord]) -> tuple[int, str, list[str]] | None:

@@ -78,3 +78,34 @@ def test_client_mode_peer_averages_through_a_reachable_peer(swarm):
     for r in range(1, ROUNDS + 1):
         assert reachable[r]["digest"] == client[r]["digest"], r
     assert [client[r]["group_size"] for r in range(2, ROUNDS + 1)] == [2] * (ROUNDS - 1)
+
+
+@pytest.mark.timeout(240)
+def test_whole_swarm_restart_continues_from_the_last_completed_round(swarm):
+    import signal
+
+    from p2p_diloco import checkpoint
+
+    long = {"run.rounds": "1000"}
+    names = ("a", "b")
+    first = [swarm.peer(name, long) for name in names]
+    wait_until(lambda: all(len(swarm.records(n)) >= 3 for n in names), first, 120, "3 rounds")
+    for p in first:
+        p.send_signal(signal.SIGINT)
+    assert [p.wait(timeout=90) for p in first] == [0, 0]
+    saved = {n: checkpoint.load(checkpoint.latest(swarm.folder / n)) for n in names}
+    before = {n: (saved[n]["round"], saved[n]["digest"]) for n in names}
+    assert len({d for _, d in before.values()}) == 1 or before["a"][0] != before["b"][0], before
+
+    again = [swarm.peer(name, long, resume=True) for name in names]
+    top = max(r for r, _ in before.values())
+    wait_until(lambda: all(max(swarm.records(n)) >= top + 2 for n in names), again, 150, "2 more rounds")
+    for p in again:
+        p.send_signal(signal.SIGINT)
+    assert [p.wait(timeout=90) for p in again] == [0, 0]
+    for n in names:
+        assert f"resumed from {checkpoint.path_for(swarm.folder / n, before[n][0])} (digest {before[n][1]})" in swarm.log(n)
+    a, b = swarm.records("a"), swarm.records("b")
+    for r in sorted(set(a) & set(b)):
+        assert a[r]["digest"] == b[r]["digest"], r
+    assert max(set(a) & set(b)) >= top + 1
