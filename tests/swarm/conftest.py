@@ -53,6 +53,7 @@ class Swarm:
         self.folder = folder
         self.procs: list[subprocess.Popen] = []
         self.sessions: set[int] = set()  # process groups we started, ended as a whole at the end
+        self.fault_sessions: set[int] = set()  # of those, the fault subjects (maybe stopped)
         self.maddr = None
 
     def bootstrap(self) -> str:
@@ -61,8 +62,9 @@ class Swarm:
         config.save(config.load(None, SWARM), run_toml)  # the bootstrap node reports this run's rounds
         proc = subprocess.Popen([*CLI, "bootstrap", "--host", "127.0.0.1", "--port", "0", "--report-every", "2",
                                  "--identity", str(self.folder / "bootstrap.key"), "--config", str(run_toml)],
-                                stdout=subprocess.PIPE, stderr=log, text=True, env=ENV)
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=ENV, start_new_session=True)
         self.procs.append(proc)
+        self.sessions.add(proc.pid)
         deadline = time.monotonic() + 60
         for line in proc.stdout:  # the node prints its address as soon as it is up
             if line.strip().startswith("--initial-peers"):
@@ -82,11 +84,13 @@ class Swarm:
             cmd.append("--resume")
         log = open(self.folder / f"{name}.log", "a")
         env = {**ENV, "FAULT": fault} if fault else ENV
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=bool(fault))
+        # Its own session, so that its DHT and averager processes and their p2pd can be ended as a group.
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         proc.args = [*cmd, str(self.folder / f"{name}.log")]
         self.procs.append(proc)
+        self.sessions.add(proc.pid)
         if fault:
-            self.sessions.add(proc.pid)
+            self.fault_sessions.add(proc.pid)
         return proc
 
     def records(self, name: str) -> dict[int, dict]:
@@ -104,7 +108,7 @@ class Swarm:
         return (self.folder / f"{name}.log").read_text()
 
     def end_all(self) -> None:
-        for pgid in self.sessions:  # fault subjects (maybe stopped): no clean exit to wait for
+        for pgid in self.fault_sessions:  # fault subjects (maybe stopped): no clean exit to wait for
             _end_session(pgid)
         for p in self.procs:
             if p.poll() is None:
@@ -115,7 +119,7 @@ class Swarm:
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=30)
-        for pgid in self.sessions:
+        for pgid in self.sessions:  # whatever a peer left behind: its DHT, averager, p2pd
             _end_session(pgid)
 
 
