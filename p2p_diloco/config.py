@@ -106,6 +106,8 @@ class SwarmSection:
     client_mode: bool = local(False, "for peers others cannot reach (behind NAT): send and receive, never reduce")
     nat_traversal: bool = local(False, "UPnP/NAT-PMP port mapping, AutoNAT and relays (they probe the LAN)")
     compression: str = shared("fp32", "pseudo-gradient codec on the wire: fp32 or scaled-fp16")
+    speed_aware: bool = shared(True, "a round ends when the live peers together trained H x batch tokens each; "
+                                     "off: every peer runs exactly H steps (the paper's setting)")
     matchmaking_time_s: float = shared(5.0, "how long peers that finished a round wait for each other to form a group")
     averaging_timeout_s: float = shared(60.0, "deadline of one all-reduce; a dead or hung peer costs at most this")
     averaging_retries: int = shared(1, "after a failed all-reduce, the survivors retry this many times with their kept pseudo-gradients")

@@ -40,7 +40,7 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 
 @dataclass(frozen=True)
 class PhaseResult:
-    """What one inner phase did. `stopped` means it was interrupted before `steps` were done."""
+    """What one inner phase did. `stopped` means it was abandoned (Ctrl+C, or the swarm moved on)."""
 
     steps: int
     tokens: int
@@ -96,16 +96,23 @@ class InnerTrainer:
         steps: int,
         should_stop: Callable[[], bool] = lambda: False,
         on_step: Callable[[int, float, int], None] = lambda step, loss, tokens: None,
+        should_end: Callable[[int, int], bool] = lambda steps, tokens: False,
     ) -> PhaseResult:
-        """Up to `steps` inner steps; stops early (stopped=True) when should_stop() turns true.
+        """Up to `steps` inner steps.
 
+        should_stop() true: the phase is abandoned (stopped=True; the caller discards it).
+        should_end(steps_done, tokens) true: the phase is complete early (the swarm's round ended);
+        asked only after the first step, so every phase has a pseudo-gradient to contribute.
         on_step(step_in_phase, loss, tokens_so_far) is called after every step; reading the loss
         there is a CPU-GPU sync point, which costs little next to a step of accumulated micro-batches.
         """
         start = time.perf_counter()
-        losses, tokens, lr_sum = [], 0, 0.0
+        losses, tokens, lr_sum, stopped = [], 0, 0.0, False
         for i in range(steps):
             if should_stop():
+                stopped = True
+                break
+            if i > 0 and should_end(i, tokens):
                 break
             batch = next_batch()
             lr_sum += lr_at(self.step, self.cfg, self.total_steps)
@@ -115,7 +122,7 @@ class InnerTrainer:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         mean = sum(losses) / len(losses) if losses else float("nan")
-        return PhaseResult(len(losses), tokens, mean, time.perf_counter() - start, lr_sum, len(losses) < steps)
+        return PhaseResult(len(losses), tokens, mean, time.perf_counter() - start, lr_sum, stopped)
 
     @torch.no_grad()
     def evaluate(self, batch: torch.Tensor) -> float:

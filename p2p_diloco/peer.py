@@ -27,6 +27,10 @@ from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress
 
 logger = logging.getLogger(__name__)
 
+# A speed-aware peer runs at most this many times H steps in one round: the share of a fast peer in
+# a swarm of slow ones (which the round's token budget already bounds) and a guard against a bug.
+MAX_ROUND_SHARE = 16
+
 
 def resolve_device(spec: str) -> torch.device:
     if spec == "auto":
@@ -68,6 +72,10 @@ class Peer:
         self._lock = self._claim_run_dir(resume)
         self.swarm = None
         self.progress = Progress(False, "")
+        self._speed_aware = bool(config.swarm.initial_peers) and config.swarm.speed_aware
+        self._round_view = None  # the swarm's progress in this round when the inner phase ended
+        self._tokens_per_s = 0.0  # this peer's speed in its last inner phase
+        self._failed_catch_up = -1  # the latest round a catch-up failed to download
         try:
             self._build(resume)
         except BaseException:
@@ -195,17 +203,33 @@ class Peer:
         self.log.info("run complete: %d rounds, digest %s", self.state.round, self.state.digest())
 
     def run_round(self, stop: threading.Event) -> bool:
-        """One round: commits a new state, metrics record and checkpoint, or (if stopped) changes nothing durable."""
+        """One round: commits a new state, metrics record and checkpoint, or (if stopped) changes nothing durable.
+
+        Returns False if `stop` ended it. A round the swarm finished without this peer (it hung, or
+        slept) is abandoned too, but returns True: the next round starts by catching up.
+        """
         started = time.perf_counter()
         if self.swarm is not None:
             self._catch_up()
+        if self._speed_aware:
+            # The lr schedule follows the swarm's rounds: a fast peer that ran more than H steps in
+            # a round, or a slow one that ran fewer, is back on the schedule at the next.
+            self.trainer.step = self.state.round * self.config.inner.steps
         self.log.round = self.state.round
         phase = self._inner_phase(stop)
         if phase.stopped:
-            return False
+            if stop.is_set():
+                return False
+            self.log.warning("the swarm finished round %d without this peer (it is at round %s): abandoning the "
+                             "inner phase to catch up", self.state.round, self.swarm.swarm_round())
+            self._load_theta()
+            return True
         delta = outer.pseudo_gradient(self.state.params, dict(self.model.named_parameters()))
         delta_norm = outer.check_pseudo_gradient(delta, phase.lr_sum, self.config.inner.weight_decay)
+        averaging_started = time.perf_counter()
         averaged, group, comm = self._average(delta, phase.tokens)
+        comm["averaging_s"] = time.perf_counter() - averaging_started
+        comm["wait_s"] = max(0.0, comm["averaging_s"] - comm["allreduce_s"])
         # Who should agree on the round's result: the group, and every live peer that was at this round.
         r = self.state.round
         peers = set(group) | (self.swarm.peers_at(r, r + 1) if self.swarm is not None else set())
@@ -218,6 +242,8 @@ class Peer:
         self.totals.inner_steps += phase.steps
         self.totals.compute_s += phase.compute_s
         record = {**self._round_record(phase, delta_norm), "group_size": len(group), **comm}
+        if self._speed_aware:
+            record["swarm_peers"] = self._round_view.peers if self._round_view else 1
         record["wall_s"] = time.perf_counter() - started
         self.metrics.append(record)
         self._save()
@@ -237,7 +263,8 @@ class Peer:
         alone = (delta, (self.peer_id,), {"allreduce_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
         if self.swarm is None:
             return alone
-        result = self._average_with_retries(outer.flatten(delta), tokens)
+        expected = self._round_view.peers if self._round_view is not None else 0
+        result = self._average_with_retries(outer.flatten(delta), tokens, expected)
         if result is False:
             return alone
         if result is None:
@@ -246,7 +273,7 @@ class Peer:
         comm = {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received}
         return outer.unflatten(result.delta, delta), result.group, comm
 
-    def _average_with_retries(self, flat_delta: torch.Tensor, tokens: int) -> Any:
+    def _average_with_retries(self, flat_delta: torch.Tensor, tokens: int, expected_group: int) -> Any:
         """The swarm's average, None if nobody else came, False if every attempt failed.
 
         A failed all-reduce applied nothing and left `flat_delta` as it was (I2), so the survivors,
@@ -255,7 +282,8 @@ class Peer:
         attempts = 1 + self.config.swarm.averaging_retries
         for attempt in range(1, attempts + 1):
             try:
-                return self.swarm.average(flat_delta, tokens, self.state.round, retry=attempt > 1)
+                return self.swarm.average(flat_delta, tokens, self.state.round, retry=attempt > 1,
+                                          expected_group=expected_group if attempt == 1 else 0)
             except AveragingError as e:
                 more = "retrying among the survivors" if attempt < attempts else "using this peer's own pseudo-gradient"
                 self.log.warning("%s (attempt %d of %d); %s", e, attempt, attempts, more)
@@ -292,6 +320,7 @@ class Peer:
         if round_ < self.state.round and not self.config.swarm.client_mode:
             return False
         if not self._try_adopt(round_, digest, holders):
+            self._failed_catch_up = max(self._failed_catch_up, round_)
             return False
         # The inner lr schedule follows the swarm's round, not this peer's own step count.
         self.trainer.step = max(self.trainer.step, round_ * self.config.inner.steps)
@@ -334,9 +363,20 @@ class Peer:
         return {"round": state.round, "digest": state.digest()}, [outer.flatten(state.params), outer.flatten(state.momentum)]
 
     def _inner_phase(self, stop: threading.Event) -> PhaseResult:
-        steps = self.config.inner.steps
-        self.progress.start(self.state.round, steps)
+        """H inner steps; in a speed-aware swarm, until the swarm's tokens reach the round's budget.
+
+        A speed-aware peer reports its progress and ends the phase when the live peers together
+        trained H x batch tokens each (rounds.py). It abandons the phase if the swarm published a
+        later round meanwhile (this peer was stopped or asleep while the others went on).
+        """
+        steps, round_ = self.config.inner.steps, self.state.round
+        tokens_per_peer = steps * self.config.inner.batch_size * self.config.model.seq_len
+        speed_aware = self._speed_aware
+        self._round_view = None
+        self.progress.start(round_, steps)
         started = time.perf_counter()
+        if speed_aware:
+            self.swarm.report_progress(round_, 0, self._tokens_per_s)
 
         def on_step(step: int, loss: float, tokens: int) -> None:
             self.log.step, self.log.steps = step, steps
@@ -344,11 +384,34 @@ class Peer:
             if step % max(steps // 4, 1) == 0:
                 self.log.debug("loss %.4f", loss)
 
+        def should_stop() -> bool:
+            if stop.is_set():
+                return True
+            if not speed_aware:
+                return False
+            ahead = self.swarm.swarm_round()
+            return ahead is not None and ahead > round_ and ahead > self._failed_catch_up
+
+        def should_end(done: int, tokens: int) -> bool:
+            self.swarm.report_progress(round_, tokens, tokens / max(time.perf_counter() - started, 1e-9))
+            self._round_view = self.swarm.round_progress(round_, tokens, tokens_per_peer)
+            return self._round_view.done
+
         try:
-            return self.trainer.run_phase(lambda: self.stream.next_batch(self.config.inner.batch_size), steps, stop.is_set, on_step)
+            if not speed_aware:
+                return self.trainer.run_phase(self._next_batch, steps, stop.is_set, on_step)
+            phase = self.trainer.run_phase(self._next_batch, steps * MAX_ROUND_SHARE, should_stop, on_step, should_end)
+            if phase.steps:
+                self._tokens_per_s = phase.tokens / max(phase.compute_s, 1e-9)
+            # The phase is over: report the final tokens at rate 0, so nobody extrapolates more.
+            self.swarm.report_progress(round_, phase.tokens, 0.0)
+            return phase
         finally:
             self.log.step = None
             self.progress.close()
+
+    def _next_batch(self) -> torch.Tensor:
+        return self.stream.next_batch(self.config.inner.batch_size)
 
     def _load_theta(self) -> None:
         """Copy θ(r) into the inner model: the start of every inner phase (step 1 of the round)."""

@@ -16,7 +16,7 @@ import logging
 import math
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -27,6 +27,7 @@ from hivemind.compression import NoCompression, ScaledFloat16Compression
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from p2p_diloco.config import Config, diff_shared
+from p2p_diloco.rounds import Progress, SwarmProgress, swarm_progress
 from p2p_diloco.errors import AveragingError, RunConfigMismatch, StateDownloadError, SwarmError
 from p2p_diloco.swarm import records
 from p2p_diloco.swarm.allreduce import DiLoCoAverager
@@ -39,6 +40,8 @@ HIVEMIND_ERRORS = (AllreduceException, MatchmakingException, P2PDaemonError, P2P
                    asyncio.TimeoutError, ConnectionError, asyncio.CancelledError)
 CODECS = {"fp32": NoCompression, "scaled-fp16": ScaledFloat16Compression}
 PART_SIZE_BYTES = 2 * 1024 * 1024  # 25-30 % faster than hivemind's 512 KiB default, measured here
+PROGRESS_INTERVAL_S = 1.0  # how often a peer publishes its progress and reads everyone's
+STALE_S = 10.0  # a peer whose progress report is older than this no longer counts in the round
 
 
 @dataclass(frozen=True)
@@ -67,8 +70,14 @@ class Swarm:
         # hivemind's DHT handle is one pipe: the heartbeat thread and the peer's thread take turns.
         self._dht_lock = threading.Lock()
         self._last_record: records.RoundRecord | None = None
+        self._last_refresh = 0.0
+        # The progress of this peer's round (published) and of everyone's (read), kept fresh by one
+        # background thread so that the training loop only ever reads memory.
+        self._my_progress: Progress | None = None
+        self._reports: list[Progress] = []
+        self._rounds_seen: dict[str, records.RoundRecord] = {}
         self._stop_heartbeat = threading.Event()
-        self._heartbeat = threading.Thread(target=self._refresh_records, name="swarm-heartbeat", daemon=True)
+        self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
         try:
             self.averager = DiLoCoAverager(
                 [self.buffer], self.dht, start=True, prefix=self.prefix,
@@ -83,16 +92,44 @@ class Swarm:
             raise SwarmError(f"could not start the averager: {e}") from None
         self._heartbeat.start()
 
-    def _refresh_records(self) -> None:
-        """Re-publish this peer's latest record every REFRESH_S: records expire after RECORD_TTL_S,
-        so a peer that died drops out of everyone's view within a minute and a half."""
-        while not self._stop_heartbeat.wait(records.REFRESH_S):
-            if self._last_record is not None:
-                try:
-                    with self._dht_lock:
-                        records.publish_round(self.dht, self.validator, self.prefix, self._last_record)
-                except Exception as e:  # a failed refresh is retried at the next beat; never kill the peer
-                    logger.debug("record refresh failed: %s", e)
+    def _heartbeat_loop(self) -> None:
+        """Every PROGRESS_INTERVAL_S: publish this peer's progress in its round and read everyone's.
+        Every REFRESH_S: re-publish this peer's round record, which expires after RECORD_TTL_S, so a
+        peer that died drops out of everyone's view within a minute and a half."""
+        while not self._stop_heartbeat.wait(PROGRESS_INTERVAL_S):
+            try:
+                self._beat()
+            except Exception as e:  # a failed beat is retried at the next one; never kill the peer
+                logger.debug("heartbeat failed: %s", e)
+
+    def _beat(self) -> None:
+        now = time.time()
+        mine = self._my_progress
+        with self._dht_lock:
+            if self._last_record is not None and now - self._last_refresh >= records.REFRESH_S:
+                records.publish_round(self.dht, self.validator, self.prefix, self._last_record)
+                self._last_refresh = now
+            if mine is not None:
+                records.publish_progress(self.dht, self.validator, self.prefix, replace(mine, time=now))
+            reports = records.read_progress(self.dht, self.prefix)
+            rounds_seen = records.read_rounds(self.dht, self.prefix)
+        self._reports, self._rounds_seen = reports, rounds_seen
+
+    # --- progress of the round ----------------------------------------------------------------
+
+    def report_progress(self, round_: int, tokens: int, tokens_per_s: float) -> None:
+        """This peer's progress in its round; the heartbeat publishes it (with rate 0 once the
+        inner phase ended, so nobody extrapolates tokens that will never come)."""
+        self._my_progress = Progress(self.peer_id, round_, tokens, tokens_per_s, time.time())
+
+    def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int) -> SwarmProgress:
+        """The swarm's progress in `round_` as of the last heartbeat; reads memory only."""
+        return swarm_progress(self.peer_id, round_, my_tokens, self._reports, time.time(), tokens_per_peer, STALE_S)
+
+    def swarm_round(self) -> int | None:
+        """The latest round a peer that serves its state has published, as of the last heartbeat."""
+        served = [r.round for r in self._rounds_seen.values() if r.serves]
+        return max(served) if served else None
 
     def visible_maddrs(self) -> list[str]:
         with self._dht_lock:
@@ -119,7 +156,7 @@ class Swarm:
             addrs=tuple(self.visible_maddrs()), serves=not self.config.swarm.client_mode)
         with self._dht_lock:
             records.publish_round(self.dht, self.validator, self.prefix, record)
-        self._last_record = record
+        self._last_record, self._last_refresh = record, time.time()
 
     def peers(self) -> dict[str, records.RoundRecord]:
         """The latest round record of every live peer of this run, by peer id."""
@@ -167,10 +204,12 @@ class Swarm:
 
     # --- averaging ---------------------------------------------------------------------------
 
-    def average(self, delta: torch.Tensor, weight: float, round_: int, retry: bool = False) -> Averaged | None:
+    def average(self, delta: torch.Tensor, weight: float, round_: int, retry: bool = False,
+                expected_group: int = 0) -> Averaged | None:
         """All-reduce this round's pseudo-gradient with the peers that reached the same round.
 
         `retry`: this round's all-reduce failed before; wait long enough for the other survivors.
+        `expected_group`: how many peers are at the round; a group that size starts at once.
         Returns None when no other peer showed up within the matchmaking window (the peer then
         averages alone). Raises AveragingError if a group formed but its all-reduce failed: the
         caller's `delta` is untouched and nothing was applied (I2).
@@ -178,6 +217,8 @@ class Swarm:
         with self.averager.get_tensors() as (buffer,):
             buffer.copy_(delta)
         self.averager.set_group_bits(records.round_bits(round_))
+        if expected_group >= 2:
+            self.averager.set_target_group_size(expected_group)
         timeout = self.config.swarm.matchmaking_time_s * 3
         if retry:
             # Survivors notice a failed all-reduce at different moments: a reducer that drops a

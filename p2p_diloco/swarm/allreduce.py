@@ -76,7 +76,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         try:
             await self._send_and_receive(peer_id, peer_index)
         except BaseException as e:
-            self.failures.append(f"reducer {str(peer_id)[-6:]}: {type(e).__name__}")
+            self.failures.append(f"reducer {str(peer_id)[-6:]}: {type(e).__name__} {str(e)[:120]}")
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 
@@ -171,6 +171,15 @@ class DiLoCoAverager(DecentralizedAverager):
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
+
+    def set_target_group_size(self, size: int) -> None:
+        """A group of `size` starts its all-reduce as soon as it is complete, without waiting out the
+        matchmaking window; the swarm's progress tells each peer how many peers are at the round."""
+        self._outer_pipe.send(("_set_target_group_size", [], dict(size=max(2, int(size)))))
+
+    async def _set_target_group_size(self, size: int) -> None:
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
 
     def download_state_from(self, peer: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
         """(metadata, tensors) served by one chosen peer, within `timeout` seconds in all (I3).

@@ -14,8 +14,11 @@ from typing import Any, Iterable
 
 from hivemind.utils import get_dht_time
 
+from p2p_diloco.rounds import Progress
+
 RECORD_TTL_S = 90.0  # a peer that stops refreshing its record drops out of the swarm's view after this
 REFRESH_S = 30.0  # live peers re-publish their latest record this often (a heartbeat)
+PROGRESS_TTL_S = 30.0  # progress reports are stale after seconds anyway (rounds.py); they need not live long
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 
@@ -56,8 +59,23 @@ class RoundRecord:
         return record
 
 
-def _store(dht: Any, validator: Any, key: str, value: Any) -> None:
-    dht.store(key, value, expiration_time=get_dht_time() + RECORD_TTL_S, subkey=validator.local_public_key)
+def parse_progress(value: Any) -> Progress | None:
+    """A progress report from the DHT, or None if it is malformed (untrusted, like every record)."""
+    if not isinstance(value, dict):
+        return None
+    try:
+        report = Progress(str(value["peer"]), int(value["round"]), int(value["tokens"]),
+                          float(value["tokens_per_s"]), float(value["time"]))
+    except (KeyError, TypeError, ValueError):
+        return None
+    numbers_ok = report.tokens >= 0 and 0.0 <= report.tokens_per_s < float("inf") and report.time == report.time
+    if report.round < 0 or not numbers_ok or len(report.peer) > 128:
+        return None
+    return report
+
+
+def _store(dht: Any, validator: Any, key: str, value: Any, ttl: float = RECORD_TTL_S) -> None:
+    dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=validator.local_public_key)
 
 
 def _read(dht: Any, key: str) -> list[Any]:
@@ -82,6 +100,19 @@ def read_rounds(dht: Any, prefix: str) -> dict[str, RoundRecord]:
         if record is not None and record.peer not in out:
             out[record.peer] = record
     return out
+
+
+def publish_progress(dht: Any, validator: Any, prefix: str, report: Progress) -> None:
+    _store(dht, validator, f"{prefix}_progress", asdict(report), ttl=PROGRESS_TTL_S)
+
+
+def read_progress(dht: Any, prefix: str) -> list[Progress]:
+    """Every peer's latest progress report (one per peer id, the freshest)."""
+    out: dict[str, Progress] = {}
+    for report in map(parse_progress, _read(dht, f"{prefix}_progress")):
+        if report is not None and (report.peer not in out or report.time > out[report.peer].time):
+            out[report.peer] = report
+    return list(out.values())
 
 
 def latest_majority(recs: Iterable[RoundRecord]) -> tuple[int, str, list[str]] | None:

@@ -67,6 +67,21 @@ def test_phase_counts_steps_tokens_and_stops_early():
     assert not full.stopped and full.steps == 2 and trainer.step == 5
 
 
+def test_a_phase_ends_early_when_the_swarm_says_the_round_is_done():
+    trainer = InnerTrainer(TinyLM(), inner_cfg(batch_size=8, micro_batch_size=4, warmup_steps=2), 10, torch.device("cpu"))
+    asked = []
+
+    def should_end(steps, tokens):
+        asked.append((steps, tokens))
+        return tokens >= 100
+
+    result = trainer.run_phase(batch, steps=50, should_end=should_end)
+    # Asked before steps 2, 3 (never before the first: a phase always has something to contribute).
+    assert asked == [(1, 48), (2, 96), (3, 144)]
+    assert not result.stopped and result.steps == 3 and result.tokens == 144
+    assert trainer.run_phase(batch, steps=5, should_end=lambda s, t: True).steps == 1
+
+
 def test_training_lowers_the_loss_on_a_fixed_batch():
     trainer = InnerTrainer(TinyLM(), inner_cfg(batch_size=8, micro_batch_size=8, warmup_steps=0, lr=1e-2), 50, torch.device("cpu"))
     before = trainer.evaluate(batch())

@@ -1,0 +1,61 @@
+"""Speed-aware rounds: when a round ends, decided from the swarm's progress. Pure functions.
+
+Peers of different speeds do not each run H steps (the slowest would set the pace and everyone
+else would idle). Instead a round has a token budget, H x batch tokens for every live peer at the
+round, and ends for everyone when the peers' tokens together reach it. A peer 3x faster does 3x
+the steps of a slow one in the same wall time, and its pseudo-gradient weighs 3x in the average
+(weights are tokens). With equal speeds every peer does about H steps, as in the paper.
+
+Each peer publishes its progress in the round (tokens so far, tokens/s, when measured) about once a
+second. Between reports a peer's tokens are extrapolated at its reported rate, so all peers reach
+the same verdict at about the same moment, within one report interval. A peer whose report is
+older than `stale_s` (it died, hangs, or its laptop slept) no longer counts: neither its tokens
+nor its share of the budget, so the others simply train on and lose nothing to it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One peer's report of its current round."""
+
+    peer: str
+    round: int
+    tokens: int  # tokens trained in this round so far
+    tokens_per_s: float
+    time: float  # wall-clock time (seconds since the epoch) of the measurement
+
+
+@dataclass(frozen=True)
+class SwarmProgress:
+    """The swarm's progress in one round, as one peer sees it."""
+
+    tokens: float  # estimated tokens trained in the round by every live peer, this one included
+    target: int  # the round's token budget: H x batch tokens for each live peer
+    peers: int  # live peers at the round, this one included
+
+    @property
+    def done(self) -> bool:
+        return self.tokens >= self.target
+
+
+def estimate(report: Progress, now: float) -> float:
+    """Tokens the peer has trained by `now`, extrapolated from its last report at its own rate."""
+    elapsed = max(0.0, now - report.time)  # a clock ahead of ours must not make a peer look slower
+    return report.tokens + max(0.0, report.tokens_per_s) * elapsed
+
+
+def swarm_progress(me: str, round_: int, my_tokens: int, reports: Iterable[Progress], now: float,
+                   tokens_per_peer: int, stale_s: float) -> SwarmProgress:
+    """The round's progress from this peer's tokens and the other peers' reports.
+
+    Only reports of the same round that are younger than `stale_s` count. A live peer that has not
+    reported yet (it joined this round a moment ago) counts for nothing until it does.
+    """
+    live = [r for r in reports if r.peer != me and r.round == round_ and now - r.time <= stale_s]
+    tokens = my_tokens + sum(estimate(r, now) for r in live)
+    return SwarmProgress(tokens, tokens_per_peer * (1 + len(live)), 1 + len(live))
