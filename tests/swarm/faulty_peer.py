@@ -6,16 +6,21 @@ phase `inner`: at the start of the n-th inner phase this peer runs, the main pro
 whole process group (itself, its DHT and averager processes and their p2pd): SIGKILL is a crash,
 SIGSTOP a laptop that went to sleep. phase `allreduce`: the averager process does the same in the
 n-th all-reduce this peer takes part in, as a reducer, when the first part of its span arrived
-(it has answered nothing yet). Counting from this peer's start makes the fault land after it took
-part in the swarm, however many rounds it skipped by catching up.
+(it has answered nothing yet). phase `matchmaking`: the n-th time this peer looks for its round's
+group, half a matchmaking window after it declared itself (others have seen it and may be
+waiting for it). phase `serve`: when another peer downloads this peer's state for the n-th time,
+before a byte was sent. Counting from this peer's start makes the fault land after it took part in
+the swarm, however many rounds it skipped by catching up.
 The tests start this process in a session of its own, so the group is exactly this peer.
 """
 
 import os
 import signal
 import sys
+import threading
 
 from p2p_diloco import cli, peer
+from p2p_diloco.swarm import Swarm
 from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
 
 PHASE, NTH, SIGNAL = os.environ["FAULT"].split(":")
@@ -64,7 +69,33 @@ def patch_allreduce() -> None:
     ConsistentAllReduceRunner._accumulate_parts_streaming = reduce
 
 
-{"inner": patch_inner, "allreduce": patch_allreduce}[PHASE]()
+def patch_matchmaking() -> None:
+    original = Swarm.average
+    state = {"steps": 0}
+
+    def average(self, *args, **kwargs):
+        state["steps"] += 1
+        if state["steps"] == NTH:  # the fault's timing, not a synchronisation: it lands mid-matchmaking
+            threading.Timer(self.config.swarm.matchmaking_time_s / 2, fail).start()
+        return original(self, *args, **kwargs)
+
+    Swarm.average = average
+
+
+def patch_serve() -> None:
+    original = peer.Peer._serve_state
+    state = {"served": 0}
+
+    def serve_state(self):
+        state["served"] += 1
+        if state["served"] == NTH:
+            fail()
+        return original(self)
+
+    peer.Peer._serve_state = serve_state
+
+
+{"inner": patch_inner, "allreduce": patch_allreduce, "matchmaking": patch_matchmaking, "serve": patch_serve}[PHASE]()
 
 if __name__ == "__main__":
     sys.exit(cli.main())

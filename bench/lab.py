@@ -1,0 +1,137 @@
+"""A swarm on 127.0.0.1 for benchmarks: a bootstrap node and real `p2p-diloco peer` processes,
+each in a session of its own so it can be throttled, stopped, killed or restarted as a whole.
+
+    with LocalSwarm(folder, overrides) as lab:
+        lab.start("a"); lab.start("b")
+        lab.wait(lambda: lab.done("a") and lab.done("b"), 600, "both finish")
+
+Everything this starts is ended on exit, also on errors, by process group id.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+from p2p_diloco import config
+
+CLI = [sys.executable, "-m", "p2p_diloco.cli"]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # several peers share the machine's cores
+
+
+class LocalSwarm:
+    def __init__(self, folder: Path, overrides: dict[str, str]):
+        self.folder = Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.overrides = {"swarm.host": "127.0.0.1", "log.progress": "false", **overrides}
+        self.run_toml = self.folder / "run.toml"
+        config.save(config.load(None, self.overrides), self.run_toml)
+        self.procs: dict[str, subprocess.Popen] = {}
+        self.groups: set[int] = set()
+        self._throttles: dict[str, threading.Event] = {}
+        self.maddr = self._bootstrap()
+
+    def __enter__(self) -> "LocalSwarm":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _bootstrap(self) -> str:
+        log = open(self.folder / "bootstrap.log", "w")
+        proc = subprocess.Popen([*CLI, "bootstrap", "--host", "127.0.0.1", "--port", "0", "--report-every", "5",
+                                 "--identity", str(self.folder / "bootstrap.key"), "--config", str(self.run_toml)],
+                                stdout=subprocess.PIPE, stderr=log, text=True, env=ENV, start_new_session=True)
+        self.procs["bootstrap"] = proc
+        self.groups.add(proc.pid)
+        for line in proc.stdout:  # the node prints its address as soon as it is up
+            if line.strip().startswith("--initial-peers"):
+                return line.split()[1]
+        raise RuntimeError(f"bootstrap node exited with {proc.wait(timeout=10)}; see {self.folder}/bootstrap.log")
+
+    def start(self, name: str, extra: dict[str, str] | None = None, resume: bool = False) -> subprocess.Popen:
+        options = {**(extra or {}), "run.dir": str(self.folder / name)}
+        cmd = [*CLI, "peer", "--config", str(self.run_toml), *[f"--{k}={v}" for k, v in options.items()],
+               "--initial-peers", self.maddr, *(["--resume"] if resume else [])]
+        log = open(self.folder / f"{name}.log", "a")
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        self.procs[name] = proc
+        self.groups.add(proc.pid)
+        return proc
+
+    def throttle(self, name: str, share: float, period_s: float = 0.3) -> None:
+        """Let the peer's main process (its trainer) run only `share` of the time: SIGSTOP/SIGCONT
+        in a duty cycle, a slower GPU made real. Its DHT and averager processes run at full speed."""
+        stopped = threading.Event()
+        self._throttles[name] = stopped
+        pid = self.procs[name].pid
+
+        def cycle() -> None:
+            while not stopped.is_set():
+                try:
+                    os.kill(pid, signal.SIGSTOP)
+                    stopped.wait(period_s * (1 - share))
+                    os.kill(pid, signal.SIGCONT)
+                except ProcessLookupError:
+                    return
+                stopped.wait(period_s * share)
+
+        threading.Thread(target=cycle, daemon=True).start()
+
+    def kill(self, name: str, signum: int = signal.SIGKILL) -> None:
+        """Signal the peer's whole process group: SIGKILL is a crash, SIGSTOP a hang."""
+        try:
+            os.killpg(self.procs[name].pid, signum)
+        except ProcessLookupError:
+            pass
+
+    def interrupt(self, name: str, timeout_s: float = 60) -> int:
+        """Ctrl+C: the peer leaves cleanly; returns its exit code."""
+        proc = self.procs[name]
+        proc.send_signal(signal.SIGINT)
+        return proc.wait(timeout=timeout_s)
+
+    def records(self, name: str) -> dict[int, dict]:
+        path = self.folder / name / "metrics.jsonl"
+        out = {}
+        if path.exists():
+            for line in path.read_text().splitlines():
+                if line.endswith("}"):
+                    record = json.loads(line)
+                    out[record["round"]] = record
+        return out
+
+    def running(self, name: str) -> bool:
+        return self.procs[name].poll() is None
+
+    def wait(self, condition: Callable[[], bool], timeout_s: float, what: str) -> None:
+        deadline = time.monotonic() + timeout_s
+        while not condition():
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{what}: not within {timeout_s:g} s (logs in {self.folder})")
+            time.sleep(0.5)  # a poll interval, bounded by the deadline
+
+    def close(self) -> None:
+        for stopped in self._throttles.values():
+            stopped.set()
+        for name, proc in self.procs.items():
+            if proc.poll() is None and name != "bootstrap":
+                self.kill(name, signal.SIGCONT)
+                proc.send_signal(signal.SIGINT)
+        for proc in self.procs.values():
+            try:
+                proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                pass
+        for pgid in self.groups:  # whatever is left: a peer's DHT and averager processes, p2pd
+            try:
+                os.killpg(pgid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
