@@ -263,7 +263,10 @@ class Peer:
         alone = (delta, (self.peer_id,), {"allreduce_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
         if self.swarm is None:
             return alone
-        expected = self._round_view.peers if self._round_view is not None else 0
+        # The group to expect: every peer training this round, or finishing the one before (a
+        # peer that died lingers in the records for a while; then the window runs out instead).
+        r = self.state.round
+        expected = max(self._round_view.peers if self._round_view is not None else 0, len(self.swarm.peers_at(r - 1, r)))
         result = self._average_with_retries(outer.flatten(delta), tokens, expected)
         if result is False:
             return alone
@@ -300,8 +303,13 @@ class Peer:
         self.swarm.publish_round(self.state.round, mine, phase.tokens, phase.mean_loss)
         if peers <= {self.peer_id}:
             return
-        digests = self.swarm.wait_for_digests(self.state.round, tuple(sorted(peers | {self.peer_id})))
+        expected = tuple(sorted(peers | {self.peer_id}))
+        digests = self.swarm.wait_for_digests(self.state.round, expected)
         digests[self.peer_id] = mine  # our own record may not be readable yet: we know our digest
+        missing = [p[-4:] for p in expected if p not in digests]
+        if missing:
+            self.log.info("agreement: %d of %d peers published round %d within %g s (missing %s)", len(digests),
+                          len(expected), self.state.round, self.config.swarm.agreement_timeout_s, ", ".join(missing))
         majority, holders = self.swarm.majority(digests)
         if majority != mine:
             self.log.warning("digest %s differs from the group's majority %s: reloading its state", mine[:12], majority[:12])

@@ -119,7 +119,9 @@ class ConsistentAllReduceRunner(AllReduceRunner):
             yield msg
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
-        """As a reducer: add each sender's part to the sum, answer with the encoded average (not a delta)."""
+        """As a reducer: add each sender's part to the sum, answer with the encoded average (not a delta).
+
+        Once any sender was dropped, every later answer is an error: no member gets a partial average (I2)."""
         part_index = 0
         expected_parts = self.parts_for_local_averaging
         try:
@@ -133,6 +135,11 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                     raise AllreduceException(f"sender {sender_index} sent weight {weight}")
                 self.bytes_received += size
                 averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
+                if self.banned_senders:
+                    # hivemind completes a part without a sender that dropped out; that average
+                    # is partial. Sending it would let this sender apply it while the others fail.
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+                    return
                 encoded = await asyncio.get_event_loop().run_in_executor(None, self._encode_average, part_index, averaged)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)

@@ -5,8 +5,8 @@
 phase `inner`: at the start of the n-th inner phase this peer runs, the main process signals its
 whole process group (itself, its DHT and averager processes and their p2pd): SIGKILL is a crash,
 SIGSTOP a laptop that went to sleep. phase `allreduce`: the averager process does the same in the
-n-th all-reduce this peer takes part in, as a reducer, when the first part of its span arrived
-(it has answered nothing yet). phase `matchmaking`: the n-th time this peer looks for its round's
+n-th all-reduce this peer takes part in, at the first part it sends (as a sender) or receives (as
+a reducer, before it answered anything). phase `matchmaking`: the n-th time this peer looks for its round's
 group, half a matchmaking window after it declared itself (others have seen it and may be
 waiting for it). phase `serve`: when another peer downloads this peer's state for the n-th time,
 before a byte was sent. Counting from this peer's start makes the fault land after it took part in
@@ -46,9 +46,12 @@ def patch_inner() -> None:
 
 
 def patch_allreduce() -> None:
-    """The averager process counts its all-reduces."""
+    """The averager process counts its all-reduces; in the n-th it fails on the first part it sends
+    or receives, whichever role (sender, reducer) comes first. hivemind's load balancer may give a
+    peer no span to reduce, so the fault does not wait for that role."""
     original_init = ConsistentAllReduceRunner.__init__
     original_reduce = ConsistentAllReduceRunner._accumulate_parts_streaming
+    original_counted = ConsistentAllReduceRunner._counted
     state = {"runs": 0}
 
     def init(self, *args, **kwargs):
@@ -65,8 +68,15 @@ def patch_allreduce() -> None:
         async for reply in original_reduce(self, parts(), sender_index):
             yield reply
 
+    async def counted(self, messages):
+        async for message in original_counted(self, messages):
+            if state["runs"] == NTH:
+                fail()
+            yield message
+
     ConsistentAllReduceRunner.__init__ = init
     ConsistentAllReduceRunner._accumulate_parts_streaming = reduce
+    ConsistentAllReduceRunner._counted = counted
 
 
 def patch_matchmaking() -> None:
