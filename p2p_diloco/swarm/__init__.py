@@ -126,6 +126,12 @@ class Swarm:
         """The swarm's progress in `round_` as of the last heartbeat; reads memory only."""
         return swarm_progress(self.peer_id, round_, my_tokens, self._reports, time.time(), tokens_per_peer, STALE_S)
 
+    def stale_peers(self) -> set[str]:
+        """Peers whose heartbeat stopped more than STALE_S ago: dead, hung, or asleep. Nobody waits
+        for them. (A peer not heard of at all is not stale: it may have just started.)"""
+        now = time.time()
+        return {r.peer for r in self._reports if now - r.time > STALE_S}
+
     def swarm_round(self) -> int | None:
         """The latest round a peer that serves its state has published, as of the last heartbeat."""
         served = [r.round for r in self._rounds_seen.values() if r.serves]
@@ -157,6 +163,9 @@ class Swarm:
         with self._dht_lock:
             records.publish_round(self.dht, self.validator, self.prefix, record)
         self._last_record, self._last_refresh = record, time.time()
+        mine = self._my_progress
+        if mine is None or mine.round < round_:  # a new round: no tokens in it yet
+            self._my_progress = Progress(self.peer_id, round_, 0, 0.0, time.time())
 
     def peers(self) -> dict[str, records.RoundRecord]:
         """The latest round record of every live peer of this run, by peer id."""
@@ -164,19 +173,21 @@ class Swarm:
             return records.read_rounds(self.dht, self.prefix)
 
     def peers_at(self, *rounds: int) -> set[str]:
-        """Peer ids whose latest record is at one of `rounds`."""
-        return {p for p, r in self.peers().items() if r.round in rounds}
+        """Live peer ids whose latest record is at one of `rounds`."""
+        return {p for p, r in self.peers().items() if r.round in rounds} - self.stale_peers()
 
     def latest(self) -> tuple[int, str, list[str]] | None:
         """(round, majority digest, peers holding it) of the swarm's latest round, or None if nobody is there."""
         return records.latest_majority(self.peers().values())
 
     def wait_for_digests(self, round_: int, group: tuple[str, ...]) -> dict[str, str]:
-        """Digests of round `round_` published by the group's members, waiting until all are in or the deadline."""
+        """Digests of round `round_` published by the group's members, waiting until all are in (a
+        member whose heartbeat stopped is not waited for) or the deadline."""
         deadline = time.monotonic() + self.config.swarm.agreement_timeout_s
         while True:
             found = {p: r.digest for p, r in self.peers().items() if p in group and r.round == round_}
-            if len(found) == len(group) or time.monotonic() > deadline:
+            waiting = set(group) - set(found) - self.stale_peers()
+            if not waiting or time.monotonic() > deadline:
                 return found
             time.sleep(0.2)  # a DHT poll interval, bounded by the deadline above
 
