@@ -23,6 +23,7 @@ from typing import Callable
 from p2p_diloco import config
 
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
+ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # several peers share the machine's cores
 
 
@@ -56,12 +57,16 @@ class LocalSwarm:
                 return line.split()[1]
         raise RuntimeError(f"bootstrap node exited with {proc.wait(timeout=10)}; see {self.folder}/bootstrap.log")
 
-    def start(self, name: str, extra: dict[str, str] | None = None, resume: bool = False) -> subprocess.Popen:
+    def start(self, name: str, extra: dict[str, str] | None = None, resume: bool = False,
+              fault: str | None = None) -> subprocess.Popen:
+        """A peer; with `fault` (tests/swarm/faulty_peer.py: phase:n:KILL|STOP) one that fails on purpose."""
         options = {**(extra or {}), "run.dir": str(self.folder / name)}
-        cmd = [*CLI, "peer", "--config", str(self.run_toml), *[f"--{k}={v}" for k, v in options.items()],
+        program = [sys.executable, "-m", "tests.swarm.faulty_peer"] if fault else CLI
+        cmd = [*program, "peer", "--config", str(self.run_toml), *[f"--{k}={v}" for k, v in options.items()],
                "--initial-peers", self.maddr, *(["--resume"] if resume else [])]
         log = open(self.folder / f"{name}.log", "a")
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        env = {**ENV, "FAULT": fault, "PYTHONPATH": str(ROOT)} if fault else ENV
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = proc
         self.groups.add(proc.pid)
         return proc

@@ -31,7 +31,7 @@ def test_three_peers_agree_on_every_round(swarm):
 
 @pytest.mark.timeout(240)
 def test_joiner_catches_up_and_agrees_from_its_first_round(swarm):
-    extra = {"run.rounds": "6"}
+    extra = {"run.rounds": "40"}  # rounds take well under a second here: leave the joiner some
     first = [swarm.peer("a", extra), swarm.peer("b", extra)]
     wait_until(lambda: 2 in swarm.records("a") and 2 in swarm.records("b"), first, 120, "2 rounds done")
     joiner = swarm.peer("c", extra)
@@ -40,11 +40,11 @@ def test_joiner_catches_up_and_agrees_from_its_first_round(swarm):
     assert [p.returncode for p in everyone] == [0, 0, 0], swarm.log("c")[-2000:]
     assert "caught up with the swarm at round" in swarm.log("c")
     joined, a, b = swarm.records("c"), swarm.records("a"), swarm.records("b")
-    assert min(joined) >= 2 and max(joined) == 6, joined.keys()
+    assert min(joined) >= 2 and max(joined) == 40, joined.keys()
     # every round the joiner holds (it may catch up again past the round it was training) is the swarm's
     for r in joined:
         assert joined[r]["digest"] == a[r]["digest"] == b[r]["digest"], r
-    assert joined[6]["group_size"] == 3
+    assert joined[40]["group_size"] == 3
 
 
 @pytest.mark.timeout(180)
@@ -65,8 +65,8 @@ def test_tampered_state_offered_to_a_joiner_is_rejected(swarm):
     joiner = swarm.peer("joiner", {"run.rounds": "1000"})
     wait_until(lambda: "does not match the published" in swarm.log("joiner"), [joiner], 120, "joiner rejects")
     assert "rejected" in swarm.log("joiner") and "keeping this peer's own state (round 0)" in swarm.log("joiner")
-    start = swarm.records("joiner")
-    assert min(start) == 0, "the joiner must not adopt a state it could not verify"
+    wait_until(lambda: swarm.records("joiner"), [joiner], 60, "joiner records its start")
+    assert min(swarm.records("joiner")) == 0, "the joiner must not adopt a state it could not verify"
 
 
 def swarm_python():
