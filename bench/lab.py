@@ -127,7 +127,7 @@ class LocalSwarm:
         for stopped in self._throttles.values():
             stopped.set()
         for name, proc in self.procs.items():
-            if proc.poll() is None and name != "bootstrap":
+            if proc.poll() is None:
                 self.kill(name, signal.SIGCONT)
                 proc.send_signal(signal.SIGINT)
         for proc in self.procs.values():

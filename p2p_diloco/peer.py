@@ -44,6 +44,10 @@ def resolve_device(spec: str) -> torch.device:
     return device
 
 
+class RoundFinishedElsewhere(Exception):
+    """This peer's all-reduce failed, but other members of its group completed the round."""
+
+
 @dataclass
 class Totals:
     """Counters over the whole run, carried through checkpoints."""
@@ -227,7 +231,11 @@ class Peer:
         delta = outer.pseudo_gradient(self.state.params, dict(self.model.named_parameters()))
         delta_norm = outer.check_pseudo_gradient(delta, phase.lr_sum, self.config.inner.weight_decay)
         averaging_started = time.perf_counter()
-        averaged, group, comm = self._average(delta, phase.tokens)
+        try:
+            averaged, group, comm = self._average(delta, phase.tokens)
+        except RoundFinishedElsewhere:
+            self._load_theta()  # the next round starts by catching up with the round's result
+            return True
         comm["averaging_s"] = time.perf_counter() - averaging_started
         comm["wait_s"] = max(0.0, comm["averaging_s"] - comm["allreduce_s"])
         # Who should agree on the round's result: the group, and every live peer that was at this round.
@@ -288,6 +296,13 @@ class Peer:
                 return self.swarm.average(flat_delta, tokens, self.state.round, retry=attempt > 1,
                                           expected_group=expected_group if attempt == 1 else 0)
             except AveragingError as e:
+                latest = self.swarm.latest()
+                if latest is not None and latest[0] > self.state.round:
+                    # A member whose all-reduce completed has already published the round's result
+                    # (a reducer may answer one member and hang before the next): adopt it rather
+                    # than retry, so that both end the round with the same state.
+                    self.log.warning("%s; peers already finished round %d: adopting their result", e, self.state.round)
+                    raise RoundFinishedElsewhere() from None
                 more = "retrying among the survivors" if attempt < attempts else "using this peer's own pseudo-gradient"
                 self.log.warning("%s (attempt %d of %d); %s", e, attempt, attempts, more)
         return False

@@ -1,10 +1,11 @@
 """A peer that fails on purpose at a chosen phase and round: the fault-injection tests' subject.
 
-    FAULT=<phase>:<n>:<KILL|STOP> python -m tests.swarm.faulty_peer peer ...   (same arguments as p2p-diloco peer)
+    FAULT=<phase>:<n>:<KILL|STOP|INT> python -m tests.swarm.faulty_peer peer ...   (same arguments as p2p-diloco peer)
 
 phase `inner`: at the start of the n-th inner phase this peer runs, the main process signals its
 whole process group (itself, its DHT and averager processes and their p2pd): SIGKILL is a crash,
-SIGSTOP a laptop that went to sleep. phase `allreduce`: the averager process does the same in the
+SIGSTOP a laptop that went to sleep, SIGINT a Ctrl+C in the peer's terminal (which also signals
+the whole foreground process group). phase `allreduce`: the averager process does the same in the
 n-th all-reduce this peer takes part in, at the first part it sends (as a sender) or receives (as
 a reducer, before it answered anything). phase `matchmaking`: the n-th time this peer looks for its round's
 group, half a matchmaking window after it declared itself (others have seen it and may be
@@ -25,7 +26,7 @@ from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
 
 PHASE, NTH, SIGNAL = os.environ["FAULT"].split(":")
 NTH = int(NTH)
-SIGNUM = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP}[SIGNAL]
+SIGNUM = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "INT": signal.SIGINT}[SIGNAL]
 
 
 def fail() -> None:

@@ -118,3 +118,20 @@ def peer_id_of(path):
     from hivemind.p2p import PeerID
 
     return str(PeerID.from_identity(path.read_bytes()))
+
+
+@pytest.mark.timeout(300)
+def test_ctrl_c_in_the_middle_of_an_allreduce_leaves_cleanly(swarm):
+    from p2p_diloco import checkpoint
+
+    # Ctrl+C in the subject's terminal (SIGINT to its whole process group) as its third all-reduce runs
+    survivors = [swarm.peer("a", FAST), swarm.peer("b", FAST)]
+    subject = swarm.peer("c", FAST, fault="allreduce:3:INT")
+    assert subject.wait(timeout=AVERAGING_S + AGREEMENT_S + 30) == 0, swarm.log("c")[-3000:]
+    assert "stopped: the partial round was discarded" in swarm.log("c")
+    saved = checkpoint.load(checkpoint.latest(swarm.folder / "c"))  # verifies the digest
+    c = swarm.records("c")
+    assert saved["round"] == max(c) and saved["digest"] == c[max(c)]["digest"]
+    wait_until(lambda: all(p.poll() is not None for p in survivors), survivors, 220, "survivors finish")
+    assert [p.returncode for p in survivors] == [0, 0], swarm.log("a")[-3000:]
+    assert_agree_every_round(swarm.records("a"), swarm.records("b"), max(c))

@@ -76,14 +76,18 @@ def swarm_python():
 
 
 @pytest.mark.timeout(240)
-def test_client_mode_peer_averages_through_a_reachable_peer(swarm):
-    peers = [swarm.peer("reachable"), swarm.peer("client", {"swarm.client_mode": "true"})]
-    wait_until(lambda: all(p.poll() is not None for p in peers), peers, 200, "both finish")
-    assert [p.returncode for p in peers] == [0, 0], swarm.log("client")[-2000:]
-    reachable, client = swarm.records("reachable"), swarm.records("client")
+def test_client_mode_peers_average_through_one_reachable_peer(swarm):
+    # One peer others can connect to, two behind NAT (client mode: they never reduce or serve).
+    names = ("reachable", "client1", "client2")
+    peers = [swarm.peer("reachable")] + [swarm.peer(n, {"swarm.client_mode": "true"}) for n in names[1:]]
+    wait_until(lambda: all(p.poll() is not None for p in peers), peers, 200, "all finish")
+    assert [p.returncode for p in peers] == [0, 0, 0], swarm.log("client1")[-2000:]
+    recs = {n: swarm.records(n) for n in names}
     for r in range(1, ROUNDS + 1):
-        assert reachable[r]["digest"] == client[r]["digest"], r
-    assert [client[r]["group_size"] for r in range(2, ROUNDS + 1)] == [2] * (ROUNDS - 1)
+        assert len({recs[n][r]["digest"] for n in names}) == 1, r
+    assert [recs["client1"][r]["group_size"] for r in range(2, ROUNDS + 1)] == [3] * (ROUNDS - 1)
+    # the clients send and receive; only the reachable peer reduces
+    assert all(recs[n][ROUNDS]["bytes_sent"] > 0 and recs[n][ROUNDS]["bytes_received"] > 0 for n in names)
 
 
 @pytest.mark.timeout(240)
