@@ -205,6 +205,22 @@ class Peer:
                               "continue with --resume", self.state.round)
                 return
         self.log.info("run complete: %d rounds, digest %s", self.state.round, self.state.digest())
+        if self.swarm is not None:
+            self._linger(stop)
+
+    def _linger(self, stop: threading.Event) -> None:
+        """Stay a while after the last round so that a peer still finishing it can download the
+        final state from us: until every live peer of the last two rounds holds our final digest,
+        or swarm.agreement_timeout_s + swarm.join_timeout_s, or Ctrl+C."""
+        final, mine = self.state.round, self.state.digest()
+        deadline = time.monotonic() + self.config.swarm.agreement_timeout_s + self.config.swarm.join_timeout_s
+        while not stop.is_set() and time.monotonic() < deadline:
+            behind = [p for p, rec in self.swarm.peers().items()
+                      if rec.round in (final - 1, final) and rec.digest != mine and p not in self.swarm.stale_peers()]
+            if not behind:
+                return
+            stop.wait(0.5)  # a DHT poll interval, bounded by the deadline
+        self.log.info("left with peers still finishing the last round: they keep their own state")
 
     def run_round(self, stop: threading.Event) -> bool:
         """One round: commits a new state, metrics record and checkpoint, or (if stopped) changes nothing durable.
@@ -213,8 +229,12 @@ class Peer:
         slept) is abandoned too, but returns True: the next round starts by catching up.
         """
         started = time.perf_counter()
-        if self.swarm is not None:
-            self._catch_up()
+        if self.swarm is not None and self._catch_up():
+            # The caught-up state is this peer's round now: recorded and checkpointed like any.
+            self._record_start()
+            self._save()
+            if self.state.round >= self.config.run.rounds:
+                return True
         if self._speed_aware:
             # The lr schedule follows the swarm's rounds: a fast peer that ran more than H steps in
             # a round, or a slow one that ran fewer, is back on the schedule at the next.

@@ -53,10 +53,10 @@ def test_peer_lost_in_the_inner_phase(swarm, signal_name):
     assert_agree_every_round(a, b, last)
     # the survivors lose at most a few rounds of averaging together, then average as a pair to the end
     assert [a[r]["group_size"] for r in range(ROUNDS - 2, ROUNDS + 1)] == [2, 2, 2]
-    lost_s = sum(rec["wall_s"] for r, rec in a.items() if r > last and "wall_s" in rec) - (ROUNDS - last) * normal_round_s(a)
-    # Bound today: the agreement deadline once (waiting for the lost peer's digest), plus up to two
-    # matchmaking timeouts while the survivors fall back into step. Issue 4 aims at one deadline.
-    assert lost_s <= AGREEMENT_S + 2 * 3 * MATCHMAKING_S, f"the fault cost {lost_s:.1f} s"
+    lost_s = time_lost(a, last)
+    # The lost peer is expected until its heartbeat is 10 s old: one matchmaking window, and
+    # agreement waits for it (at most its deadline). Measured 8-10 s (bench/faults.py).
+    assert lost_s <= AGREEMENT_S + MATCHMAKING_S, f"the fault cost {lost_s:.1f} s"
 
 
 @pytest.mark.timeout(300)
