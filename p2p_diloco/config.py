@@ -108,7 +108,8 @@ class SwarmSection:
     compression: str = shared("fp32", "pseudo-gradient codec on the wire: fp32 or scaled-fp16")
     speed_aware: bool = shared(True, "a round ends when the live peers together trained H x batch tokens each; "
                                      "off: every peer runs exactly H steps (the paper's setting)")
-    matchmaking_time_s: float = shared(5.0, "how long peers that finished a round wait for each other to form a group")
+    matchmaking_time_s: float = shared(5.0, "the slack: how long peers that finished a round wait for the rest of "
+                                            "the group (a complete group starts at once)")
     averaging_timeout_s: float = shared(60.0, "deadline of one all-reduce; a dead or hung peer costs at most this")
     averaging_retries: int = shared(1, "after a failed all-reduce, the survivors retry this many times with their kept pseudo-gradients")
     agreement_timeout_s: float = shared(15.0, "how long to wait for the group's digests after the outer step")

@@ -21,7 +21,7 @@ import torch
 
 from p2p_diloco import checkpoint, config as config_mod, data, model as model_mod, outer
 from p2p_diloco.config import Config
-from p2p_diloco.errors import AveragingError, ConfigError, StateDownloadError
+from p2p_diloco.errors import AveragingError, ConfigError, RoundOvertaken, StateDownloadError
 from p2p_diloco.inner import InnerTrainer, PhaseResult, lr_at
 from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress
 
@@ -42,10 +42,6 @@ def resolve_device(spec: str) -> torch.device:
             f"(README: GPU peers) or set --run.device=cpu"
         )
     return device
-
-
-class RoundFinishedElsewhere(Exception):
-    """This peer's all-reduce failed, but other members of its group completed the round."""
 
 
 @dataclass
@@ -230,7 +226,9 @@ class Peer:
         """
         started = time.perf_counter()
         if self.swarm is not None and self._catch_up():
-            # The caught-up state is this peer's round now: recorded and checkpointed like any.
+            # The caught-up state is this peer's round now: published at once (peers of the round
+            # may be waiting for this peer's digest), recorded and checkpointed like any.
+            self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
             self._record_start()
             self._save()
             if self.state.round >= self.config.run.rounds:
@@ -253,7 +251,7 @@ class Peer:
         averaging_started = time.perf_counter()
         try:
             averaged, group, comm = self._average(delta, phase.tokens)
-        except RoundFinishedElsewhere:
+        except RoundOvertaken:
             self._load_theta()  # the next round starts by catching up with the round's result
             return True
         comm["averaging_s"] = time.perf_counter() - averaging_started
@@ -316,13 +314,12 @@ class Peer:
                 return self.swarm.average(flat_delta, tokens, self.state.round, retry=attempt > 1,
                                           expected_group=expected_group if attempt == 1 else 0)
             except AveragingError as e:
-                latest = self.swarm.latest()
-                if latest is not None and latest[0] > self.state.round:
-                    # A member whose all-reduce completed has already published the round's result
-                    # (a reducer may answer one member and hang before the next): adopt it rather
-                    # than retry, so that both end the round with the same state.
+                # A member whose all-reduce completed publishes the round's result within moments
+                # (a reducer may answer one member and fail before the next): adopt it rather than
+                # retry, so that both end the round with the same state.
+                if self.swarm.wait_for_round(self.state.round + 1, self.config.swarm.matchmaking_time_s / 2):
                     self.log.warning("%s; peers already finished round %d: adopting their result", e, self.state.round)
-                    raise RoundFinishedElsewhere() from None
+                    raise RoundOvertaken() from None
                 more = "retrying among the survivors" if attempt < attempts else "using this peer's own pseudo-gradient"
                 self.log.warning("%s (attempt %d of %d); %s", e, attempt, attempts, more)
         return False

@@ -180,6 +180,17 @@ class Swarm:
         """(round, majority digest, peers holding it) of the swarm's latest round, or None if nobody is there."""
         return records.latest_majority(self.peers().values())
 
+    def wait_for_round(self, round_: int, timeout: float) -> bool:
+        """Whether a peer that serves its state publishes round `round_` (or later) within `timeout` s."""
+        deadline = time.monotonic() + timeout
+        while True:
+            latest = self.latest()
+            if latest is not None and latest[0] >= round_:
+                return True
+            if time.monotonic() > deadline:
+                return False
+            time.sleep(0.2)  # a DHT poll interval, bounded by the deadline above
+
     def wait_for_digests(self, round_: int, group: tuple[str, ...]) -> dict[str, str]:
         """Digests of round `round_` published by the group's members, waiting until all are in (a
         member whose heartbeat stopped is not waited for) or the deadline."""

@@ -97,6 +97,9 @@ def test_peer_crashes_while_serving_a_download(swarm, tmp_path):
     assert "caught up with the swarm" in swarm.log("d")
     a, d = swarm.records("a"), swarm.records("d")
     assert max(a) == max(d) == 30
+    # the survivor expected the subject until its heartbeat was 10 s old, as for any crash
+    lost_s = time_lost(a, max(swarm.records("c")))
+    assert lost_s <= AGREEMENT_S + MATCHMAKING_S, f"the fault cost {lost_s:.1f} s"
     for r in sorted(set(a) & set(d)):
         assert a[r]["digest"] == d[r]["digest"], f"round {r}"
 
