@@ -29,8 +29,14 @@ NTH = int(NTH)
 SIGNUM = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "INT": signal.SIGINT}[SIGNAL]
 
 
+FIRED = threading.Event()
+
+
 def fail() -> None:
-    os.killpg(os.getpgid(0), SIGNUM)
+    """Signal the whole group, once: a second SIGINT would be a second Ctrl+C (stop at once)."""
+    if not FIRED.is_set():
+        FIRED.set()
+        os.killpg(os.getpgid(0), SIGNUM)
 
 
 def patch_inner() -> None:
