@@ -294,12 +294,10 @@ class Peer:
         r = self.state.round
         expected = max(self._round_view.peers if self._round_view is not None else 0, len(self.swarm.peers_at(r - 1, r)))
         result = self._average_with_retries(outer.flatten(delta), tokens, expected)
-        if result is None or result is False:
-            latest = self.swarm.latest()
-            if latest is not None and latest[0] > self.state.round:
-                # Averaging alone now would only make a state nobody else holds: catch up instead.
-                self.log.info("the swarm is already at round %d: catching up instead of averaging alone", latest[0])
-                raise RoundOvertaken()
+        if (result is None or result is False) and self.swarm.wait_for_round(self.state.round + 1, 0.0):
+            # Averaging alone now would only make a state nobody else holds: catch up instead.
+            self.log.info("the swarm is already past round %d: catching up instead of averaging alone", self.state.round)
+            raise RoundOvertaken()
         if result is False:
             return alone
         if result is None:
