@@ -30,6 +30,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
+from p2p_diloco import codecs
 from p2p_diloco.errors import ConfigError
 
 
@@ -105,7 +106,11 @@ class SwarmSection:
     identity_path: str = local("", "private key file fixing this peer's id; empty = identity.key in run.dir")
     client_mode: bool = local(False, "for peers others cannot reach (behind NAT): send and receive, never reduce")
     nat_traversal: bool = local(False, "UPnP/NAT-PMP port mapping, AutoNAT and relays (they probe the LAN)")
-    compression: str = shared("fp32", "pseudo-gradient codec on the wire: fp32 or scaled-fp16")
+    compression: str = shared(codecs.DEFAULT, "pseudo-gradient codec on the wire: fp32 (exact), bf16, scaled-fp16, "
+                                              "int8 or int4 (blockwise); norms and biases always travel exact")
+    error_feedback: bool = shared(True, "add what the codec failed to send to the next round's pseudo-gradient")
+    overlap: str = shared("off", "off: blocking rounds; delayed or eager: the all-reduce of round r runs during "
+                                 "the inner phase of round r + 1 and its outer update is applied one round late")
     speed_aware: bool = shared(True, "a round ends when the live peers together trained H x batch tokens each; "
                                      "off: every peer runs exactly H steps (the paper's setting)")
     matchmaking_time_s: float = shared(5.0, "the slack: how long peers that finished a round wait for the rest of "
@@ -298,6 +303,7 @@ def save(config: Config, path: str | Path) -> None:
 # --- validation ------------------------------------------------------------------------------
 
 PRESETS = ("tiny", "small", "150m", "1b")
+OVERLAP = ("off", "delayed", "eager")
 
 
 def _require(ok: bool, where: str, problem: str, fix: str) -> None:
@@ -353,8 +359,10 @@ def _validate_inner(i: InnerSection) -> None:
 
 def _validate_swarm(s: SwarmSection) -> None:
     _require(0 <= s.port <= 65535, "swarm.port", f"must be in [0, 65535], got {s.port}", "0 picks a free port")
-    _require(s.compression in ("fp32", "scaled-fp16"), "swarm.compression",
-             f"must be fp32 or scaled-fp16, got {s.compression!r}", "fp32 is exact")
+    _require(s.compression in codecs.CODECS, "swarm.compression",
+             f"must be one of {', '.join(codecs.CODECS)}, got {s.compression!r}", f"{codecs.DEFAULT} is the default")
+    _require(s.overlap in OVERLAP, "swarm.overlap", f"must be one of {', '.join(OVERLAP)}, got {s.overlap!r}",
+             "off blocks each round on its all-reduce")
     _require(0 <= s.averaging_retries <= 10, "swarm.averaging_retries", f"must be in [0, 10], got {s.averaging_retries}", "e.g. 1")
     for name in ("matchmaking_time_s", "averaging_timeout_s", "agreement_timeout_s", "join_timeout_s"):
         value = getattr(s, name)

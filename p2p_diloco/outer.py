@@ -130,3 +130,28 @@ def unflatten(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> Tensors:
         out[name] = flat[offset:offset + t.numel()].view(t.shape).clone()
         offset += t.numel()
     return out
+
+
+def split_exact(tensors: Mapping[str, torch.Tensor]) -> tuple[Tensors, Tensors]:
+    """(matrices, vectors): what may travel through a lossy codec, and what always travels exact.
+
+    Norm weights and biases are a tiny share of the values, and a coarse codec hurts them most
+    (a norm's scale error multiplies a whole layer's activations), so they are never compressed.
+    """
+    lossy = {name: t for name, t in tensors.items() if t.dim() >= 2}
+    return lossy, {name: t for name, t in tensors.items() if t.dim() < 2}
+
+
+def eager_estimate(own: Tensors, previous_average: Tensors | None, previous_own: Tensors | None,
+                   share: float) -> Tensors:
+    """The eager estimate of a round's average Δ while its all-reduce is still running (overlapped
+    rounds, arXiv 2502.12996): this peer's fresh Δ for its own share, the others' part of the
+    previous round's average for theirs.
+
+        estimate = share·Δ_own(r) + (avg(r−1) − share·Δ_own(r−1))
+
+    Without a previous round (the first overlapped one) the estimate is this peer's own Δ.
+    """
+    if previous_average is None or previous_own is None:
+        return dict(own)
+    return {name: share * own[name] + previous_average[name] - share * previous_own[name] for name in own}

@@ -15,7 +15,7 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -53,6 +53,31 @@ class Totals:
     compute_s: float = 0.0
 
 
+class Background:
+    """The all-reduce of one round's Δ, running in a thread while the next inner phase trains.
+    Its deadlines are the swarm's (matchmaking, averaging, retries), so `join` ends."""
+
+    def __init__(self, work: Callable[[], Any], phase: PhaseResult, delta: outer.Tensors, delta_norm: float):
+        self.phase, self.delta, self.delta_norm = phase, delta, delta_norm
+        self.started = time.perf_counter()
+        self._result: Any = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, args=(work,), name="overlapped-average", daemon=True)
+        self._thread.start()
+
+    def _run(self, work: Callable[[], Any]) -> None:
+        try:
+            self._result = work()
+        except BaseException as e:  # handed to the training loop at join
+            self._error = e
+
+    def join(self) -> Any:
+        self._thread.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
+
+
 class Peer:
     """Builds everything a peer needs from a Config, then runs rounds until the run ends or `stop` is set."""
 
@@ -76,6 +101,10 @@ class Peer:
         self._round_view = None  # the swarm's progress in this round when the inner phase ended
         self._tokens_per_s = 0.0  # this peer's speed in its last inner phase
         self._failed_catch_up = -1  # the latest round a catch-up failed to download
+        # Overlapped rounds need a swarm: alone there is nothing to wait for.
+        self._overlap = config.swarm.overlap if config.swarm.initial_peers else "off"
+        self._pending: Background | None = None  # the all-reduce in flight (overlapped rounds)
+        self._previous: tuple[outer.Tensors, outer.Tensors, float] | None = None  # (average, own Δ, share) of the last round
         try:
             self._build(resume)
         except BaseException:
@@ -89,8 +118,9 @@ class Peer:
         if config.swarm.initial_peers:
             from p2p_diloco.swarm import Swarm  # imports hivemind: only peers that join a swarm pay for it
 
-            numel = sum(t.numel() for t in self.state.params.values())
-            self.swarm = Swarm(config, self.run_dir, numel, self._serve_state)
+            lossy, exact = outer.split_exact(self.state.params)
+            self.swarm = Swarm(config, self.run_dir, sum(t.numel() for t in lossy.values()), self._serve_state,
+                               exact_numel=sum(t.numel() for t in exact.values()))
         self.peer_id = self.swarm.peer_id if self.swarm else self._peer_id()
         self.log = PeerLogger(logger, self.peer_id[-4:])
         self.total_steps = config.run.rounds * config.inner.steps
@@ -225,7 +255,7 @@ class Peer:
         slept) is abandoned too, but returns True: the next round starts by catching up.
         """
         started = time.perf_counter()
-        if self.swarm is not None and self._catch_up():
+        if self.swarm is not None and self._pending is None and self._catch_up():
             # The caught-up state is this peer's round now: published at once (peers of the round
             # may be waiting for this peer's digest), recorded and checkpointed like any.
             self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
@@ -233,29 +263,106 @@ class Peer:
             self._save()
             if self.state.round >= self.config.run.rounds:
                 return True
-        if self._speed_aware:
-            # The lr schedule follows the swarm's rounds: a fast peer that ran more than H steps in
-            # a round, or a slow one that ran fewer, is back on the schedule at the next.
-            self.trainer.step = self.state.round * self.config.inner.steps
-        self.log.round = self.state.round
-        phase = self._inner_phase(stop)
-        if phase.stopped:
-            if stop.is_set():
-                return False
-            self.log.warning("the swarm finished round %d without this peer (it is at round %s): abandoning the "
-                             "inner phase to catch up", self.state.round, self.swarm.swarm_round())
-            self._load_theta()
-            return True
-        delta = outer.pseudo_gradient(self.state.params, dict(self.model.named_parameters()))
-        delta_norm = outer.check_pseudo_gradient(delta, phase.lr_sum, self.config.inner.weight_decay)
+        if self._overlap != "off":
+            return self._run_round_overlapped(stop, started)
+        done = self._phase_from(self.state.params, stop)
+        if done is None:
+            return self._abandon(stop)
+        phase, delta, delta_norm = done
         averaging_started = time.perf_counter()
         try:
-            averaged, group, comm = self._average(delta, phase.tokens)
+            averaged, group, comm = self._average(delta, phase.tokens, self._expected_group())
         except RoundOvertaken:
             self._load_theta()  # the next round starts by catching up with the round's result
             return True
-        comm["averaging_s"] = time.perf_counter() - averaging_started
+        comm["averaging_s"] = comm["blocked_s"] = time.perf_counter() - averaging_started
         comm["wait_s"] = max(0.0, comm["averaging_s"] - comm["allreduce_s"])
+        self._commit(phase, delta_norm, averaged, group, comm, started)
+        return True
+
+    def _run_round_overlapped(self, stop: threading.Event, started: float) -> bool:
+        """One round whose all-reduce runs while the next inner phase trains.
+
+        In flight on entry: the all-reduce of this round's Δ (started by the previous call, or by a
+        first phase here). This call trains the next phase from an estimate of the round's result
+        (eager) or from θ(r) (delayed), then joins the all-reduce, applies the outer step to the
+        agreed θ(r) (so every peer still holds the same bytes, I1), and starts the next all-reduce.
+        """
+        if self._pending is None:  # nothing in flight: the first round, after a resume or a catch-up
+            done = self._phase_from(self.state.params, stop)
+            if done is None:
+                return self._abandon(stop)
+            self._launch(*done)
+        following = None
+        if self.state.round + 1 < self.config.run.rounds:
+            following = self._phase_from(self._start_point(), stop, lead=1)
+            if following is None:
+                return self._abandon(stop)
+        pending, self._pending = self._pending, None
+        blocked_from = time.perf_counter()
+        try:
+            averaged, group, comm = pending.join()
+        except RoundOvertaken:
+            self._load_theta()  # the next round starts by catching up; the following phase is lost
+            return True
+        comm["blocked_s"] = time.perf_counter() - blocked_from
+        comm["averaging_s"] = time.perf_counter() - pending.started
+        comm["wait_s"] = max(0.0, comm["averaging_s"] - comm["allreduce_s"])
+        self._previous = (averaged, pending.delta, 1.0 / len(group))
+        self._commit(pending.phase, pending.delta_norm, averaged, group, comm, started)
+        if following is not None:
+            self._launch(*following)
+        return True
+
+    def _phase_from(self, start: outer.Tensors, stop: threading.Event,
+                    lead: int = 0) -> tuple[PhaseResult, outer.Tensors, float] | None:
+        """An inner phase from `start`: (phase, Δ = start − θ_inner, |Δ|), or None if it was abandoned.
+        `lead`: how many rounds past this peer's state the phase trains for (1 when overlapped)."""
+        if self._speed_aware:
+            # The lr schedule follows the swarm's rounds: a fast peer that ran more than H steps in
+            # a round, or a slow one that ran fewer, is back on the schedule at the next.
+            self.trainer.step = (self.state.round + lead) * self.config.inner.steps
+        self.log.round = self.state.round + lead
+        self._load(start)
+        phase = self._inner_phase(stop, lead)
+        if phase.stopped:
+            return None
+        delta = outer.pseudo_gradient(start, dict(self.model.named_parameters()))
+        return phase, delta, outer.check_pseudo_gradient(delta, phase.lr_sum, self.config.inner.weight_decay)
+
+    def _abandon(self, stop: threading.Event) -> bool:
+        """An inner phase ended early: Ctrl+C (False), or the swarm finished the round without us."""
+        if self._pending is not None:  # the swarm moved on: its all-reduce is moot; let it end
+            try:
+                self._pending.join()
+            except Exception as e:  # whatever it ended with, its result is not used
+                self.log.debug("abandoned all-reduce: %s", e)
+            self._pending = None
+        if stop.is_set():
+            return False
+        self.log.warning("the swarm finished round %d without this peer (it is at round %s): abandoning the "
+                         "inner phase to catch up", self.state.round, self.swarm.swarm_round())
+        self._load_theta()
+        return True
+
+    def _start_point(self) -> outer.Tensors:
+        """Where the phase after an in-flight all-reduce starts: θ(r) itself (delayed), or θ(r)
+        moved by the outer step of an estimate of the round's average (eager)."""
+        if self._overlap == "delayed":
+            return self.state.params
+        previous = self._previous or (None, None, 1.0)
+        estimate = outer.eager_estimate(self._pending.delta, *previous)
+        oc = self.config.outer
+        return outer.outer_step(self.state, estimate, oc.lr, oc.momentum, oc.nesterov).params
+
+    def _launch(self, phase: PhaseResult, delta: outer.Tensors, delta_norm: float) -> None:
+        """Start averaging this round's Δ in the background."""
+        expected = self._expected_group()
+        self._pending = Background(lambda: self._average(delta, phase.tokens, expected), phase, delta, delta_norm)
+
+    def _commit(self, phase: PhaseResult, delta_norm: float, averaged: outer.Tensors, group: tuple[str, ...],
+                comm: dict[str, Any], started: float) -> None:
+        """θ(r+1) from the round's average: outer step, agreement, metrics, checkpoint."""
         # Who should agree on the round's result: the group, and every live peer that was at this round.
         r = self.state.round
         peers = set(group) | (self.swarm.peers_at(r, r + 1) if self.swarm is not None else set())
@@ -275,11 +382,19 @@ class Peer:
         self._save()
         self.log.round = self.state.round
         self._log_round(record)
-        return True
 
     # --- the swarm's part of a round ----------------------------------------------------------
 
-    def _average(self, delta: outer.Tensors, tokens: int) -> tuple[outer.Tensors, tuple[str, ...], dict[str, Any]]:
+    def _expected_group(self) -> int:
+        """The group to expect: every peer training this round, or finishing the one before (a peer
+        that died lingers in the records for a while; then the matchmaking window runs out instead)."""
+        if self.swarm is None:
+            return 1
+        r = self.state.round
+        return max(self._round_view.peers if self._round_view is not None else 0, len(self.swarm.peers_at(r - 1, r)))
+
+    def _average(self, delta: outer.Tensors, tokens: int,
+                 expected: int) -> tuple[outer.Tensors, tuple[str, ...], dict[str, Any]]:
         """The round's average pseudo-gradient, the group it came from, and what it cost.
 
         Alone (no swarm, or nobody else reached this round in time) the average is this peer's own Δ.
@@ -289,11 +404,8 @@ class Peer:
         alone = (delta, (self.peer_id,), {"allreduce_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
         if self.swarm is None:
             return alone
-        # The group to expect: every peer training this round, or finishing the one before (a
-        # peer that died lingers in the records for a while; then the window runs out instead).
-        r = self.state.round
-        expected = max(self._round_view.peers if self._round_view is not None else 0, len(self.swarm.peers_at(r - 1, r)))
-        result = self._average_with_retries(outer.flatten(delta), tokens, expected)
+        lossy, exact = outer.split_exact(delta)
+        result = self._average_with_retries(outer.flatten(lossy), outer.flatten(exact) if exact else None, tokens, expected)
         if (result is None or result is False) and self.swarm.wait_for_round(self.state.round + 1, 0.0):
             # Averaging alone now would only make a state nobody else holds: catch up instead.
             self.log.info("the swarm is already past round %d: catching up instead of averaging alone", self.state.round)
@@ -304,9 +416,11 @@ class Peer:
             self.log.info("no other peer reached round %d within the matchmaking window: averaging alone", self.state.round)
             return alone
         comm = {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received}
-        return outer.unflatten(result.delta, delta), result.group, comm
+        averaged = {**outer.unflatten(result.delta, lossy), **(outer.unflatten(result.exact, exact) if exact else {})}
+        return {name: averaged[name] for name in delta}, result.group, comm
 
-    def _average_with_retries(self, flat_delta: torch.Tensor, tokens: int, expected_group: int) -> Any:
+    def _average_with_retries(self, flat_delta: torch.Tensor, flat_exact: torch.Tensor | None, tokens: int,
+                              expected_group: int) -> Any:
         """The swarm's average, None if nobody else came, False if every attempt failed.
 
         A failed all-reduce applied nothing and left `flat_delta` as it was (I2), so the survivors,
@@ -316,7 +430,7 @@ class Peer:
         for attempt in range(1, attempts + 1):
             try:
                 return self.swarm.average(flat_delta, tokens, self.state.round, retry=attempt > 1,
-                                          expected_group=expected_group if attempt == 1 else 0)
+                                          expected_group=expected_group if attempt == 1 else 0, exact=flat_exact)
             except AveragingError as e:
                 # A member whose all-reduce completed publishes the round's result within moments
                 # (a reducer may answer one member and fail before the next): adopt it rather than
@@ -406,14 +520,15 @@ class Peer:
         state = self.state
         return {"round": state.round, "digest": state.digest()}, [outer.flatten(state.params), outer.flatten(state.momentum)]
 
-    def _inner_phase(self, stop: threading.Event) -> PhaseResult:
+    def _inner_phase(self, stop: threading.Event, lead: int = 0) -> PhaseResult:
         """H inner steps; in a speed-aware swarm, until the swarm's tokens reach the round's budget.
 
         A speed-aware peer reports its progress and ends the phase when the live peers together
         trained H x batch tokens each (rounds.py). It abandons the phase if the swarm published a
-        later round meanwhile (this peer was stopped or asleep while the others went on).
+        round past the one this phase trains for (state's round + `lead`) meanwhile: this peer was
+        stopped or asleep while the others went on.
         """
-        steps, round_ = self.config.inner.steps, self.state.round
+        steps, round_ = self.config.inner.steps, self.state.round + lead
         tokens_per_peer = steps * self.config.inner.batch_size * self.config.model.seq_len
         speed_aware = self._speed_aware
         self._round_view = None
@@ -458,10 +573,13 @@ class Peer:
         return self.stream.next_batch(self.config.inner.batch_size)
 
     def _load_theta(self) -> None:
-        """Copy θ(r) into the inner model: the start of every inner phase (step 1 of the round)."""
+        """Copy θ(r) into the inner model: the start of an inner phase, and what is evaluated."""
+        self._load(self.state.params)
+
+    def _load(self, params: outer.Tensors) -> None:
         with torch.no_grad():
             for name, p in self.model.named_parameters():
-                p.copy_(self.state.params[name])
+                p.copy_(params[name])
 
     def _round_record(self, phase: PhaseResult, delta_norm: float) -> dict[str, Any]:
         record: dict[str, Any] = {

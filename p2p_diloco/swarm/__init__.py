@@ -23,14 +23,15 @@ from typing import Any, Callable
 import torch
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.averaging.matchmaking import MatchmakingException
-from hivemind.compression import NoCompression, ScaledFloat16Compression
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
+from p2p_diloco import codecs
 from p2p_diloco.config import Config, diff_shared
+from p2p_diloco.links import LinkMeter
 from p2p_diloco.rounds import Progress, SwarmProgress, swarm_progress
 from p2p_diloco.errors import AveragingError, RunConfigMismatch, StateDownloadError, SwarmError
 from p2p_diloco.swarm import records
-from p2p_diloco.swarm.allreduce import DiLoCoAverager
+from p2p_diloco.swarm.allreduce import DiLoCoAverager, WireCodec
 from p2p_diloco.swarm.node import make_validator, start_dht
 
 logger = logging.getLogger(__name__)
@@ -38,7 +39,6 @@ logger = logging.getLogger(__name__)
 # What a failed averaging step raises from inside hivemind; anything else is a bug and propagates.
 HIVEMIND_ERRORS = (AllreduceException, MatchmakingException, P2PDaemonError, P2PHandlerError, TimeoutError,
                    asyncio.TimeoutError, ConnectionError, asyncio.CancelledError)
-CODECS = {"fp32": NoCompression, "scaled-fp16": ScaledFloat16Compression}
 PART_SIZE_BYTES = 2 * 1024 * 1024  # 25-30 % faster than hivemind's 512 KiB default, measured here
 PROGRESS_INTERVAL_S = 1.0  # how often a peer publishes its progress and reads everyone's
 STALE_S = 10.0  # a peer whose progress report is older than this no longer counts in the round
@@ -49,6 +49,7 @@ class Averaged:
     """The round's average and what it cost."""
 
     delta: torch.Tensor  # flat fp32, identical bytes on every member of the group
+    exact: torch.Tensor | None  # the exact part (norms, biases), if the swarm has one
     group: tuple[str, ...]  # peer ids of the group, this peer included
     allreduce_s: float
     bytes_sent: int
@@ -58,7 +59,9 @@ class Averaged:
 class Swarm:
     """One peer's membership of a run's swarm."""
 
-    def __init__(self, config: Config, run_dir: Path, numel: int, state_provider: Callable[[], tuple[dict, list]]):
+    def __init__(self, config: Config, run_dir: Path, numel: int, state_provider: Callable[[], tuple[dict, list]],
+                 exact_numel: int = 0):
+        """`numel` values travel through the run's codec, `exact_numel` more (norms, biases) exact."""
         sc = config.swarm
         self.config = config
         self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
@@ -67,6 +70,12 @@ class Swarm:
         self.dht = start_dht(sc, identity, sc.initial_peers, sc.client_mode, [self.validator])
         self.peer_id = str(self.dht.peer_id)
         self.buffer = torch.zeros(numel, dtype=torch.float32)
+        self.exact_buffer = torch.zeros(exact_numel, dtype=torch.float32) if exact_numel else None
+        # Error feedback: what the codec lost of this peer's last pseudo-gradient, added to its next.
+        # Shared memory: the averager process writes it after each successful all-reduce.
+        lossy = sc.compression in codecs.LOSSY and sc.error_feedback
+        self.residual = torch.zeros(numel, dtype=torch.float32).share_memory_() if lossy else None
+        self.link = LinkMeter()
         # hivemind's DHT handle is one pipe: the heartbeat thread and the peer's thread take turns.
         self._dht_lock = threading.Lock()
         self._last_record: records.RoundRecord | None = None
@@ -80,12 +89,13 @@ class Swarm:
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="swarm-heartbeat", daemon=True)
         try:
             self.averager = DiLoCoAverager(
-                [self.buffer], self.dht, start=True, prefix=self.prefix,
+                [self.buffer] + ([self.exact_buffer] if self.exact_buffer is not None else []), self.dht,
+                start=True, prefix=self.prefix,
                 min_group_size=2, min_matchmaking_time=sc.matchmaking_time_s,
                 request_timeout=min(3.0, sc.matchmaking_time_s / 2), allreduce_timeout=sc.averaging_timeout_s,
-                next_chunk_timeout=sc.averaging_timeout_s / 4, compression=CODECS[sc.compression](),
+                next_chunk_timeout=sc.averaging_timeout_s / 4, compression=WireCodec(sc.compression),
                 part_size_bytes=PART_SIZE_BYTES, client_mode=sc.client_mode, declare_state_period=60,
-                state_provider=state_provider, shutdown_timeout=5,
+                state_provider=state_provider, shutdown_timeout=5, residual=self.residual,
             )
         except Exception as e:  # the averager process failed to start: never leave the DHT running
             self.dht.shutdown()
@@ -227,8 +237,11 @@ class Swarm:
     # --- averaging ---------------------------------------------------------------------------
 
     def average(self, delta: torch.Tensor, weight: float, round_: int, retry: bool = False,
-                expected_group: int = 0) -> Averaged | None:
+                expected_group: int = 0, exact: torch.Tensor | None = None) -> Averaged | None:
         """All-reduce this round's pseudo-gradient with the peers that reached the same round.
+
+        `delta` travels through the run's codec, plus what the codec lost of this peer's last
+        successful one (error feedback); `exact` (norms, biases) travels exact.
 
         `retry`: this round's all-reduce failed before; wait long enough for the other survivors.
         `expected_group`: how many peers are at the round; a group that size starts at once.
@@ -236,8 +249,10 @@ class Swarm:
         averages alone). Raises AveragingError if a group formed but its all-reduce failed: the
         caller's `delta` is untouched and nothing was applied (I2).
         """
-        with self.averager.get_tensors() as (buffer,):
-            buffer.copy_(delta)
+        with self.averager.get_tensors() as buffers:
+            buffers[0].copy_(delta if self.residual is None else delta + self.residual)
+            if exact is not None:
+                buffers[1].copy_(exact)
         self.averager.set_group_bits(records.round_bits(round_))
         if expected_group >= 2:
             self.averager.set_target_group_size(expected_group)
@@ -260,18 +275,15 @@ class Swarm:
         bad = [str(p) for p, g in gathered.items() if not isinstance(g, dict) or g.get("round") != round_]
         if bad:
             raise AveragingError(f"round {round_}: group members {bad} averaged another round; result dropped")
-        with self.averager.get_tensors() as (buffer,):
-            averaged = buffer.clone()
-        self._measure_bandwidth(result)
-        return Averaged(averaged, tuple(sorted(str(p) for p in gathered)), result["allreduce_s"],
+        with self.averager.get_tensors() as buffers:
+            averaged = [b.clone() for b in buffers]
+        # The load balancer sizes each peer's share by the figure it announces: a measured one.
+        self.link.record(result.get("bytes_sent", 0), result.get("send_s", 0.0),
+                         result.get("bytes_received", 0), result.get("receive_s", 0.0))
+        self.averager.bandwidth = self.link.bandwidth()
+        return Averaged(averaged[0], averaged[1] if len(averaged) > 1 else None,
+                        tuple(sorted(str(p) for p in gathered)), result["allreduce_s"],
                         result.get("bytes_sent", 0), result.get("bytes_received", 0))
-
-    def _measure_bandwidth(self, result: dict) -> None:
-        """Tell the next group what this peer actually moved per second in this all-reduce: the
-        load balancer sizes each peer's share by these figures, so they come from measurement."""
-        moved = result.get("bytes_sent", 0) + result.get("bytes_received", 0)
-        if moved > 0 and result["allreduce_s"] > 0:
-            self.averager.bandwidth = float(moved / result["allreduce_s"])
 
     # --- state download ----------------------------------------------------------------------
 

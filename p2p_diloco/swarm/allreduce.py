@@ -7,6 +7,11 @@ reducer encodes the *average itself* once per part, sends those bytes to every s
 the same bytes for its own span; every member then copies (not adds) what it decoded. So all
 members hold the same bytes, whatever the codec.
 
+The codecs are p2p_diloco.codecs, carried in hivemind's tensor messages by `WireCodec`. The first
+averaged tensor goes through the run's codec, the second (norms, biases: small) always exact. As a
+sender, the runner also keeps what the codec lost of each part it sent (error feedback), and times
+its sending and receiving so the peer can announce what its link carries (links.py).
+
 hivemind also reports success when a reducer dies mid-round, leaving that span at the survivor's
 own values. Here any failed reducer or banned sender fails the whole step, and the caller's
 buffer keeps its pseudo-gradient for a retry: a partial average is never applied.
@@ -15,6 +20,7 @@ buffer keeps its pseudo-gradient for a retry: a partial average is never applied
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from typing import Any, AsyncIterator, Sequence
 
@@ -22,19 +28,55 @@ import torch
 from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.compression import deserialize_torch_tensor
+from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, attach_event_on_finished
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished
+
+from p2p_diloco import codecs, links
 
 logger = get_logger(__name__)
 
 
+LOSSY_TENSOR = 0  # index of the averaged tensor that goes through the run's codec; any other travels exact
+
+
 class PartialAllreduce(AllreduceException):
     """Some reducer or sender failed: the averaged vector is incomplete and must not be applied."""
+
+
+class WireCodec(CompressionBase):
+    """A p2p_diloco codec in hivemind's tensor message: the codec's name in `dtype`, so that a message
+    decoded by anything but this class fails loudly instead of being misread."""
+
+    compression_type = runtime_pb2.CompressionType.NONE
+
+    def __init__(self, name: str):
+        self.codec, self.exact = codecs.get(name), codecs.get("fp32")
+
+    def _for(self, info: CompressionInfo) -> codecs.Codec:
+        return self.codec if info.key == LOSSY_TENSOR else self.exact
+
+    def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
+        codec = self._for(info)
+        return runtime_pb2.Tensor(buffer=codec.encode(tensor), size=tensor.shape, dtype=codec.name,
+                                  compression=self.compression_type)
+
+    def extract(self, message: runtime_pb2.Tensor) -> torch.Tensor:
+        """Untrusted bytes (I4): only this run's codec or fp32, and a length that fits the shape."""
+        if message.dtype not in (self.codec.name, self.exact.name):
+            raise AllreduceException(f"a part encoded as {message.dtype!r}; this run uses {self.codec.name}")
+        numel = math.prod(message.size)
+        try:
+            return codecs.get(message.dtype).decode(message.buffer, numel).view(tuple(message.size))
+        except ValueError as e:
+            raise AllreduceException(f"malformed part: {e}") from None
+
+    def estimate_compression_ratio(self, info: CompressionInfo) -> float:
+        return self._for(info).bytes_per_value() / 4
 
 
 class ConsistentAllReduceRunner(AllReduceRunner):
@@ -46,7 +88,26 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         self.failures: list[str] = []
         self.bytes_sent = 0
         self.bytes_received = 0
+        self.residuals: dict[int, torch.Tensor] = {}  # tensor index -> what the codec lost of what we sent
         self._encoded: dict[int, Any] = {}  # part index -> serialized average of our span
+        self._started = time.perf_counter()
+        self.last_sent = self.last_received = self._started
+
+    @property
+    def codec(self) -> WireCodec:
+        return self.tensor_part_container.compression
+
+    def timings(self) -> dict[str, float]:
+        """How long this peer was sending and receiving: for its throughput (links.py)."""
+        return {"send_s": self.last_sent - self._started, "receive_s": self.last_received - self._started}
+
+    def _sent(self, size: int) -> None:
+        self.bytes_sent += size
+        self.last_sent = time.perf_counter()
+
+    def _received(self, size: int) -> None:
+        self.bytes_received += size
+        self.last_received = time.perf_counter()
 
     def _encode_average(self, part_index: int, averaged: torch.Tensor) -> Any:
         """Serialize the average of one part of our span once; every sender gets these bytes."""
@@ -88,7 +149,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
             # Counted here, not where the replies are sent: those may still be in flight when our
             # own result is complete. One reply per other sender.
             self.bytes_sent += len(encoded.buffer) * (len(self.sender_peer_ids) - 1)
-            self.tensor_part_container.register_processed_part(peer_index, part_index, deserialize_torch_tensor(encoded))
+            self.tensor_part_container.register_processed_part(peer_index, part_index, self.codec.extract(encoded))
 
     async def _send_and_receive(self, peer_id: Any, peer_index: int) -> None:
         done_sending = asyncio.Event()
@@ -102,8 +163,8 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         def decode(msg: averaging_pb2.AveragingData) -> torch.Tensor:
             if msg.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-            self.bytes_received += len(msg.tensor_part.buffer)
-            return deserialize_torch_tensor(msg.tensor_part)
+            self._received(len(msg.tensor_part.buffer))
+            return self.codec.extract(msg.tensor_part)
 
         async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
                                                max_prefetch=self.tensor_part_container.prefetch):
@@ -115,8 +176,29 @@ class ConsistentAllReduceRunner(AllReduceRunner):
 
     async def _counted(self, messages: AsyncIterator[averaging_pb2.AveragingData]) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for msg in messages:
-            self.bytes_sent += len(msg.tensor_part.buffer)
             yield msg
+            self._sent(len(msg.tensor_part.buffer))  # after the transport took it
+
+    async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Our parts of `peer_index`'s span, encoded; what the codec lost of each goes to `residuals`."""
+        parts = self.tensor_part_container._input_parts_by_peer[peer_index]
+        first = True
+        async for encoded in amap_in_executor(lambda pair: self._encode_input(*pair), as_aiter(*parts),
+                                              max_prefetch=self.tensor_part_container.prefetch):
+            if first:
+                yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
+                                                  tensor_part=encoded, weight=self.weight)
+                first = False
+            else:
+                yield averaging_pb2.AveragingData(tensor_part=encoded, weight=self.weight)
+
+    def _encode_input(self, part: torch.Tensor, info: CompressionInfo) -> runtime_pb2.Tensor:
+        encoded = self.codec.compress(part, info)
+        residual = self.residuals.get(info.key)
+        if residual is not None:
+            start = part.storage_offset() - self.tensor_part_container.local_tensors[info.key].storage_offset()
+            residual[start:start + part.numel()] = part.reshape(-1) - self.codec.extract(encoded).reshape(-1)
+        return encoded
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         """As a reducer: add each sender's part to the sum, answer with the encoded average (not a delta).
@@ -126,14 +208,14 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         expected_parts = self.parts_for_local_averaging
         try:
             async for part, weight, size in amap_in_executor(
-                lambda msg: (deserialize_torch_tensor(msg.tensor_part), msg.weight, len(msg.tensor_part.buffer)),
+                lambda msg: (self.codec.extract(msg.tensor_part), msg.weight, len(msg.tensor_part.buffer)),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 _check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
                 if not (weight > 0 and weight < float("inf")):
                     raise AllreduceException(f"sender {sender_index} sent weight {weight}")
-                self.bytes_received += size
+                self._received(size)
                 averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
                 if self.banned_senders:
                     # hivemind completes a part without a sender that dropped out; that average
@@ -143,6 +225,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                 encoded = await asyncio.get_event_loop().run_in_executor(None, self._encode_average, part_index, averaged)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+                self._sent(len(encoded.buffer))
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -163,8 +246,11 @@ class DiLoCoAverager(DecentralizedAverager):
     which runs in the host process and calls `state_provider`.
     """
 
-    def __init__(self, *args: Any, state_provider: Any, **kwargs: Any):
+    def __init__(self, *args: Any, state_provider: Any, residual: torch.Tensor | None = None, **kwargs: Any):
+        """`residual`: a shared-memory tensor shaped like the lossy averaged tensor; after each
+        successful all-reduce it holds what the codec lost of this peer's part (error feedback)."""
         self._state_provider = state_provider
+        self.residual = residual
         super().__init__(*args, **kwargs)
 
     async def _shutdown(self, timeout: float | None) -> None:
@@ -225,7 +311,7 @@ class DiLoCoAverager(DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         started = time.perf_counter()
-        gathered = await super()._aggregate_with_group(group_info, min_vector_size, **kwargs)
+        gathered = await super()._aggregate_with_group(_fair(group_info, self.serializer), min_vector_size, **kwargs)
         stats = getattr(self, "_last_runner_stats", {})
         return {"gathered": gathered, "allreduce_s": time.perf_counter() - started, **stats}
 
@@ -241,10 +327,27 @@ class DiLoCoAverager(DecentralizedAverager):
             raise AllreduceException("auxiliary peers are not used by p2p-diloco")
         # Collect the whole result first: the shared buffers change only after every part arrived,
         # so a failure leaves the caller's pseudo-gradient untouched (I2).
+        if self.residual is not None:
+            runner.residuals[LOSSY_TENSOR] = torch.zeros_like(self.residual)
         results = [averaged async for averaged in runner]
         for tensor, averaged in zip(tensors, results):
             tensor.copy_(averaged)
+        if self.residual is not None:
+            self.residual.copy_(runner.residuals[LOSSY_TENSOR])
         self._last_runner_stats = {"bytes_sent": runner.bytes_sent, "bytes_received": runner.bytes_received,
-                                   "group_size": len(group_info.peer_ids)}
+                                   "group_size": len(group_info.peer_ids), **runner.timings()}
         self.last_updated = time.time()
         self._state_updated.set()
+
+
+def _fair(group_info: GroupInfo, serializer: Any) -> GroupInfo:
+    """The group with every member's bandwidth claim capped (links.fair_bandwidths), so that no
+    peer can claim its way to reducing the whole vector. Each member computes the same figures
+    from the same gathered bytes. Malformed gathered data is left for hivemind to refuse."""
+    try:
+        unpacked = [list(serializer.loads(data)) for data in group_info.gathered]
+        fair = links.fair_bandwidths([u[0] for u in unpacked])
+        gathered = tuple(serializer.dumps([b, *u[1:]]) for b, u in zip(fair, unpacked))
+    except Exception:  # anything a peer could send: hivemind's own parsing fails the group cleanly
+        return group_info
+    return GroupInfo(group_info.group_id, group_info.peer_ids, gathered)

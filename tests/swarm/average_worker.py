@@ -2,8 +2,9 @@
 
     python -m tests.swarm.average_worker MADDR INDEX WEIGHT CODEC RUN_DIR [NUMEL] [die-as-reducer]
 Prints "ready" once joined, waits for "go" on stdin, then prints one JSON line: the averaged
-values, the sha256 of their bytes and the group size; or the error, and whether this peer's own
-pseudo-gradient is still intact in the averaging buffer.
+values (through the codec) and exact values (EXACT of them, norms and biases), the sha256 of their
+bytes, the group size, and what the error-feedback residual holds; or the error, and whether this
+peer's own pseudo-gradient is still intact in the averaging buffer.
 
 With `die-as-reducer` the peer SIGKILLs itself (its main process, then its averager process) as soon
 as a second part of its span arrives from another peer: a reducer dying in the middle of the
@@ -19,12 +20,13 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco import config
+from p2p_diloco import codecs, config
 from p2p_diloco.errors import AveragingError
 from p2p_diloco.swarm import Swarm
 from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
 
 NUMEL = 1000
+EXACT = 10
 
 
 def die_as_reducer() -> None:
@@ -52,23 +54,40 @@ def known_delta(index: int, numel: int = NUMEL) -> torch.Tensor:
     return (index + 1) * (1 + torch.arange(numel, dtype=torch.float32) / 1000)
 
 
+def known_exact(index: int) -> torch.Tensor:
+    """e_i[j] = (i + 1) · (j + 1) / 1000: small values that a coarse codec would round away."""
+    return (index + 1) * (torch.arange(EXACT, dtype=torch.float32) + 1) / 1000
+
+
+def describe_residual(swarm: Swarm, delta: torch.Tensor, codec: str) -> str:
+    """What error feedback kept: nothing (this peer reduced its own values), exactly the codec's
+    loss on Δ (it sent Δ to a reducer), or something else (a bug)."""
+    if swarm.residual is None:
+        return "none"
+    if not bool(swarm.residual.any()):
+        return "zero"
+    return "codec-loss" if torch.equal(swarm.residual, codecs.residual(delta, codecs.get(codec))) else "other"
+
+
 def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel: int = NUMEL) -> None:
     cfg = config.load(None, {"swarm.host": "127.0.0.1", "swarm.initial_peers": maddr, "swarm.compression": codec,
                              "swarm.matchmaking_time_s": "4", "swarm.averaging_timeout_s": "20", "run.dir": run_dir})
     Path(run_dir).mkdir(parents=True)
-    swarm = Swarm(cfg, Path(run_dir), numel, lambda: ({}, []))
+    swarm = Swarm(cfg, Path(run_dir), numel, lambda: ({}, []), exact_numel=EXACT)
     try:
         print("ready", flush=True)
         assert sys.stdin.readline().strip() == "go"
         delta = known_delta(index, numel)
         try:
-            result = swarm.average(delta, weight, round_=0)
+            result = swarm.average(delta, weight, round_=0, exact=known_exact(index))
         except AveragingError as e:
             print(json.dumps({"error": str(e), "own_delta_intact": bool(torch.equal(swarm.buffer, delta))}), flush=True)
             return
-        values = result.delta
-        print(json.dumps({"values": values.tolist(), "sha256": hashlib.sha256(values.numpy().tobytes()).hexdigest(),
-                          "group": len(result.group), "bytes_sent": result.bytes_sent}), flush=True)
+        values = torch.cat([result.delta, result.exact])
+        print(json.dumps({"values": result.delta.tolist(), "exact": result.exact.tolist(),
+                          "sha256": hashlib.sha256(values.numpy().tobytes()).hexdigest(), "group": len(result.group),
+                          "bytes_sent": result.bytes_sent, "residual": describe_residual(swarm, delta, codec)}),
+              flush=True)
     finally:
         swarm.close()
 
