@@ -225,7 +225,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                 encoded = await asyncio.get_event_loop().run_in_executor(None, self._encode_average, part_index, averaged)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
-                self._sent(len(encoded.buffer))
+                self.last_sent = time.perf_counter()  # its bytes are counted in _reduce_own_span
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])

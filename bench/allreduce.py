@@ -1,0 +1,214 @@
+"""All-reduce time against the butterfly bound, on emulated internet links (bench/netlab.py).
+
+For k peers and each codec: k real peers (bench/allreduce_worker.py), each in a network namespace
+of its own with `--rate` Mbit/s up and down, average a random pseudo-gradient of NUMEL fp32 values
+`--repeats` times. The time of one all-reduce is the slowest member's; the bound is
+
+    2 (k - 1) / k · bytes_on_wire / rate,    bytes_on_wire = one peer's Δ after encoding,
+
+with bytes_on_wire = NUMEL · the codec's bytes per value (p2p_diloco/codecs.py). Ethernet and TCP/IP
+headers (1514 bytes per 1448 of payload) and libp2p framing are not in the bound, so a perfect run
+scores ~1.05. Two checks of what really travelled, per value of Δ, in the same units
+(bytes_on_wire / NUMEL): `wire_bytes_per_value` from each peer's veth counters (which count one
+header per GSO packet of up to 64 KiB: ~0.5 % above the payload), and `reported_bytes_per_value`
+from the bytes_sent that p2p_diloco/swarm/allreduce.py reports.
+
+    .venv/bin/python bench/allreduce.py                   # as root; k = 2, 4, 8; all codecs; ~13 min here
+    .venv/bin/python bench/allreduce.py --ks 2 4 --codecs fp32 scaled-fp16 --repeats 3
+
+Writes bench/results/allreduce.json and allreduce.png. Needs root (namespaces). On a 2-core
+machine the CPUs, not the links, limit all-reduce above a few hundred Mbit/s in total; timings are
+noisy when anything else runs. A codec the config does not know is skipped with a note.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+from p2p_diloco import config
+from p2p_diloco.errors import ConfigError
+
+from netlab import NetLab, available, line_reader, namespaces, next_line  # bench/ is on sys.path when run as a script
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # k peers share 2 cores
+CODECS = ["fp32", "scaled-fp16", "bf16", "int8", "int4"]
+# p2p_diloco/codecs.py: int8 has one fp32 scale per 128 values, int4 one per 64
+NOMINAL_BYTES_PER_VALUE = {"fp32": 4, "scaled-fp16": 2, "bf16": 2, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 64}
+MATCHMAKING_S = 5  # the worker's swarm.matchmaking_time_s
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rate", type=float, default=100, help="each peer's upload and download, Mbit/s")
+    p.add_argument("--numel", type=float, default=25e6, help="values in the pseudo-gradient (fp32)")
+    p.add_argument("--numel-k8", type=float, default=10e6, help="values when k >= 8 (8 peers on 2 cores)")
+    p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="group sizes")
+    p.add_argument("--codecs", nargs="+", default=CODECS, help="pseudo-gradient codecs (swarm.compression)")
+    p.add_argument("--repeats", type=int, default=3, help="all-reduces per setting; the median is reported")
+    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "allreduce"), help="path of the .json/.png, no suffix")
+    return p.parse_args()
+
+
+def known_codecs(codecs: list[str]) -> list[str]:
+    usable = []
+    for codec in codecs:
+        try:
+            config.load(None, {"swarm.compression": codec})
+            usable.append(codec)
+        except ConfigError as e:
+            print(f"skipping codec {codec}: {e}", flush=True)
+    return usable
+
+
+def bootstrap(lab: NetLab, host: int, folder: Path) -> str:
+    """A bootstrap node in the lab; returns its multiaddr."""
+    proc = lab.popen(host, [sys.executable, "-m", "p2p_diloco.cli", "bootstrap", "--host", lab.hosts[host].ip,
+                            "--port", "0", "--identity", str(folder / "bootstrap.key")],
+                     stdout=subprocess.PIPE, stderr=open(folder / "bootstrap.log", "w"), text=True, env=ENV, cwd=ROOT)
+    lines = line_reader(proc)
+    deadline = time.monotonic() + 60
+    while True:  # the node prints a heading, then its address as soon as it is up
+        line = next_line(lines, max(0.0, deadline - time.monotonic()), "bootstrap node's address").strip()
+        if line.startswith("--initial-peers"):
+            return line.split()[1]
+
+
+def bound_s(k: int, wire_bytes: float, rate_mbit: float) -> float:
+    """Butterfly all-reduce: each peer sends and receives 2 (k - 1) / k of one encoded Δ."""
+    return 2 * (k - 1) / k * wire_bytes * 8 / (rate_mbit * 1e6)
+
+
+def run_setting(lab: NetLab, maddr: str, k: int, codec: str, numel: int, args: argparse.Namespace, folder: Path) -> dict:
+    """k workers, `args.repeats` all-reduces; every member must hold the same bytes after each."""
+    # The swarm's averaging deadline: generous, this measures the all-reduce, it does not police it.
+    timeout_s = max(60.0, 5 * bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], args.rate))
+    workers = [lab.popen(i, [sys.executable, str(ROOT / "bench" / "allreduce_worker.py"), maddr, lab.hosts[i].ip,
+                             str(i), str(k), codec, str(numel), str(folder / f"k{k}-{codec}-w{i}"), str(timeout_s)],
+                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
+                         stderr=open(folder / f"k{k}-{codec}-w{i}.log", "w"))
+               for i in range(k)]
+    outs = [line_reader(w) for w in workers]
+    try:
+        for i, out in enumerate(outs):
+            if (line := next_line(out, 120, f"worker {i} ready")) != "ready":
+                raise RuntimeError(f"worker {i} printed {line!r}")
+        runs = [one_allreduce(lab, workers, outs, timeout_s + 3 * MATCHMAKING_S + 30) for _ in range(args.repeats)]
+    except RuntimeError as e:  # a worker died or fell silent: note it and go on with the next setting
+        print(f"  setting abandoned: {e}; see {folder}/k{k}-{codec}-w*.log", flush=True)
+        return {"k": k, "codec": codec, "numel": numel, "rate_mbit": args.rate, "error": str(e)}
+    finally:
+        for w in workers:  # EOF on stdin: the worker leaves the swarm; then its process group ends
+            w.stdin.close()
+        for w in workers:
+            lab.end(w, grace_s=20)
+    return summarize(k, codec, numel, args.rate, runs)
+
+
+def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> dict:
+    sent_before = [lab.link_bytes(i)[0] for i in range(len(workers))]
+    for w in workers:
+        w.stdin.write("go\n")
+        w.stdin.flush()
+    replies = [json.loads(next_line(out, timeout_s, f"worker {i} result")) for i, out in enumerate(outs)]
+    errors = [r["error"] for r in replies if "error" in r]
+    if not errors and {r["group"] for r in replies} != {len(workers)}:
+        errors = [f"group sizes {[r['group'] for r in replies]}"]
+    if not errors and len({r["sha256"] for r in replies}) != 1:
+        errors = ["members hold different bytes"]
+    if errors:
+        print(f"  failed: {errors}", flush=True)
+        return {"error": errors}
+    run = {"allreduce_s": max(r["allreduce_s"] for r in replies),  # the all-reduce ends with its slowest member
+           "bytes_sent": [r["bytes_sent"] for r in replies],
+           "link_sent": [lab.link_bytes(i)[0] - sent_before[i] for i in range(len(workers))]}
+    print(f"  {run['allreduce_s']:.2f} s", flush=True)
+    return run
+
+
+def summarize(k: int, codec: str, numel: int, rate: float, runs: list[dict]) -> dict:
+    ok = [r for r in runs if "error" not in r]
+    out = {"k": k, "codec": codec, "numel": numel, "rate_mbit": rate, "runs": len(runs), "failed": len(runs) - len(ok),
+           "nominal_bytes_per_value": NOMINAL_BYTES_PER_VALUE[codec]}
+    if not ok:
+        return out
+
+    def per_value(sent: str) -> float:
+        """Bytes of one encoded Δ per value: a peer sends 2 (k - 1) / k of it on average, whatever the spans."""
+        return statistics.median(statistics.mean(r[sent]) for r in ok) * k / (2 * (k - 1)) / numel
+
+    times = [r["allreduce_s"] for r in ok]
+    bound = bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], rate)
+    return {**out, "wire_bytes_per_value": per_value("link_sent"), "reported_bytes_per_value": per_value("bytes_sent"),
+            "times_s": times, "median_s": statistics.median(times), "bound_s": bound,
+            "ratio": statistics.median(times) / bound}
+
+
+def plot(results: list[dict], path: Path, rate: float) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    for codec in dict.fromkeys(r["codec"] for r in results):
+        rows = [r for r in results if r["codec"] == codec and "median_s" in r]
+        ks = [r["k"] for r in rows]
+        line, = left.plot(ks, [r["median_s"] for r in rows], "o-", label=codec)
+        left.plot(ks, [r["bound_s"] for r in rows], "--", color=line.get_color(), alpha=0.6)
+        right.plot(ks, [r["ratio"] for r in rows], "o-", label=codec)
+    right.axhline(1.0, color="gray", ls=":", label="bound")
+    left.set(xlabel="peers k", ylabel="all-reduce time, s (dashed: bound)", title=f"time at {rate:g} Mbit/s per peer")
+    right.set(xlabel="peers k", ylabel="measured / bound", title="ratio to 2(k-1)/k · bytes on wire / rate")
+    numel = {r["k"]: r["numel"] for r in results}  # k = 8 may average a smaller Δ
+    right.set_ylim(bottom=0)
+    for ax in (left, right):
+        ax.set_xticks(sorted(numel), [f"{k}\n{numel[k] / 1e6:g}M values" for k in sorted(numel)])
+        ax.legend()
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
+def main() -> int:
+    args = parse_args()
+    if (why := available()) is not None:
+        print(f"cannot build a network lab: {why}")
+        return 1
+    codecs = known_codecs(args.codecs)
+    folder = Path(tempfile.mkdtemp(prefix="allreduce-"))
+    print(f"logs in {folder}", flush=True)
+    results = []
+    kmax = max(args.ks)
+    # hosts 0..kmax-1: peers at --rate; host kmax: the bootstrap node, unlimited (it carries only DHT traffic)
+    with NetLab([(args.rate, args.rate)] * kmax + [(None, None)]) as lab:
+        maddr = bootstrap(lab, kmax, folder)
+        for k in args.ks:
+            numel = int(args.numel_k8 if k >= 8 else args.numel)
+            for codec in codecs:
+                print(f"k={k} {codec} numel={numel:,}", flush=True)
+                results.append(run_setting(lab, maddr, k, codec, numel, args, folder))
+                print(f"  -> {json.dumps(results[-1])}", flush=True)
+        prefix = lab.prefix
+    assert not namespaces(prefix), f"namespaces left behind: {namespaces(prefix)}"
+    out = Path(args.out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    meta = {"rate_mbit": args.rate, "repeats": args.repeats, "cpus": os.cpu_count(),
+            "note": "time: the slowest member's allreduce_s (from group formed to result); "
+                    "the 2-core machine was shared with other work: noisy"}
+    out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+    plot(results, out.with_suffix(".png"), args.rate)
+    print(f"wrote {out}.json and {out}.png")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""One peer of bench/allreduce.py: joins the swarm from its lab address and averages a large
+random pseudo-gradient once per "go" line on stdin.
+
+    python bench/allreduce_worker.py MADDR HOST_IP INDEX GROUP CODEC NUMEL RUN_DIR AVERAGING_TIMEOUT_S
+Prints "ready" once joined; for each "go" prints one JSON line: allreduce_s, bytes_sent,
+bytes_received, group (size), sha256 (of the averaged bytes: equal on every member), or error.
+Ends at EOF on stdin. Logs go to stderr.
+"""
+
+import hashlib
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+from p2p_diloco import config
+from p2p_diloco.errors import AveragingError
+from p2p_diloco.swarm import Swarm
+
+
+def main(maddr: str, host: str, index: int, group: int, codec: str, numel: int, run_dir: Path, timeout_s: float) -> None:
+    cfg = config.load(None, {"swarm.host": host, "swarm.initial_peers": maddr, "swarm.compression": codec,
+                             "swarm.matchmaking_time_s": "5", "swarm.averaging_timeout_s": str(timeout_s),
+                             "run.dir": str(run_dir)})
+    run_dir.mkdir(parents=True, exist_ok=True)
+    swarm = Swarm(cfg, run_dir, numel, lambda: ({}, []))
+    try:
+        print("ready", flush=True)
+        for round_ in range(1_000_000):
+            # Drawn before "go", so that the parent's release is what starts every peer's clock.
+            delta = torch.randn(numel, generator=torch.Generator().manual_seed(1000 * round_ + index))
+            if sys.stdin.readline().strip() != "go":
+                return
+            print(json.dumps(average(swarm, delta, round_, group)), flush=True)
+    finally:
+        swarm.close()
+
+
+def average(swarm: Swarm, delta: torch.Tensor, round_: int, group: int) -> dict:
+    try:
+        result = swarm.average(delta, 1.0, round_=round_, expected_group=group)  # starts once all `group` met
+    except AveragingError as e:
+        return {"error": str(e)}
+    if result is None:
+        return {"error": "no group formed"}
+    return {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent,
+            "bytes_received": result.bytes_received, "group": len(result.group),
+            "sha256": hashlib.sha256(result.delta.numpy().tobytes()).hexdigest()}
+
+
+if __name__ == "__main__":
+    maddr, host, index, group, codec, numel, run_dir, timeout_s = sys.argv[1:9]
+    main(maddr, host, int(index), int(group), codec, int(numel), Path(run_dir), float(timeout_s))
