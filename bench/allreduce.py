@@ -129,6 +129,7 @@ def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> d
         return {"error": errors}
     run = {"allreduce_s": max(r["allreduce_s"] for r in replies),  # the all-reduce ends with its slowest member
            "bytes_sent": [r["bytes_sent"] for r in replies],
+           "bandwidth": [r.get("bandwidth") for r in replies],
            "link_sent": [lab.link_bytes(i)[0] - sent_before[i] for i in range(len(workers))]}
     print(f"  {run['allreduce_s']:.2f} s", flush=True)
     return run
@@ -149,7 +150,7 @@ def summarize(k: int, codec: str, numel: int, rate: float, runs: list[dict]) -> 
     bound = bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], rate)
     return {**out, "wire_bytes_per_value": per_value("link_sent"), "reported_bytes_per_value": per_value("bytes_sent"),
             "times_s": times, "median_s": statistics.median(times), "bound_s": bound,
-            "ratio": statistics.median(times) / bound}
+            "ratio": statistics.median(times) / bound, "per_run": ok}
 
 
 def plot(results: list[dict], path: Path, rate: float) -> None:

@@ -332,14 +332,14 @@ class Peer:
 
     def _abandon(self, stop: threading.Event) -> bool:
         """An inner phase ended early: Ctrl+C (False), or the swarm finished the round without us."""
+        if stop.is_set():  # an all-reduce still in flight ends when the peer leaves the swarm
+            return False
         if self._pending is not None:  # the swarm moved on: its all-reduce is moot; let it end
             try:
                 self._pending.join()
             except Exception as e:  # whatever it ended with, its result is not used
                 self.log.debug("abandoned all-reduce: %s", e)
             self._pending = None
-        if stop.is_set():
-            return False
         self.log.warning("the swarm finished round %d without this peer (it is at round %s): abandoning the "
                          "inner phase to catch up", self.state.round, self.swarm.swarm_round())
         self._load_theta()

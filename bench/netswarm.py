@@ -1,0 +1,75 @@
+"""A training swarm on emulated internet links: `p2p-diloco peer` processes, each on a host of a
+NetLab (its own network namespace, rate-limited veth), and a bootstrap node on an unlimited host.
+
+    with NetLab([(100, 100), (100, 100), (None, None)]) as lab:
+        swarm = NetSwarm(lab, folder, overrides, bootstrap_host=2)
+        swarm.run_peers([0, 1], timeout_s=900)
+        swarm.records(0)   # metrics.jsonl of the peer on host 0, by round
+
+Everything runs in the lab's namespaces; NetLab.close() ends it all and deletes the namespaces.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from p2p_diloco import config
+
+from netlab import NetLab, line_reader, next_line
+
+ROOT = Path(__file__).resolve().parents[1]
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # peers share the machine's cores
+CLI = [sys.executable, "-m", "p2p_diloco.cli"]
+
+
+class NetSwarm:
+    def __init__(self, lab: NetLab, folder: Path, overrides: dict[str, str], bootstrap_host: int):
+        self.lab, self.folder = lab, Path(folder)
+        self.folder.mkdir(parents=True, exist_ok=True)
+        self.run_toml = self.folder / "run.toml"
+        config.save(config.load(None, {"log.progress": "false", **overrides}), self.run_toml)
+        self.maddr = self._bootstrap(bootstrap_host)
+
+    def _bootstrap(self, host: int) -> str:
+        proc = self.lab.popen(host, [*CLI, "bootstrap", "--host", self.lab.hosts[host].ip, "--port", "0",
+                                     "--identity", str(self.folder / "bootstrap.key"), "--config", str(self.run_toml)],
+                              stdout=subprocess.PIPE, stderr=open(self.folder / "bootstrap.log", "w"), text=True,
+                              env=ENV, cwd=ROOT)
+        lines = line_reader(proc)
+        deadline = time.monotonic() + 60
+        while True:  # the node prints its address as soon as it is up
+            line = next_line(lines, max(0.0, deadline - time.monotonic()), "bootstrap node's address").strip()
+            if line.startswith("--initial-peers"):
+                return line.split()[1]
+
+    def peer_dir(self, host: int) -> Path:
+        return self.folder / f"peer{host}"
+
+    def run_peers(self, hosts: list[int], timeout_s: float) -> float:
+        """Start one peer per host, wait until all exit (each must succeed); returns the wall time."""
+        started = time.perf_counter()
+        procs = []
+        for host in hosts:
+            cmd = [*CLI, "peer", "--config", str(self.run_toml), f"--run.dir={self.peer_dir(host)}",
+                   f"--swarm.host={self.lab.hosts[host].ip}", "--initial-peers", self.maddr]
+            log = open(self.folder / f"peer{host}.log", "w")
+            procs.append(self.lab.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT))
+        deadline = time.monotonic() + timeout_s
+        for host, proc in zip(hosts, procs):
+            try:
+                code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                raise RuntimeError(f"peer on host {host} did not finish within {timeout_s:g} s; "
+                                   f"see {self.folder}/peer{host}.log") from None
+            if code != 0:
+                raise RuntimeError(f"peer on host {host} exited with {code}; see {self.folder}/peer{host}.log")
+        return time.perf_counter() - started
+
+    def records(self, host: int) -> dict[int, dict]:
+        path = self.peer_dir(host) / "metrics.jsonl"
+        return {r["round"]: r for r in map(json.loads, path.read_text().splitlines())}
