@@ -26,6 +26,7 @@ told and raises ValueError on anything malformed; the caller checks the values a
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import dataclass
 
 import torch
@@ -93,7 +94,15 @@ def _raw(x: torch.Tensor) -> bytes:
 
 
 def _from_raw(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A tensor of its own (writable) holding `data`."""
     return torch.frombuffer(bytearray(data), dtype=dtype)
+
+
+def _view(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+    """A read-only view of `data`, for input that is only read on the way to a new tensor: no copy."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)  # "The given buffer is not writable"
+        return torch.frombuffer(data, dtype=dtype) if data else torch.empty(0, dtype=dtype)
 
 
 def _encode_fp32(x: torch.Tensor) -> bytes:
@@ -109,7 +118,7 @@ def _encode_bf16(x: torch.Tensor) -> bytes:
 
 
 def _decode_bf16(data: bytes, numel: int) -> torch.Tensor:
-    return _from_raw(data, torch.int16).view(torch.bfloat16).to(torch.float32)
+    return _view(data, torch.int16).view(torch.bfloat16).to(torch.float32)
 
 
 def _encode_scaled_fp16(x: torch.Tensor) -> bytes:
@@ -121,8 +130,8 @@ def _encode_scaled_fp16(x: torch.Tensor) -> bytes:
 
 
 def _decode_scaled_fp16(data: bytes, numel: int) -> torch.Tensor:
-    mean, std = _from_raw(data[:8], torch.float32).tolist()
-    return _from_raw(data[8:], torch.int16).view(torch.float16).to(torch.float32) * std + mean
+    mean, std = _view(data[:8], torch.float32).tolist()
+    return _view(memoryview(data)[8:], torch.int16).view(torch.float16).to(torch.float32) * std + mean
 
 
 def _blocks(x: torch.Tensor, block: int) -> torch.Tensor:
@@ -148,8 +157,8 @@ def _encode_blockwise(name: str, x: torch.Tensor) -> bytes:
 def _decode_blockwise(name: str, data: bytes, numel: int) -> torch.Tensor:
     block = _BLOCK[name]
     n_blocks = math.ceil(numel / block)
-    payload = _from_raw(data[: len(data) - 4 * n_blocks], torch.uint8)
-    scale = _from_raw(data[len(data) - 4 * n_blocks:], torch.float32)
+    payload = _view(memoryview(data)[: len(data) - 4 * n_blocks], torch.uint8)
+    scale = _view(memoryview(data)[len(data) - 4 * n_blocks:], torch.float32)
     if name == "int4":
         q = torch.stack([payload & 0x0F, payload >> 4], dim=1).reshape(-1).to(torch.float32) - 8
         if bool((q < -7).any()):

@@ -54,10 +54,11 @@ class Totals:
 
 
 class Background:
-    """The all-reduce of one round's Δ, running in a thread while the next inner phase trains.
-    Its deadlines are the swarm's (matchmaking, averaging, retries), so `join` ends."""
+    """Swarm work of one round (its all-reduce, or collecting its digests) running in a thread while
+    the next inner phase trains. The work's deadlines are the swarm's, so `join` ends."""
 
-    def __init__(self, work: Callable[[], Any], phase: PhaseResult, delta: outer.Tensors, delta_norm: float):
+    def __init__(self, work: Callable[[], Any], phase: PhaseResult | None = None, delta: outer.Tensors | None = None,
+                 delta_norm: float = 0.0):
         self.phase, self.delta, self.delta_norm = phase, delta, delta_norm
         self.started = time.perf_counter()
         self._result: Any = None
@@ -105,6 +106,7 @@ class Peer:
         self._overlap = config.swarm.overlap if config.swarm.initial_peers else "off"
         self._pending: Background | None = None  # the all-reduce in flight (overlapped rounds)
         self._previous: tuple[outer.Tensors, outer.Tensors, float] | None = None  # (average, own Δ, share) of the last round
+        self._unsettled: tuple[int, Background, PhaseResult, dict] | None = None  # an agreement settled one phase late
         try:
             self._build(resume)
         except BaseException:
@@ -309,7 +311,8 @@ class Peer:
         comm["averaging_s"] = time.perf_counter() - pending.started
         comm["wait_s"] = max(0.0, comm["averaging_s"] - comm["allreduce_s"])
         self._previous = (averaged, pending.delta, 1.0 / len(group))
-        self._commit(pending.phase, pending.delta_norm, averaged, group, comm, started)
+        self._settle_agreement()
+        self._commit(pending.phase, pending.delta_norm, averaged, group, comm, started, defer=following is not None)
         if following is not None:
             self._launch(*following)
         return True
@@ -361,15 +364,24 @@ class Peer:
         self._pending = Background(lambda: self._average(delta, phase.tokens, expected), phase, delta, delta_norm)
 
     def _commit(self, phase: PhaseResult, delta_norm: float, averaged: outer.Tensors, group: tuple[str, ...],
-                comm: dict[str, Any], started: float) -> None:
-        """θ(r+1) from the round's average: outer step, agreement, metrics, checkpoint."""
+                comm: dict[str, Any], started: float, defer: bool = False) -> None:
+        """θ(r+1) from the round's average: outer step, agreement, metrics, checkpoint.
+
+        `defer` (overlapped rounds): publish the digest and collect the others' in the background
+        while the next phase trains; `_settle_agreement` acts on them before the next outer step.
+        The next phase need not wait for the round's slowest peer to publish.
+        """
         # Who should agree on the round's result: the group, and every live peer that was at this round.
         r = self.state.round
         peers = set(group) | (self.swarm.peers_at(r, r + 1) if self.swarm is not None else set())
         oc = self.config.outer
         self.state = outer.outer_step(self.state, averaged, oc.lr, oc.momentum, oc.nesterov)
         self._load_theta()
-        if self.swarm is not None:
+        if self.swarm is not None and defer:
+            mine = self.state.digest()
+            self.swarm.publish_round(self.state.round, mine, phase.tokens, phase.mean_loss)
+            collecting = Background(lambda: self._majority(self.state.round, peers, mine))
+        elif self.swarm is not None:
             self._agree(peers, phase)
         self.totals.tokens += phase.tokens
         self.totals.inner_steps += phase.steps
@@ -379,6 +391,8 @@ class Peer:
             record["swarm_peers"] = self._round_view.peers if self._round_view else 1
         record["wall_s"] = time.perf_counter() - started
         self.metrics.append(record)
+        if defer:
+            self._unsettled = (self.state.round, collecting, phase, record)
         self._save()
         self.log.round = self.state.round
         self._log_round(record)
@@ -442,29 +456,53 @@ class Peer:
                 self.log.warning("%s (attempt %d of %d); %s", e, attempt, attempts, more)
         return False
 
-    def _agree(self, peers: set[str], phase: PhaseResult) -> None:
+    def _settle_agreement(self) -> None:
+        """The deferred agreement of the last committed round (overlapped rounds), before the next
+        outer step is applied to it: if the majority holds another state, adopt it now, so the
+        next update lands on the same θ everywhere. Its record and checkpoint are rewritten."""
+        unsettled, self._unsettled = self._unsettled, None
+        if unsettled is None or unsettled[0] != self.state.round:  # the peer caught up meanwhile
+            return
+        _, collecting, phase, record = unsettled
+        majority, holders = collecting.join()
+        if majority != self.state.digest() and self._adopt_majority(majority, holders, phase):
+            self.metrics.append({**record, "digest": self.state.digest(), "adopted": True})
+            self._save()
+
+    def _agree(self, peers: set[str], phase: PhaseResult) -> bool:
         """Publish this round's digest; if the majority of `peers` holds another, reload the majority's state.
 
         `peers` are the round's group and every peer seen at this round: a peer that missed the
         group (it averaged alone) thus rejoins the majority's state in the same round. Waiting is
         bounded by swarm.agreement_timeout_s (I3); a peer that died is simply not counted.
+        Returns whether this peer adopted the majority's state.
         """
         mine = self.state.digest()
         self.swarm.publish_round(self.state.round, mine, phase.tokens, phase.mean_loss)
+        majority, holders = self._majority(self.state.round, peers, mine)
+        return majority != mine and self._adopt_majority(majority, holders, phase)
+
+    def _majority(self, round_: int, peers: set[str], mine: str) -> tuple[str, list[str]]:
+        """(majority digest, peers serving it) of round `round_` among `peers` and this peer, waiting
+        for their digests at most swarm.agreement_timeout_s. Reads the swarm only: any thread."""
         if peers <= {self.peer_id}:
-            return
+            return mine, [self.peer_id]
         expected = tuple(sorted(peers | {self.peer_id}))
-        digests = self.swarm.wait_for_digests(self.state.round, expected)
+        digests = self.swarm.wait_for_digests(round_, expected)
         digests[self.peer_id] = mine  # our own record may not be readable yet: we know our digest
         missing = [p[-4:] for p in expected if p not in digests]
         if missing:
             self.log.info("agreement: %d of %d peers published round %d within %g s (missing %s)", len(digests),
-                          len(expected), self.state.round, self.config.swarm.agreement_timeout_s, ", ".join(missing))
-        majority, holders = self.swarm.majority(digests)
-        if majority != mine:
-            self.log.warning("digest %s differs from the group's majority %s: reloading its state", mine[:12], majority[:12])
-            if self._try_adopt(self.state.round, majority, holders):
-                self.swarm.publish_round(self.state.round, self.state.digest(), phase.tokens, phase.mean_loss)
+                          len(expected), round_, self.config.swarm.agreement_timeout_s, ", ".join(missing))
+        return self.swarm.majority(digests)
+
+    def _adopt_majority(self, majority: str, holders: list[str], phase: PhaseResult) -> bool:
+        self.log.warning("digest %s differs from the group's majority %s: reloading its state",
+                         self.state.digest()[:12], majority[:12])
+        if not self._try_adopt(self.state.round, majority, holders):
+            return False
+        self.swarm.publish_round(self.state.round, self.state.digest(), phase.tokens, phase.mean_loss)
+        return True
 
     def _catch_up(self) -> bool:
         """If the swarm is at a later round (or the same round with another majority digest), download its state."""
