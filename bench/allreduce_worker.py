@@ -3,7 +3,7 @@ random pseudo-gradient once per "go" line on stdin.
 
     python bench/allreduce_worker.py MADDR HOST_IP INDEX GROUP CODEC NUMEL RUN_DIR AVERAGING_TIMEOUT_S
 Prints "ready" once joined; for each "go" prints one JSON line: allreduce_s, bytes_sent,
-bytes_received, group (size), the bandwidth it will announce next, sha256 (of the averaged bytes: equal on every member), or error.
+bytes_received, group (size), its measured link (bytes/s), sha256 (of the averaged bytes: equal on every member), or error.
 Ends at EOF on stdin. Logs go to stderr.
 """
 
@@ -46,7 +46,7 @@ def average(swarm: Swarm, delta: torch.Tensor, round_: int, group: int) -> dict:
         return {"error": "no group formed"}
     return {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent,
             "bytes_received": result.bytes_received, "group": len(result.group),
-            "bandwidth": swarm.link.bandwidth(),  # what this peer announces to the next group (links.py)
+            "bandwidth": swarm.link.bandwidth(),  # this peer's measured link, bytes/s (links.py)
             "sha256": hashlib.sha256(result.delta.numpy().tobytes()).hexdigest()}
 
 

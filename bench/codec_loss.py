@@ -77,6 +77,7 @@ def plot(result: dict, path: Path) -> None:
     for i, r in enumerate(result["runs"]):
         tokens, loss = zip(*r["curve"])
         left.plot(tokens, loss, label=r["name"], color=f"C{i}", lw=1.2)
+    left.xaxis.set_major_formatter(lambda v, _: f"{v / 1e3:.0f}k")
     left.set_xlabel("tokens per peer")
     left.set_ylabel("held-out loss")
     left.set_ylim(top=min(4.0, left.get_ylim()[1]))

@@ -429,7 +429,8 @@ class Peer:
         if result is None:
             self.log.info("no other peer reached round %d within the matchmaking window: averaging alone", self.state.round)
             return alone
-        comm = {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received}
+        comm = {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
+                "link_mbit_s": round(result.link_bps * 8e-6, 2) if result.link_bps else None}
         averaged = {**outer.unflatten(result.delta, lossy), **(outer.unflatten(result.exact, exact) if exact else {})}
         return {name: averaged[name] for name in delta}, result.group, comm
 

@@ -54,6 +54,7 @@ class Averaged:
     allreduce_s: float
     bytes_sent: int
     bytes_received: int
+    link_bps: float | None = None  # this peer's best recent throughput (bytes/s, links.LinkMeter)
 
 
 class Swarm:
@@ -277,13 +278,15 @@ class Swarm:
             raise AveragingError(f"round {round_}: group members {bad} averaged another round; result dropped")
         with self.averager.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
-        # The load balancer sizes each peer's share by the figure it announces: a measured one.
-        self.link.record(result.get("bytes_sent", 0), result.get("send_s", 0.0),
-                         result.get("bytes_received", 0), result.get("receive_s", 0.0))
-        self.averager.bandwidth = self.link.bandwidth()
+        # Measured, reported, and deliberately not announced to the load balancer: in hivemind's
+        # lockstep all-reduce every stream moves at the slowest member's pace, so the figures do
+        # not tell fast links from slow ones, and announcing them made a slow peer's span larger
+        # (bench/balance.py; links.py). Honest peers announce nothing: equal spans. What others
+        # announce is still capped (allreduce._fair).
+        self.link.record(result.get("upload_bps", 0.0), result.get("download_bps", 0.0))
         return Averaged(averaged[0], averaged[1] if len(averaged) > 1 else None,
                         tuple(sorted(str(p) for p in gathered)), result["allreduce_s"],
-                        result.get("bytes_sent", 0), result.get("bytes_received", 0))
+                        result.get("bytes_sent", 0), result.get("bytes_received", 0), self.link.bandwidth())
 
     # --- state download ----------------------------------------------------------------------
 

@@ -91,23 +91,29 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         self.residuals: dict[int, torch.Tensor] = {}  # tensor index -> what the codec lost of what we sent
         self._encoded: dict[int, Any] = {}  # part index -> serialized average of our span
         self._started = time.perf_counter()
-        self.last_sent = self.last_received = self._started
+        # Per other peer: [bytes, seconds from the start to the last of them] of the stream of our
+        # parts to its span (upload), and of its parts to our span (download).
+        self._uploads: dict[int, list] = {}
+        self._downloads: dict[int, list] = {}
 
     @property
     def codec(self) -> WireCodec:
         return self.tensor_part_container.compression
 
-    def timings(self) -> dict[str, float]:
-        """How long this peer was sending and receiving: for its throughput (links.py)."""
-        return {"send_s": self.last_sent - self._started, "receive_s": self.last_received - self._started}
+    def throughput(self) -> dict[str, float]:
+        """Bytes/s this peer's link carried each way: the sum over the other peers of the rate of
+        its stream with each. A stream with a slow peer is slow because of that peer, but it only
+        takes its share; the sum is what this link carried. Replies are left out: a reducer
+        answers at the pace of its slowest sender, which says nothing of this peer's link."""
+        def total(flows: dict[int, list]) -> float:
+            return sum(size / seconds for size, seconds in flows.values() if size > 0 and seconds > 0)
 
-    def _sent(self, size: int) -> None:
-        self.bytes_sent += size
-        self.last_sent = time.perf_counter()
+        return {"upload_bps": total(self._uploads), "download_bps": total(self._downloads)}
 
-    def _received(self, size: int) -> None:
-        self.bytes_received += size
-        self.last_received = time.perf_counter()
+    def _flow(self, flows: dict[int, list], peer_index: int, size: int) -> None:
+        flow = flows.setdefault(peer_index, [0, 0.0])
+        flow[0] += size
+        flow[1] = time.perf_counter() - self._started
 
     def _encode_average(self, part_index: int, averaged: torch.Tensor) -> Any:
         """Serialize the average of one part of our span once; every sender gets these bytes."""
@@ -153,7 +159,8 @@ class ConsistentAllReduceRunner(AllReduceRunner):
 
     async def _send_and_receive(self, peer_id: Any, peer_index: int) -> None:
         done_sending = asyncio.Event()
-        inputs = attach_event_on_finished(self._counted(self._generate_input_for_peer(peer_index)), done_sending)
+        inputs = attach_event_on_finished(self._counted(self._generate_input_for_peer(peer_index), peer_index),
+                                          done_sending)
         stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
         if self.should_delay_results(self.peer_id):
             await done_sending.wait()
@@ -163,7 +170,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         def decode(msg: averaging_pb2.AveragingData) -> torch.Tensor:
             if msg.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
-            self._received(len(msg.tensor_part.buffer))
+            self.bytes_received += len(msg.tensor_part.buffer)
             return self.codec.extract(msg.tensor_part)
 
         async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
@@ -174,10 +181,12 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         if part_index != expected:
             raise AllreduceException(f"peer {peer_id} sent {part_index} parts, expected {expected}")
 
-    async def _counted(self, messages: AsyncIterator[averaging_pb2.AveragingData]) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def _counted(self, messages: AsyncIterator[averaging_pb2.AveragingData],
+                       peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for msg in messages:
             yield msg
-            self._sent(len(msg.tensor_part.buffer))  # after the transport took it
+            self.bytes_sent += len(msg.tensor_part.buffer)
+            self._flow(self._uploads, peer_index, len(msg.tensor_part.buffer))  # after the transport took it
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Our parts of `peer_index`'s span, encoded; what the codec lost of each goes to `residuals`."""
@@ -215,7 +224,8 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                 _check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
                 if not (weight > 0 and weight < float("inf")):
                     raise AllreduceException(f"sender {sender_index} sent weight {weight}")
-                self._received(size)
+                self.bytes_received += size
+                self._flow(self._downloads, sender_index, size)
                 averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
                 if self.banned_senders:
                     # hivemind completes a part without a sender that dropped out; that average
@@ -225,7 +235,6 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                 encoded = await asyncio.get_event_loop().run_in_executor(None, self._encode_average, part_index, averaged)
                 part_index += 1
                 yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
-                self.last_sent = time.perf_counter()  # its bytes are counted in _reduce_own_span
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -335,7 +344,7 @@ class DiLoCoAverager(DecentralizedAverager):
         if self.residual is not None:
             self.residual.copy_(runner.residuals[LOSSY_TENSOR])
         self._last_runner_stats = {"bytes_sent": runner.bytes_sent, "bytes_received": runner.bytes_received,
-                                   "group_size": len(group_info.peer_ids), **runner.timings()}
+                                   "group_size": len(group_info.peer_ids), **runner.throughput()}
         self.last_updated = time.time()
         self._state_updated.set()
 

@@ -29,16 +29,18 @@ def test_honest_figures_within_the_cap_are_untouched():
 def test_meter_announces_its_best_recent_measurement():
     meter = links.LinkMeter()
     assert meter.bandwidth() is None
-    meter.record(1000, 1.0, 4000, 2.0)  # up 1000 B/s, down 2000 B/s: the slower direction
+    meter.record(1000.0, 2000.0)  # up 1000 B/s, down 2000 B/s: the slower direction
     assert meter.bandwidth() == 1000.0
-    meter.record(100, 1.0, 100, 1.0)  # a small span while waiting for a slow peer: not a slower link
+    meter.record(100.0, 100.0)  # an all-reduce paced by a slow peer: not a slower link
     assert meter.bandwidth() == 1000.0
     for _ in range(links.RECENT):
-        meter.record(300, 1.0, 300, 1.0)
+        meter.record(300.0, 300.0)
     assert meter.bandwidth() == 300.0  # the old figure ages out: a link that got slower is believed
 
 
-def test_meter_ignores_an_all_reduce_that_moved_nothing():
+def test_meter_uses_the_one_direction_it_measured():
     meter = links.LinkMeter()
-    meter.record(0, 0.0, 100, 1.0)
+    meter.record(0.0, 0.0)
     assert meter.bandwidth() is None
+    meter.record(500.0, 0.0)  # reduced nothing, so received no parts: its upload is what is known
+    assert meter.bandwidth() == 500.0
