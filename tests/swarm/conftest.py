@@ -113,9 +113,12 @@ class Swarm:
         for p in self.procs:
             if p.poll() is None:
                 p.send_signal(signal.SIGINT)
+        # The test is over: a peer still busy after Ctrl+C (in an all-reduce or agreement, whose
+        # deadlines are tens of seconds) is killed with its group after one shared grace period.
+        deadline = time.monotonic() + 10
         for p in self.procs:
             try:
-                p.wait(timeout=30)
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 p.kill()
                 p.wait(timeout=30)

@@ -43,11 +43,11 @@ def patch_inner() -> None:
     original = peer.Peer._inner_phase
     state = {"phases": 0}
 
-    def inner_phase(self, stop):
+    def inner_phase(self, stop, lead=0):
         state["phases"] += 1
         if state["phases"] == NTH:
             fail()
-        return original(self, stop)
+        return original(self, stop, lead)
 
     peer.Peer._inner_phase = inner_phase
 
@@ -75,8 +75,8 @@ def patch_allreduce() -> None:
         async for reply in original_reduce(self, parts(), sender_index):
             yield reply
 
-    async def counted(self, messages):
-        async for message in original_counted(self, messages):
+    async def counted(self, messages, peer_index):
+        async for message in original_counted(self, messages, peer_index):
             if state["runs"] == NTH:
                 fail()
             yield message

@@ -42,13 +42,13 @@ def start_workers(swarm, weights, codec, *extra_by_worker):
 
 
 # Worst relative error of a value of the ramp after two trips through the codec (sender -> reducer,
-# reducer -> everyone): fp32 none; scaled fp16 ~2e-4 each way; int4 half a step of 1/7 of its block's
-# largest value each way, and a block of 64 ramp values varies by < 7 %: 2 x 0.5/7 x 1.07 < 0.16.
-TOLERANCE = {"fp32": 1e-6, "scaled-fp16": 1e-3, "int4": 0.16}
+# reducer -> everyone): fp32 none; int4 half a step of 1/7 of its block's largest value each way,
+# and a block of 64 ramp values varies by < 7 %: 2 x 0.5/7 x 1.07 < 0.16.
+TOLERANCE = {"fp32": 1e-6, "int4": 0.16}
 
 
 @pytest.mark.timeout(180)
-@pytest.mark.parametrize("codec", ["fp32", "scaled-fp16", "int4"])
+@pytest.mark.parametrize("codec", ["fp32", "int4"])  # exact, and the lossiest (scaled-fp16: tests/unit/test_codecs.py)
 def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
     weights = [1.0, 1.0, 2.0]  # tokens of each peer
     workers = start_workers(swarm, weights, codec)
