@@ -46,10 +46,11 @@ def normal_round_s(records):
 
 
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize("signal_name", ["KILL", "STOP"])
-def test_peer_lost_in_the_inner_phase(swarm, signal_name):
-    # the subject averages with the others, then crashes or hangs as its third inner phase starts
-    a, b, last = run_with_fault(swarm, f"inner:3:{signal_name}")
+def test_peer_hangs_in_the_inner_phase(swarm):
+    # The subject averages with the others, then hangs (its whole process group stopped: a laptop
+    # asleep) as its third inner phase starts. A crash there takes the same path with closed
+    # sockets instead of silent ones; it is measured in bench/faults.py (the suite's time is capped).
+    a, b, last = run_with_fault(swarm, "inner:3:STOP")
     assert_agree_every_round(a, b, last)
     # the survivors lose at most a few rounds of averaging together, then average as a pair to the end
     assert [a[r]["group_size"] for r in range(ROUNDS - 2, ROUNDS + 1)] == [2, 2, 2]

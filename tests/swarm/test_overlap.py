@@ -5,7 +5,7 @@ import pytest
 
 from tests.swarm.conftest import wait_until
 
-ROUNDS = 5
+ROUNDS = 4
 
 
 @pytest.mark.timeout(240)
