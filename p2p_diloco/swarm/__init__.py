@@ -16,6 +16,7 @@ import logging
 import math
 import threading
 import time
+from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
@@ -41,6 +42,7 @@ HIVEMIND_ERRORS = (AllreduceException, MatchmakingException, P2PDaemonError, P2P
                    asyncio.TimeoutError, ConnectionError, asyncio.CancelledError)
 PART_SIZE_BYTES = 2 * 1024 * 1024  # 25-30 % faster than hivemind's 512 KiB default, measured here
 PROGRESS_INTERVAL_S = 1.0  # how often a peer publishes its progress and reads everyone's
+STEP_MARGIN_S = 30.0  # the averager process's hand-over and wrap-up, beyond the step's own deadlines
 STALE_S = 10.0  # a peer whose progress report is older than this no longer counts in the round
 
 
@@ -250,6 +252,7 @@ class Swarm:
         averages alone). Raises AveragingError if a group formed but its all-reduce failed: the
         caller's `delta` is untouched and nothing was applied (I2).
         """
+        self._check_averager()
         with self.averager.get_tensors() as buffers:
             buffers[0].copy_(delta if self.residual is None else delta + self.residual)
             if exact is not None:
@@ -257,16 +260,29 @@ class Swarm:
         self.averager.set_group_bits(records.round_bits(round_))
         if expected_group >= 2:
             self.averager.set_target_group_size(expected_group)
-        timeout = self.config.swarm.matchmaking_time_s * 3
+        sc = self.config.swarm
+        timeout = sc.matchmaking_time_s * 3
         if retry:
             # Survivors notice a failed all-reduce at different moments: a reducer that drops a
             # sender at once, a sender only when its reducer's timeout (half the averaging
             # deadline) runs out. Wait that much longer so they still meet.
-            timeout += self.config.swarm.averaging_timeout_s / 2
+            timeout += sc.averaging_timeout_s / 2
+        # The whole step, matchmaking and all-reduce, is bounded (I3); hivemind's own step() would
+        # wait forever on an averager process that died or hung.
+        deadline = timeout + sc.averaging_timeout_s + STEP_MARGIN_S
         try:
-            result = self.averager.step(weight=float(weight), timeout=timeout, allow_retries=False,
-                                        gather={"round": round_})
+            control = self.averager.start_step(float(weight), timeout, {"round": round_}, init_timeout=STEP_MARGIN_S)
+        except TimeoutError as e:
+            self._check_averager()
+            raise AveragingError(f"round {round_}: {e}") from None
+        try:
+            result = self._wait_for(control, deadline)
         except HIVEMIND_ERRORS as e:
+            if not control.done():  # this method's deadline, not hivemind's
+                control.cancel()
+                raise AveragingError(f"round {round_}: the averaging step did not end within {deadline:g} s "
+                                     f"(matchmaking {timeout:g} s + all-reduce {sc.averaging_timeout_s:g} s); "
+                                     f"nothing applied") from None
             if "could not find a group" in str(e).lower() or isinstance(e, TimeoutError):
                 return None
             raise AveragingError(f"round {round_} all-reduce failed: {type(e).__name__}: {str(e)[:200]}") from None
@@ -287,6 +303,23 @@ class Swarm:
         return Averaged(averaged[0], averaged[1] if len(averaged) > 1 else None,
                         tuple(sorted(str(p) for p in gathered)), result["allreduce_s"],
                         result.get("bytes_sent", 0), result.get("bytes_received", 0), self.link.bandwidth())
+
+    def _wait_for(self, control: Any, deadline: float) -> Any:
+        """The step's result within `deadline` s, checking every second that the averager lives."""
+        end = time.monotonic() + deadline
+        while True:
+            try:
+                return control.result(timeout=min(1.0, max(0.0, end - time.monotonic())))
+            except FuturesTimeout:
+                if control.done() or time.monotonic() >= end:
+                    raise
+                self._check_averager()
+
+    def _check_averager(self) -> None:
+        """The averager runs in a child process; if it died, no round can be averaged again."""
+        if not self.averager.is_alive():
+            raise SwarmError(f"this peer's averaging process died (exit code {self.averager.exitcode}); "
+                             f"the last round's checkpoint is on disk: restart the peer with --resume")
 
     # --- state download ----------------------------------------------------------------------
 

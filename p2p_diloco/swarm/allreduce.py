@@ -22,15 +22,18 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any, AsyncIterator, Sequence
 
 import torch
 from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
@@ -269,6 +272,27 @@ class DiLoCoAverager(DecentralizedAverager):
         finally:
             if getattr(self, "_p2p", None) is not None:
                 await self._p2p.shutdown()
+
+    def start_step(self, weight: float, timeout: float, gather: Any, init_timeout: float) -> StepControl:
+        """hivemind's `step(wait=False)` with a deadline on the hand-over to the averager process.
+
+        hivemind waits without a deadline for the averager process to acknowledge the step; if that
+        process died (measured here: torch's shared-memory manager timed out while it unpickled the
+        step under load) the peer would hang forever (I3). Raises TimeoutError instead.
+        """
+        scheduled_time = get_dht_time() + self.matchmaking_kwargs["min_matchmaking_time"]
+        data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
+        step = StepControl(scheduled_time=scheduled_time, deadline=get_dht_time() + timeout, allow_retries=False,
+                           weight=weight, data_for_gather=data_for_gather)
+        future_for_init = MPFuture()
+        self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=future_for_init)))
+        try:
+            step.attach(*future_for_init.result(timeout=init_timeout))
+        except FuturesTimeout:
+            future_for_init.cancel()
+            raise TimeoutError(f"the averager process did not take the step within {init_timeout:g} s") from None
+        step.allow_allreduce()
+        return step
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         metadata, tensors = self._state_provider()

@@ -9,6 +9,9 @@ peer's own pseudo-gradient is still intact in the averaging buffer.
 With `die-as-reducer` the peer SIGKILLs itself (its main process, then its averager process) as soon
 as a second part of its span arrives from another peer: a reducer dying in the middle of the
 all-reduce, after it already answered for its first part.
+
+With `kill-averager` the peer SIGKILLs its own averager process right after handing it the step:
+the averaging process dying under a peer that is waiting for its result.
 """
 
 import hashlib
@@ -21,9 +24,9 @@ from pathlib import Path
 import torch
 
 from p2p_diloco import codecs, config
-from p2p_diloco.errors import AveragingError
+from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.swarm import Swarm
-from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
+from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner, DiLoCoAverager
 
 NUMEL = 1000
 EXACT = 10
@@ -47,6 +50,19 @@ def die_as_reducer() -> None:
             yield reply
 
     ConsistentAllReduceRunner._accumulate_parts_streaming = dying
+
+
+def kill_averager_after_start() -> None:
+    """Patch the step's hand-over so that the averager process is killed once it took the step."""
+    original = DiLoCoAverager.start_step
+
+    def start_then_die(self, *args, **kwargs):
+        control = original(self, *args, **kwargs)
+        os.kill(self.pid, signal.SIGKILL)
+        self.join(timeout=10)
+        return control
+
+    DiLoCoAverager.start_step = start_then_die
 
 
 def known_delta(index: int, numel: int = NUMEL) -> torch.Tensor:
@@ -80,8 +96,8 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
         delta = known_delta(index, numel)
         try:
             result = swarm.average(delta, weight, round_=0, exact=known_exact(index))
-        except AveragingError as e:
-            print(json.dumps({"error": str(e), "own_delta_intact": bool(torch.equal(swarm.buffer, delta))}), flush=True)
+        except (AveragingError, SwarmError) as e:
+            print(json.dumps({"error": str(e), "kind": type(e).__name__, "own_delta_intact": bool(torch.equal(swarm.buffer, delta))}), flush=True)
             return
         values = torch.cat([result.delta, result.exact])
         print(json.dumps({"values": result.delta.tolist(), "exact": result.exact.tolist(),
@@ -95,5 +111,7 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
 if __name__ == "__main__":
     if "die-as-reducer" in sys.argv:
         die_as_reducer()
+    if "kill-averager" in sys.argv:
+        kill_averager_after_start()
     numel = int(sys.argv[6]) if len(sys.argv) > 6 else NUMEL
     main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5], numel)

@@ -83,3 +83,17 @@ def test_reducer_killed_mid_allreduce_leaves_no_partial_update(swarm):
         assert "error" in result, "a survivor applied an average that misses the dead reducer's span"
         assert "all-reduce failed" in result["error"]
         assert result["own_delta_intact"], "the kept pseudo-gradient must survive for a retry"
+
+
+@pytest.mark.timeout(120)
+def test_a_dead_averager_process_is_an_error_not_a_hang(swarm):
+    # Alone, the step would wait out matchmaking (3 x 4 s) and report "nobody came"; with its
+    # averaging process killed it must say so within about a second instead (I3), and before the
+    # fix it waited forever for the dead process's answer.
+    (worker,) = start_workers(swarm, [1.0], "fp32", [str(NUMEL), "kill-averager"])
+    started = time.monotonic()
+    result = json.loads(read_line(worker, 60))
+    assert result["kind"] == "SwarmError" and "averaging process died" in result["error"], result
+    assert time.monotonic() - started < 10
+    assert result["own_delta_intact"]
+    assert worker.wait(timeout=30) == 0
