@@ -56,6 +56,12 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--rounds", type=int, default=10, help="rounds to train")
     demo.add_argument("--dir", default="runs/demo", help="folder for the peers' run dirs and logs (emptied first)")
 
+    base = sub.add_parser("baseline", help="the synchronous reference: K local workers averaging gradients every step",
+                          epilog=EPILOG)
+    base.add_argument("--workers", type=int, default=1,
+                      help="data-parallel workers (torch.distributed, gloo); 1 = the single-worker baseline")
+    _add_config_options(base)
+
     show = sub.add_parser("config", help="print the resolved config and its fingerprint", epilog=EPILOG)
     show.add_argument("--reference", action="store_true", help="print every field as a Markdown table instead")
     _add_config_options(show)
@@ -135,6 +141,15 @@ def cmd_demo(args: argparse.Namespace) -> int:
     return run_demo(args.peers, args.rounds, args.dir, stop, emit=lambda line: print(line, flush=True))
 
 
+def cmd_baseline(args: argparse.Namespace) -> int:
+    from p2p_diloco import dataparallel
+
+    cfg = config_from_args(args)
+    path = dataparallel.run(cfg, args.workers)
+    print(f"metrics: {path}")
+    return 0
+
+
 def cmd_config(args: argparse.Namespace) -> int:
     if args.reference:
         print(reference_markdown())
@@ -167,7 +182,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"peer": cmd_peer, "bootstrap": cmd_bootstrap, "demo": cmd_demo, "config": cmd_config, "export": cmd_export}
+COMMANDS = {"peer": cmd_peer, "bootstrap": cmd_bootstrap, "demo": cmd_demo, "baseline": cmd_baseline, "config": cmd_config, "export": cmd_export}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

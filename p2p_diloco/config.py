@@ -73,6 +73,8 @@ class DataSection:
     heldout_fraction: float = shared(0.05, "share of documents held out for evaluation (by document)")
     num_shards: int = shared(64, "the training documents are split into this many disjoint shards")
     shard: int = local(-1, "this peer's shard; -1 picks one from the peer id and seed")
+    shard_by: str = shared("document", "document (each document to a random shard: i.i.d. shards) or folder (whole "
+                                       "top-level folders per shard: non-i.i.d.; source = stdlib only)")
 
 
 @dataclass(frozen=True)
@@ -95,6 +97,8 @@ class OuterSection:
     lr: float = shared(0.7, "outer SGD learning rate")
     momentum: float = shared(0.9, "outer SGD momentum")
     nesterov: bool = shared(True, "Nesterov momentum (the paper's choice)")
+    drop_rate: float = shared(0.0, "experiments: chance that a peer's pseudo-gradient is left out of a round's "
+                                   "average (it joins with weight 0 and still applies the average)")
 
 
 @dataclass(frozen=True)
@@ -304,6 +308,7 @@ def save(config: Config, path: str | Path) -> None:
 
 PRESETS = ("tiny", "small", "150m", "1b")
 OVERLAP = ("off", "delayed", "eager")
+SHARD_BY = ("document", "folder")
 
 
 def _require(ok: bool, where: str, problem: str, fix: str) -> None:
@@ -333,6 +338,12 @@ def validate(c: Config) -> None:
              f"must be -1 or in [0, {c.data.num_shards}), got {c.data.shard}", "-1 picks one for you")
     _require(bool(c.data.text_field), "data.text_field", "must not be empty", "e.g. text")
     _validate_inner(c.inner)
+    _require(c.data.shard_by in SHARD_BY, "data.shard_by", f"must be one of {', '.join(SHARD_BY)}, got {c.data.shard_by!r}",
+             "document is the default")
+    _require(c.data.shard_by == "document" or c.data.source == "stdlib", "data.shard_by",
+             f"= folder needs a corpus with folders (source = stdlib), got source = {c.data.source}", "use document")
+    _require(0.0 <= c.outer.drop_rate < 1.0, "outer.drop_rate", f"must be in [0, 1), got {c.outer.drop_rate}",
+             "0 = never; the paper tries 0.1 to 0.5")
     _require(_pos(c.outer.lr), "outer.lr", f"must be > 0, got {c.outer.lr}", "the paper uses 0.7")
     _require(0.0 <= c.outer.momentum < 1.0, "outer.momentum", f"must be in [0, 1), got {c.outer.momentum}", "the paper uses 0.9")
     _validate_swarm(c.swarm)

@@ -63,10 +63,13 @@ class FiniteCorpus(Corpus):
 
     finite = True
 
-    def __init__(self, description: str, keys: list[str], read: Callable[[str], str]):
+    def __init__(self, description: str, keys: list[str], read: Callable[[str], str],
+                 sizes: dict[str, int] | None = None):
+        """`sizes`: bytes of each document, where known (folder sharding balances by them)."""
         self.description = description
         self._keys = keys
         self._read = read
+        self.sizes = sizes
 
     def _scan(self, epoch: int, seed: int, start: int, keep: KeyFilter) -> Iterator[tuple[int, Document]]:
         order = _epoch_order(self._keys, seed, epoch)
@@ -112,6 +115,43 @@ def shard_of(key: str, seed: int, num_shards: int) -> int:
     return _sha256(f"shard/{seed}/{key}") % num_shards
 
 
+def folder_of(key: str) -> str:
+    """A document's top-level folder ("asyncio" for asyncio/events.py); files at the top share ".".
+    """
+    head, sep, _ = key.partition("/")
+    return head if sep else "."
+
+
+def folder_shards(sizes: dict[str, int], num_shards: int) -> dict[str, int]:
+    """Whole top-level folders to shards (non-i.i.d. shards): the largest folder first, each onto the
+    shard with the fewest bytes so far (ties: the lowest shard). Depends only on the keys and sizes."""
+    folders: dict[str, int] = {}
+    for key, size in sizes.items():
+        folders[folder_of(key)] = folders.get(folder_of(key), 0) + size
+    if len(folders) < num_shards:
+        raise DataError(f"data.shard_by = folder needs at least data.num_shards = {num_shards} top-level folders; "
+                        f"the corpus has {len(folders)}: lower data.num_shards")
+    load = [0] * num_shards
+    assignment = {}
+    for folder, size in sorted(folders.items(), key=lambda item: (-item[1], item[0])):
+        shard = min(range(num_shards), key=lambda i: (load[i], i))
+        assignment[folder] = shard
+        load[shard] += size
+    return assignment
+
+
+def sharding(corpus: Corpus, cfg: DataSection, seed: int) -> Callable[[str], int]:
+    """The run's key -> shard function: by document (`shard_of`) or by top-level folder."""
+    if cfg.shard_by == "document":
+        return lambda key: shard_of(key, seed, cfg.num_shards)
+    sizes = getattr(corpus, "sizes", None)
+    if sizes is None:
+        raise DataError(f"data.shard_by = folder needs a corpus with folders (data.source = stdlib); "
+                        f"{corpus.description} has none: use data.shard_by = document")
+    assignment = folder_shards(sizes, cfg.num_shards)
+    return lambda key: assignment[folder_of(key)]
+
+
 def pick_shard(peer_id: str, seed: int, num_shards: int) -> int:
     """A shard for a peer that did not choose one (data.shard = -1). Peers draw independently, so two
     may draw the same shard (4 peers over 64 shards: ~9 %); set data.shard per peer to rule it out."""
@@ -132,13 +172,15 @@ class TrainStream:
     """
 
     def __init__(self, corpus: Corpus, tokenizer: Any, seq_len: int, shard: int, num_shards: int,
-                 seed: int, heldout_fraction: float):
+                 seed: int, heldout_fraction: float, shard_of_key: Callable[[str], int] | None = None):
+        """`shard_of_key`: the run's sharding (`sharding()`); by default each document's own hash."""
         if seq_len < 1 or not 0 <= shard < num_shards:
             raise DataError(f"need seq_len >= 1 and 0 <= shard < num_shards, got seq_len={seq_len}, "
                             f"shard={shard}, num_shards={num_shards}; fix model.seq_len or data.shard")
         self._corpus, self._tokenizer, self._seq_len = corpus, tokenizer, seq_len
         self._shard, self._num_shards, self._seed = shard, num_shards, seed
         self._heldout_fraction = heldout_fraction
+        self._shard_of_key = shard_of_key or (lambda key: shard_of(key, seed, num_shards))
         self.tokens_consumed = 0
         self._docs, (self._epoch, self._index, self._tokens) = self._open(0, 0)
         self._offset = 0
@@ -193,8 +235,7 @@ class TrainStream:
             log.info("shard %d/%d: epoch %d begins", self._shard, self._num_shards, epoch)
 
     def _is_mine(self, key: str) -> bool:
-        return (not is_heldout(key, self._heldout_fraction)
-                and shard_of(key, self._seed, self._num_shards) == self._shard)
+        return not is_heldout(key, self._heldout_fraction) and self._shard_of_key(key) == self._shard
 
 
 def _check_state(state: Any) -> None:
@@ -234,20 +275,19 @@ def open_corpus(cfg: DataSection) -> Corpus:
 def _open_stdlib(cfg: DataSection) -> Corpus:
     """Every .py file of this Python's standard library, by path relative to its root."""
     root = Path(sysconfig.get_paths()["stdlib"])
-    keys, size = [], 0
+    sizes = {}
     for folder, subfolders, names in os.walk(root):
         subfolders[:] = [name for name in subfolders if name not in STDLIB_SKIP_DIRS]
         for name in names:
             if name.endswith(".py"):
                 path = Path(folder, name)
-                keys.append(path.relative_to(root).as_posix())
-                size += path.stat().st_size
-    if not keys:
+                sizes[path.relative_to(root).as_posix()] = path.stat().st_size
+    if not sizes:
         raise DataError(f"no .py files under the standard library at {root}; use data.source=files")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
-    description = f"stdlib of Python {version} ({len(keys):,} files, {size / 1e6:.1f} MB)"
-    return FiniteCorpus(description, sorted(keys),
-                        lambda key: (root / key).read_text(encoding="utf-8", errors="replace"))
+    description = f"stdlib of Python {version} ({len(sizes):,} files, {sum(sizes.values()) / 1e6:.1f} MB)"
+    return FiniteCorpus(description, sorted(sizes),
+                        lambda key: (root / key).read_text(encoding="utf-8", errors="replace"), sizes)
 
 
 def _open_files(cfg: DataSection) -> Corpus:

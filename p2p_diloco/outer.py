@@ -155,3 +155,13 @@ def eager_estimate(own: Tensors, previous_average: Tensors | None, previous_own:
     if previous_average is None or previous_own is None:
         return dict(own)
     return {name: share * own[name] + previous_average[name] - share * previous_own[name] for name in own}
+
+
+def is_dropped(rate: float, seed: int, peer: str, round_: int) -> bool:
+    """Whether `peer`'s pseudo-gradient of `round_` is dropped from the average (the paper's
+    dropped-pseudo-gradient experiment, outer.drop_rate): a pure function of its arguments, so a
+    resumed run drops the same rounds."""
+    if rate <= 0:
+        return False
+    draw = int.from_bytes(hashlib.sha256(f"drop/{seed}/{peer}/{round_}".encode()).digest()[:8], "big")
+    return draw < rate * 2**64

@@ -130,7 +130,7 @@ class Peer:
         shard = config.data.shard if config.data.shard >= 0 else data.pick_shard(self.peer_id, config.run.seed, config.data.num_shards)
         self.stream = data.TrainStream(
             self.corpus, self.tokenizer, config.model.seq_len, shard, config.data.num_shards,
-            config.run.seed, config.data.heldout_fraction,
+            config.run.seed, config.data.heldout_fraction, data.sharding(self.corpus, config.data, config.run.seed),
         )
         self.heldout = None
         if config.run.eval_every_rounds > 0:
@@ -415,11 +415,17 @@ class Peer:
         A failed all-reduce applies nothing of it (I2): this peer then uses its own Δ, and the
         digest check after the outer step brings it back to the group's state if they differ.
         """
-        alone = (delta, (self.peer_id,), {"allreduce_s": 0.0, "bytes_sent": 0, "bytes_received": 0})
+        dropped = outer.is_dropped(self.config.outer.drop_rate, self.config.run.seed, self.peer_id, self.state.round)
+        if dropped:  # the paper's dropped pseudo-gradient: this peer's Δ counts for nothing this round
+            self.log.info("round %d: this peer's pseudo-gradient is dropped (outer.drop_rate %g)",
+                          self.state.round, self.config.outer.drop_rate)
+        own = {name: torch.zeros_like(t) for name, t in delta.items()} if dropped else delta
+        alone = (own, (self.peer_id,), {"allreduce_s": 0.0, "bytes_sent": 0, "bytes_received": 0, "dropped": dropped})
         if self.swarm is None:
             return alone
         lossy, exact = outer.split_exact(delta)
-        result = self._average_with_retries(outer.flatten(lossy), outer.flatten(exact) if exact else None, tokens, expected)
+        result = self._average_with_retries(outer.flatten(lossy), outer.flatten(exact) if exact else None,
+                                            0 if dropped else tokens, expected)
         if (result is None or result is False) and self.swarm.wait_for_round(self.state.round + 1, 0.0):
             # Averaging alone now would only make a state nobody else holds: catch up instead.
             self.log.info("the swarm is already past round %d: catching up instead of averaging alone", self.state.round)
@@ -430,7 +436,7 @@ class Peer:
             self.log.info("no other peer reached round %d within the matchmaking window: averaging alone", self.state.round)
             return alone
         comm = {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent, "bytes_received": result.bytes_received,
-                "link_mbit_s": round(result.link_bps * 8e-6, 2) if result.link_bps else None}
+                "link_mbit_s": round(result.link_bps * 8e-6, 2) if result.link_bps else None, "dropped": dropped}
         averaged = {**outer.unflatten(result.delta, lossy), **(outer.unflatten(result.exact, exact) if exact else {})}
         return {name: averaged[name] for name in delta}, result.group, comm
 

@@ -30,6 +30,7 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import PeerID
 from hivemind.utils.mpfuture import MPFuture
@@ -82,11 +83,25 @@ class WireCodec(CompressionBase):
         return self._for(info).bytes_per_value() / 4
 
 
+class ZeroWeightReducer(TensorPartReducer):
+    """hivemind's reducer, except that a part every sender gave weight 0 averages to zeros, not to
+    0/0 = NaN: a peer may join with weight 0 (outer.drop_rate), and so may all of them."""
+
+    def check_current_part_finished(self) -> None:
+        assert self.current_part_accumulated_from <= self.num_current_senders
+        if self.current_part_accumulated_from == self.num_current_senders:
+            if self.denominator > 0:
+                self.accumulator.div_(self.denominator)
+            self.current_part_future.set_result(self.accumulator)
+            self.reset_accumulators()
+
+
 class ConsistentAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose every member ends with bit-identical results."""
 
     def __init__(self, *args: Any, **kwargs: Any):
         super().__init__(*args, **kwargs)
+        self.tensor_part_reducer.__class__ = ZeroWeightReducer  # same state, one method differs
         self.tensor_part_container.return_deltas = False  # results are averages, not deltas
         self.failures: list[str] = []
         self.bytes_sent = 0
@@ -225,7 +240,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 _check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
-                if not (weight > 0 and weight < float("inf")):
+                if not (weight >= 0 and weight < float("inf")):
                     raise AllreduceException(f"sender {sender_index} sent weight {weight}")
                 self.bytes_received += size
                 self._flow(self._downloads, sender_index, size)

@@ -1,0 +1,161 @@
+"""The synchronous reference DiLoCo is measured against: data-parallel training of the same model,
+data and schedule, with k local worker processes that average their gradients after every step
+(`torch.distributed`, gloo, through DDP). One model, k x the batch, k x the tokens per step.
+
+    p2p-diloco baseline --workers 4 --config run.toml --run.dir runs/dp4
+
+Worker i reads shard i of the run's shards (the shard a DiLoCo peer with data.shard = i reads), so
+data-parallel with k workers and DiLoCo with k peers see the same tokens. `--workers 1` is the
+paper's single-worker baseline: plain AdamW with one peer's batch and steps. The run lasts
+run.rounds x inner.steps optimizer steps (the inner steps of one DiLoCo peer), and θ is evaluated
+every inner.steps x run.eval_every_rounds steps, so its records line up with a peer's rounds.
+
+Rank 0 writes `metrics.jsonl` in run.dir: one record per evaluation with the tokens of all workers
+so far and the bytes each worker sent (the all-reduce of every gradient bucket, counted by a DDP
+communication hook, times 2(k-1)/k: what a ring or butterfly all-reduce sends per worker). No
+checkpoints: a baseline is rerun, not resumed.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import os
+import time
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from p2p_diloco import config as config_mod
+from p2p_diloco import data
+from p2p_diloco import model as model_mod
+from p2p_diloco.config import Config
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.metrics import MetricsLog, setup_logging
+
+logger = logging.getLogger(__name__)
+INIT_TIMEOUT_S = 120  # all workers must have started and met within this
+
+
+def check(config: Config, workers: int) -> None:
+    """Refuse what cannot run, before any process starts."""
+    if workers < 1:
+        raise ConfigError(f"--workers must be >= 1, got {workers}")
+    if config.data.shard >= 0 and workers > 1:
+        raise ConfigError("data.shard names one shard, but data-parallel workers read shards 0..k-1; leave it at -1")
+    if workers > config.data.num_shards:
+        raise ConfigError(f"--workers {workers} needs at least that many shards, data.num_shards is "
+                          f"{config.data.num_shards}; raise it")
+    if (Path(config.run.dir) / "metrics.jsonl").exists():
+        raise ConfigError(f"run dir {config.run.dir} already holds a metrics.jsonl; choose another --run.dir")
+
+
+def run(config: Config, workers: int) -> Path:
+    """Train with `workers` processes; returns the path of rank 0's metrics.jsonl."""
+    check(config, workers)
+    run_dir = Path(config.run.dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    config_mod.save(config, run_dir / "config.toml")
+    rendezvous = run_dir / ".rendezvous"
+    rendezvous.unlink(missing_ok=True)
+    try:
+        if workers == 1:
+            _worker(0, config, 1, rendezvous)
+        else:
+            mp.spawn(_worker, args=(config, workers, rendezvous), nprocs=workers, join=True)
+    finally:
+        rendezvous.unlink(missing_ok=True)
+    return run_dir / "metrics.jsonl"
+
+
+def _worker(rank: int, config: Config, workers: int, rendezvous: Path) -> None:
+    setup_logging(config.log.level)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+    if workers > 1:
+        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=workers,
+                                timeout=timedelta(seconds=INIT_TIMEOUT_S))
+    try:
+        _train(rank, config, workers)
+    finally:
+        if workers > 1:
+            dist.destroy_process_group()
+
+
+def _train(rank: int, config: Config, workers: int) -> None:
+    tokenizer = model_mod.load_tokenizer(config.model.tokenizer)
+    model = model_mod.init_model(model_mod.model_config(config.model, tokenizer.vocab_size), config.run.seed)
+    corpus = data.open_corpus(config.data)
+    shard = config.data.shard if config.data.shard >= 0 else rank
+    stream = data.TrainStream(corpus, tokenizer, config.model.seq_len, shard, config.data.num_shards, config.run.seed,
+                              config.data.heldout_fraction, data.sharding(corpus, config.data, config.run.seed))
+    steps_per_eval = config.inner.steps * max(config.run.eval_every_rounds, 1)
+    total_steps = config.run.rounds * config.inner.steps
+    comm = Communication(workers)
+    trained = model
+    if workers > 1:
+        # Buffers (rotary frequencies) are the same everywhere: no need to broadcast them every step.
+        trained = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        trained.register_comm_hook(comm, Communication.hook)
+    trainer = InnerTrainer(trained, config.inner, total_steps, torch.device("cpu"))
+    log = MetricsLog(Path(config.run.dir) / "metrics.jsonl") if rank == 0 else None
+    heldout = None
+    # Evaluates the plain module on rank 0 alone: a forward through DDP would be a collective.
+    evaluator = InnerTrainer(model, config.inner, total_steps, torch.device("cpu"))
+    if rank == 0 and config.run.eval_every_rounds > 0:
+        heldout = data.heldout_batch(corpus, tokenizer, config.model.seq_len, config.run.eval_sequences,
+                                     config.data.heldout_fraction)
+    if rank == 0:
+        logger.info("data-parallel baseline: %d worker(s), %s parameters, %d steps of %d x %d tokens each, %s",
+                    workers, f"{model_mod.count_parameters(model):,}", total_steps, config.inner.batch_size * workers,
+                    config.model.seq_len, corpus.description)
+    started, compute_s, losses = time.perf_counter(), 0.0, []
+
+    def record(step: int) -> None:
+        if log is None:
+            return
+        entry: dict[str, Any] = {
+            "round": step // config.inner.steps, "step": step, "workers": workers,
+            "total_tokens": step * config.inner.batch_size * config.model.seq_len * workers,
+            "train_loss": sum(losses) / len(losses) if losses else None,
+            "bytes_sent": comm.bytes_sent(), "compute_s": compute_s, "wall_s": time.perf_counter() - started,
+        }
+        if heldout is not None:
+            loss = evaluator.evaluate(heldout)
+            entry.update(eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
+        log.append(entry)
+        losses.clear()
+        if step:
+            logger.info("step %d/%d: train loss %.4f, held-out loss %s", step, total_steps, entry["train_loss"],
+                        f"{entry['eval_loss']:.4f}" if "eval_loss" in entry else "-")
+
+    record(0)
+    for step in range(1, total_steps + 1):
+        t = time.perf_counter()
+        losses.append(float(trainer.train_step(stream.next_batch(config.inner.batch_size))))
+        compute_s += time.perf_counter() - t
+        if step % steps_per_eval == 0 or step == total_steps:
+            record(step)
+
+
+class Communication:
+    """A DDP communication hook that all-reduces (mean) each gradient bucket and counts its bytes."""
+
+    def __init__(self, workers: int):
+        self.workers = workers
+        self.payload = 0  # gradient bytes all-reduced so far
+
+    def bytes_sent(self) -> int:
+        """What each worker sent: 2(k-1)/k of the payload, the volume of a ring or butterfly all-reduce."""
+        return int(self.payload * 2 * (self.workers - 1) / self.workers) if self.workers > 1 else 0
+
+    def hook(self, bucket):  # no annotations: DDP checks them, and they are strings in this module
+        tensor = bucket.buffer()
+        self.payload += tensor.numel() * tensor.element_size()
+        tensor.div_(self.workers)
+        return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
+
