@@ -46,8 +46,21 @@ def average(swarm: Swarm, delta: torch.Tensor, round_: int, group: int) -> dict:
         return {"error": "no group formed"}
     return {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent,
             "bytes_received": result.bytes_received, "group": len(result.group),
-            "bandwidth": swarm.link.bandwidth(),  # this peer's measured link, bytes/s (links.py)
+            "bandwidth": result.link_bps,  # the link figure this peer announced, bytes/s (links.py)
+            "probes": wait_for_probes(swarm),
             "sha256": hashlib.sha256(result.delta.numpy().tobytes()).hexdigest()}
+
+
+def wait_for_probes(swarm: Swarm) -> dict | None:
+    """The probe sweep this all-reduce started, if any: done before the next "go", so that probes
+    never share the links with an all-reduce here (in a real run they overlap the inner phase)."""
+    if swarm.probes is None:
+        return None
+    probes, swarm.probes = swarm.probes, None
+    try:
+        return probes.result(timeout=120)
+    except Exception as e:  # a sweep that failed or hung: the next all-reduce runs without its figures
+        return {"error": f"{type(e).__name__}: {e}"}
 
 
 if __name__ == "__main__":

@@ -42,7 +42,7 @@ def setting(args: argparse.Namespace) -> dict[str, str]:
         "model.preset": "tiny", "model.seq_len": "128", "data.num_shards": str(args.k),
         "inner.steps": str(args.steps), "inner.batch_size": str(args.batch), "inner.micro_batch_size": str(args.batch),
         "inner.lr": str(args.lr), "inner.warmup_steps": str(args.warmup), "inner.precision": "fp32",
-        "outer.lr": str(args.outer_lr), "outer.momentum": "0.9",
+        "outer.lr": str(args.outer_lr), "outer.momentum": str(args.outer_momentum),
         "swarm.speed_aware": "false", "swarm.matchmaking_time_s": "3", "swarm.averaging_timeout_s": "30",
     }
 
@@ -73,10 +73,12 @@ def diloco(name: str, extra: dict[str, str], args: argparse.Namespace, folder: P
     final = [r.get(args.rounds, {}).get("digest") for r in records]
     if None in final or len(set(final)) != 1:
         raise RuntimeError(f"{name}: the peers did not all finish with the same state ({final}); see {folder}")
-    curve = []
+    # Tokens that went into the averages: a peer that missed a round's group (and caught up with
+    # its result instead) records 0 tokens for it.
+    curve, tokens = [], 0
     for r in sorted(records[0]):
+        tokens += sum(rec[r].get("tokens", 0) for rec in records if r in rec)
         if "eval_loss" in records[0][r]:
-            tokens = sum(rec[r].get("total_tokens", 0) for rec in records if r in rec)
             curve.append((tokens, r * args.steps, records[0][r]["eval_loss"]))
     rounds = range(1, args.rounds + 1)
     details = {
@@ -84,8 +86,12 @@ def diloco(name: str, extra: dict[str, str], args: argparse.Namespace, folder: P
         "dropped": sum(bool(rec[r].get("dropped")) for rec in records for r in rounds),
         "contributions": args.k * args.rounds,
     }
-    bytes_sent = max(sum(rec[r].get("bytes_sent", 0) for r in rounds) for rec in records)
-    return summary(name, "diloco", args.k, wall, curve, bytes_sent, {"overrides": extra, **details})
+    # The tiny model's Δ is one part of the all-reduce, so one peer per round reduces it all and
+    # sends k - 1 times more than the others: the mean over peers is the fair per-worker figure.
+    sent = [sum(rec[r].get("bytes_sent", 0) for r in rounds) for rec in records]
+    details["bytes_sent_max_worker"] = max(sent)
+    details["missed_groups"] = sum(r not in rec or "group_size" not in rec[r] for rec in records for r in rounds)
+    return summary(name, "diloco", args.k, wall, curve, sum(sent) // len(sent), {"overrides": extra, **details})
 
 
 def summary(name: str, kind: str, workers: int, wall: float, curve: list, bytes_sent: int, extra: dict) -> dict:
@@ -132,6 +138,7 @@ def main() -> int:
     parser.add_argument("--lr", type=float, default=3e-3, help="inner (and baseline) AdamW lr")
     parser.add_argument("--warmup", type=int, default=20)
     parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--runs", nargs="+", default=["single", "dp", "diloco", "dropped", "noniid"])
     parser.add_argument("--out", default="convergence", help="name of the result files")
     args = parser.parse_args()
@@ -166,6 +173,7 @@ def main() -> int:
     result = {
         "setting": {"k": args.k, "rounds": args.rounds, "inner_steps": args.steps, "batch": args.batch, "seq_len": 128,
                     "preset": "tiny", "parameters": params, "inner_lr": args.lr, "outer_lr": args.outer_lr,
+                    "outer_momentum": args.outer_momentum,
                     "codec": cfg.swarm.compression, "machine": "2 cores, no GPU"},
         "paper_table_2_ppl": PAPER, "total_wall_s": round(time.perf_counter() - started, 1), "runs": results,
     }

@@ -108,6 +108,8 @@ class SwarmSection:
     port: int = local(0, "TCP port to listen on; 0 picks a free one")
     announce_host: str = local("", "public IP address to announce, when it differs from host (port forwarding)")
     identity_path: str = local("", "private key file fixing this peer's id; empty = identity.key in run.dir")
+    probe_links: bool = local(True, "probe the group's peers' links every few rounds (1-8 MiB each, while training) "
+                                    "and announce the figure, so that faster peers reduce larger spans")
     client_mode: bool = local(False, "for peers others cannot reach (behind NAT): send and receive, never reduce")
     nat_traversal: bool = local(False, "UPnP/NAT-PMP port mapping, AutoNAT and relays (they probe the LAN)")
     compression: str = shared(codecs.DEFAULT, "pseudo-gradient codec on the wire: fp32 (exact), bf16, scaled-fp16, "

@@ -22,6 +22,7 @@ import logging
 import math
 import os
 import time
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -99,7 +100,9 @@ def _train(rank: int, config: Config, workers: int) -> None:
     trained = model
     if workers > 1:
         # Buffers (rotary frequencies) are the same everywhere: no need to broadcast them every step.
-        trained = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+        with warnings.catch_warnings():  # newer torch renames the option; the old name still works
+            warnings.simplefilter("ignore", FutureWarning)
+            trained = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
         trained.register_comm_hook(comm, Communication.hook)
     trainer = InnerTrainer(trained, config.inner, total_steps, torch.device("cpu"))
     log = MetricsLog(Path(config.run.dir) / "metrics.jsonl") if rank == 0 else None

@@ -1,33 +1,29 @@
 """Bandwidth-aware reduction: what each peer measures of its link, and the share it may claim. Pure.
 
-Status: the cap is applied to every group; the measurement is recorded (metrics `link_mbit_s`)
-but not announced, because in hivemind's lockstep all-reduce it cannot tell a fast link from a
-slow one (see the second point below and bench/balance.py). Spans are therefore equal unless a
-peer announces a figure of its own, which the cap bounds.
-
 In a butterfly all-reduce every peer reduces a span of the vector; a span of fraction f costs a
 peer |Δ| · (1 + (k - 2) f) bytes each way, so a fast peer should take a larger span. hivemind's
 load balancer sizes the spans from a bandwidth figure each peer announces in the group's
-all-gather. Two things go wrong with announced figures:
+all-gather. Three things decide whether those figures can be trusted:
 
-- **Measured naively, it says nothing.** Bytes moved over the all-reduce's duration is the pace
-  of the group's slowest link for everyone (they all wait for it), and it feeds back: a peer with
-  a small span moves fewer bytes, measures less, gets a smaller span. So a peer measures each
-  stream with each other peer (its parts to their span, their parts to its span) over that
-  stream's own duration, and sums the rates: a stream with a slow peer is slow, but takes only its
-  share of this link (allreduce.py). That is still a lower bound on what the link can carry, so
-  a peer would announce the best of its recent measurements (`LinkMeter`). Measured on emulated
-  links, this still fails: every reducer waits for all senders' part i before answering it
-  (hivemind's TensorPartReducer), so every stream, fast-fast included, moves at the slowest
-  peer's pace, and the slow peer, given a smaller span, then measured itself the fastest
-  (bench/balance.py: 28, 24, 24, 40, 43 s against 24 s for equal spans). Telling links apart
-  needs a measurement outside the lockstep (a probe, or the reducers' view of which sender is
-  always last); until then peers announce nothing.
-- **Claimed, it can lie (I4).** A peer that announces 1e12 B/s would reduce the whole vector alone
-  (and could poison all of it). Every member therefore caps every figure at CLAIM_CAP times the
-  group's lower median before balancing (`fair_bandwidths`): one liar among honest peers gets at
-  most CLAIM_CAP shares of an honest peer's, never the whole vector. Every member computes the
-  same figures from the same gathered claims, so they agree on the spans.
+- **Measured inside the all-reduce, they say nothing.** Every reducer waits for all senders' part i
+  before answering it (hivemind's TensorPartReducer), so every stream, fast-to-fast included,
+  moves at the slowest member's pace. Measured on emulated links (bench/balance.py), a slow peer
+  given a smaller span then measured itself the fastest: 28, 24, 24, 40, 43 s against 24 s for
+  equal spans.
+- **So peers probe each other outside the lockstep.** After an all-reduce, while the next inner
+  phase trains, a peer streams a probe of `probe_size()` bytes to each other member, one at a time
+  (swarm/allreduce.py). The receiver times the chunks as they arrive (`probe_rate`: the bytes after
+  the first chunk over the time from the first to the last, so that connection set-up is not
+  counted): that is min(sender's upload, receiver's download). It answers with the figure, and
+  keeps it as what it saw of that sender. A peer's own figure (`LinkMeter`) is the slower of its
+  best recent upload (what receivers reported) and download (what it measured of others' probes).
+- **Claimed, a figure can lie (I4).** A peer that announces 1e12 B/s would reduce the whole vector
+  alone (and could poison all of it). So a claim counts only up to what other members measured of
+  that peer's probes, which they announce beside their own claim (`vouched_bandwidths`); a claim
+  nobody measured counts as no claim (the balancer gives it the group's mean). Then every figure
+  is capped at CLAIM_CAP times the group's lower median (`fair_bandwidths`), which bounds a pair of
+  colluding peers. Every member computes the same figures from the same gathered bytes, so they
+  agree on the spans.
 """
 
 from __future__ import annotations
@@ -37,26 +33,92 @@ from collections import deque
 from typing import Sequence
 
 CLAIM_CAP = 4.0  # no peer's figure counts for more than this many times the group's lower median
-RECENT = 5  # a peer announces the best of its last RECENT measurements
+RECENT = 5  # figures are the best of the last RECENT measurements: a probe can only under-read a link
+PROBE_CHUNK = 128 * 1024  # bytes per probe message
+PROBE_MIN, PROBE_MAX = 1024 * 1024, 8 * 1024 * 1024  # bytes per probe: long enough to outlast a tbf burst
+PROBE_EVERY = 5  # rounds between probe sweeps (the first follows the first all-reduce)
 
 
-class LinkMeter:
-    """This peer's throughput, from its recent all-reduces (bytes/s)."""
+def probe_size(payload_bytes: int) -> int:
+    """Bytes to probe each peer with: 1/8 of what this peer's pseudo-gradient weighs on the wire,
+    within [PROBE_MIN, PROBE_MAX], in whole chunks. Every PROBE_EVERY rounds that adds at most
+    1/40 of a round's traffic for a large model."""
+    size = min(max(payload_bytes // 8, PROBE_MIN), PROBE_MAX)
+    return size - size % PROBE_CHUNK
+
+
+def probe_rate(arrivals: Sequence[tuple[float, int]]) -> float | None:
+    """Bytes/s of one probe from (arrival time, bytes) of its chunks, in order: the bytes after the
+    first chunk over the time from the first chunk to the last. None with fewer than 2 chunks."""
+    if len(arrivals) < 2:
+        return None
+    seconds = arrivals[-1][0] - arrivals[0][0]
+    size = sum(n for _, n in arrivals[1:])
+    return size / seconds if seconds > 0 and size > 0 else None
+
+
+class Best:
+    """The best of the last RECENT figures (bytes/s)."""
 
     def __init__(self) -> None:
         self._recent: deque[float] = deque(maxlen=RECENT)
 
-    def record(self, upload_bps: float, download_bps: float) -> None:
-        """One all-reduce's throughput each way (0: not measured, e.g. a peer given no span to
-        reduce receives no parts). The slower direction limits this peer: a span costs the same
-        bytes both ways."""
-        rates = [r for r in (upload_bps, download_bps) if r > 0 and math.isfinite(r)]
-        if rates:
-            self._recent.append(min(rates))
+    def add(self, bps: float | None) -> None:
+        if bps is not None and bps > 0 and math.isfinite(bps):
+            self._recent.append(float(bps))
+
+    def value(self) -> float | None:
+        return max(self._recent) if self._recent else None
+
+
+class LinkMeter:
+    """This peer's link, from probes: its upload (what receivers reported of its probes), its
+    download (what it measured of theirs), and what it saw of each sender."""
+
+    def __init__(self) -> None:
+        self.upload, self.download = Best(), Best()
+        self._seen: dict[str, Best] = {}
+
+    def sent(self, reported_bps: float | None) -> None:
+        """A receiver's report on one of this peer's probes."""
+        self.upload.add(reported_bps)
+
+    def received(self, sender: str, bps: float | None) -> None:
+        """One probe from `sender`, as this peer measured it."""
+        self.download.add(bps)
+        self._seen.setdefault(sender, Best()).add(bps)
 
     def bandwidth(self) -> float | None:
-        """The figure to announce; None before the first measurement (hivemind then assumes the group's mean)."""
-        return max(self._recent) if self._recent else None
+        """The figure to announce: the slower direction (a span costs the same bytes both ways), or
+        the one direction measured so far; None before any probe (the balancer then uses the mean)."""
+        known = [v for v in (self.upload.value(), self.download.value()) if v is not None]
+        return min(known) if known else None
+
+    def seen(self) -> dict[str, float]:
+        """What this peer measured of each sender's probes: announced, to vouch for their claims."""
+        return {peer: best.value() for peer, best in self._seen.items() if best.value() is not None}
+
+
+def vouched_bandwidths(members: Sequence[str], claims: Sequence[object], seen_by: Sequence[object]) -> list[float | None]:
+    """Each member's claim, counted up to the best rate another member measured of its probes.
+
+    `claims[i]` and `seen_by[i]` come from member `members[i]`: its figure, and what it measured of
+    the others' probes by peer id. Both are untrusted: anything malformed counts as nothing. A
+    member nobody measured gets None; a member's view of itself is ignored.
+    """
+    out: list[float | None] = []
+    for i, member in enumerate(members):
+        vouches = []
+        for j, seen in enumerate(seen_by):
+            value = seen.get(member) if j != i and isinstance(seen, dict) else None
+            if _is_number(value) and math.isfinite(value) and value > 0:
+                vouches.append(float(value))
+        claim = claims[i]
+        if not vouches or not (_is_number(claim) and math.isfinite(claim) and claim >= 0):
+            out.append(None)
+        else:
+            out.append(min(float(claim), max(vouches)))
+    return out
 
 
 def fair_bandwidths(claims: Sequence[object]) -> list[float | None]:

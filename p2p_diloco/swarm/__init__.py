@@ -28,7 +28,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from p2p_diloco import codecs
 from p2p_diloco.config import Config, diff_shared
-from p2p_diloco.links import LinkMeter
+from p2p_diloco import links
 from p2p_diloco.rounds import Progress, SwarmProgress, swarm_progress
 from p2p_diloco.errors import AveragingError, RunConfigMismatch, StateDownloadError, SwarmError
 from p2p_diloco.swarm import records
@@ -56,7 +56,7 @@ class Averaged:
     allreduce_s: float
     bytes_sent: int
     bytes_received: int
-    link_bps: float | None = None  # this peer's best recent throughput (bytes/s, links.LinkMeter)
+    link_bps: float | None = None  # the link figure this peer announced (bytes/s, links.LinkMeter), if any
 
 
 class Swarm:
@@ -78,7 +78,9 @@ class Swarm:
         # Shared memory: the averager process writes it after each successful all-reduce.
         lossy = sc.compression in codecs.LOSSY and sc.error_feedback
         self.residual = torch.zeros(numel, dtype=torch.float32).share_memory_() if lossy else None
-        self.link = LinkMeter()
+        self._payload_bytes = codecs.get(sc.compression).encoded_size(numel) + 4 * exact_numel
+        self._probed_round: int | None = None  # the round after whose all-reduce this peer last probed
+        self.probes = None  # the latest probe sweep (an MPFuture of {peer: rate}); benchmarks wait on it
         # hivemind's DHT handle is one pipe: the heartbeat thread and the peer's thread take turns.
         self._dht_lock = threading.Lock()
         self._last_record: records.RoundRecord | None = None
@@ -270,8 +272,11 @@ class Swarm:
         # The whole step, matchmaking and all-reduce, is bounded (I3); hivemind's own step() would
         # wait forever on an averager process that died or hung.
         deadline = timeout + sc.averaging_timeout_s + STEP_MARGIN_S
+        link_bps, seen = self._link_report()
+        self.averager.bandwidth = link_bps  # announced in the group's all-gather; None = no claim
         try:
-            control = self.averager.start_step(float(weight), timeout, {"round": round_}, init_timeout=STEP_MARGIN_S)
+            control = self.averager.start_step(float(weight), timeout, {"round": round_, "seen": seen},
+                                               init_timeout=STEP_MARGIN_S)
         except TimeoutError as e:
             self._check_averager()
             raise AveragingError(f"round {round_}: {e}") from None
@@ -294,15 +299,35 @@ class Swarm:
             raise AveragingError(f"round {round_}: group members {bad} averaged another round; result dropped")
         with self.averager.get_tensors() as buffers:
             averaged = [b.clone() for b in buffers]
-        # Measured, reported, and deliberately not announced to the load balancer: in hivemind's
-        # lockstep all-reduce every stream moves at the slowest member's pace, so the figures do
-        # not tell fast links from slow ones, and announcing them made a slow peer's span larger
-        # (bench/balance.py; links.py). Honest peers announce nothing: equal spans. What others
-        # announce is still capped (allreduce._fair).
-        self.link.record(result.get("upload_bps", 0.0), result.get("download_bps", 0.0))
+        members = sorted(str(p) for p in gathered)
+        at = members.index(self.peer_id) if self.peer_id in members else 0
+        # Each member starts with the one after it: while they all probe at once, no receiver gets two.
+        self._probe_links(round_, members[at + 1:] + members[:at])
         return Averaged(averaged[0], averaged[1] if len(averaged) > 1 else None,
                         tuple(sorted(str(p) for p in gathered)), result["allreduce_s"],
-                        result.get("bytes_sent", 0), result.get("bytes_received", 0), self.link.bandwidth())
+                        result.get("bytes_sent", 0), result.get("bytes_received", 0), link_bps)
+
+    def _link_report(self) -> tuple[float | None, dict[str, float]]:
+        """This peer's link figure and what it measured of others' probes (links.py), or nothing
+        (no claim, no vouches) if probing is off or the averager process does not answer in time."""
+        if not self.config.swarm.probe_links:
+            return None, {}
+        try:
+            return self.averager.link_report(timeout=STEP_MARGIN_S)
+        except FuturesTimeout:
+            self._check_averager()
+            return None, {}
+
+    def _probe_links(self, round_: int, others: list[str]) -> None:
+        """After an all-reduce, every links.PROBE_EVERY rounds: probe the group's other members in the
+        background (the averager process), while the next inner phase trains and the link is idle."""
+        if not self.config.swarm.probe_links or not others:
+            return
+        if self._probed_round is not None and round_ - self._probed_round < links.PROBE_EVERY:
+            return
+        self._probed_round = round_
+        self.probes = self.averager.probe(others, links.probe_size(self._payload_bytes),
+                                          timeout=self.config.swarm.averaging_timeout_s)
 
     def _wait_for(self, control: Any, deadline: float) -> Any:
         """The step's result within `deadline` s, checking every second that the averager lives."""

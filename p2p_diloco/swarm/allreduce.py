@@ -9,8 +9,11 @@ members hold the same bytes, whatever the codec.
 
 The codecs are p2p_diloco.codecs, carried in hivemind's tensor messages by `WireCodec`. The first
 averaged tensor goes through the run's codec, the second (norms, biases: small) always exact. As a
-sender, the runner also keeps what the codec lost of each part it sent (error feedback), and times
-its sending and receiving so the peer can announce what its link carries (links.py).
+sender, the runner also keeps what the codec lost of each part it sent (error feedback).
+
+Between all-reduces, members probe each other's links (`rpc_probe`, outside the all-reduce's
+lockstep) and announce what they measured, so that the load balancer gives faster peers larger
+spans and no peer more than others measured of it (links.py).
 
 hivemind also reports success when a reducer dies mid-round, leaving that span at the survivor's
 own values. Here any failed reducer or banned sender fails the whole step, and the caller's
@@ -32,7 +35,7 @@ from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, Av
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
-from hivemind.p2p import PeerID
+from hivemind.p2p import P2PContext, PeerID
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.streaming import combine_from_streaming
@@ -108,30 +111,10 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         self.bytes_received = 0
         self.residuals: dict[int, torch.Tensor] = {}  # tensor index -> what the codec lost of what we sent
         self._encoded: dict[int, Any] = {}  # part index -> serialized average of our span
-        self._started = time.perf_counter()
-        # Per other peer: [bytes, seconds from the start to the last of them] of the stream of our
-        # parts to its span (upload), and of its parts to our span (download).
-        self._uploads: dict[int, list] = {}
-        self._downloads: dict[int, list] = {}
 
     @property
     def codec(self) -> WireCodec:
         return self.tensor_part_container.compression
-
-    def throughput(self) -> dict[str, float]:
-        """Bytes/s this peer's link carried each way: the sum over the other peers of the rate of
-        its stream with each. A stream with a slow peer is slow because of that peer, but it only
-        takes its share; the sum is what this link carried. Replies are left out: a reducer
-        answers at the pace of its slowest sender, which says nothing of this peer's link."""
-        def total(flows: dict[int, list]) -> float:
-            return sum(size / seconds for size, seconds in flows.values() if size > 0 and seconds > 0)
-
-        return {"upload_bps": total(self._uploads), "download_bps": total(self._downloads)}
-
-    def _flow(self, flows: dict[int, list], peer_index: int, size: int) -> None:
-        flow = flows.setdefault(peer_index, [0, 0.0])
-        flow[0] += size
-        flow[1] = time.perf_counter() - self._started
 
     def _encode_average(self, part_index: int, averaged: torch.Tensor) -> Any:
         """Serialize the average of one part of our span once; every sender gets these bytes."""
@@ -204,7 +187,6 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         async for msg in messages:
             yield msg
             self.bytes_sent += len(msg.tensor_part.buffer)
-            self._flow(self._uploads, peer_index, len(msg.tensor_part.buffer))  # after the transport took it
 
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Our parts of `peer_index`'s span, encoded; what the codec lost of each goes to `residuals`."""
@@ -243,7 +225,6 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                 if not (weight >= 0 and weight < float("inf")):
                     raise AllreduceException(f"sender {sender_index} sent weight {weight}")
                 self.bytes_received += size
-                self._flow(self._downloads, sender_index, size)
                 averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
                 if self.banned_senders:
                     # hivemind completes a part without a sender that dropped out; that average
@@ -278,7 +259,75 @@ class DiLoCoAverager(DecentralizedAverager):
         successful all-reduce it holds what the codec lost of this peer's part (error feedback)."""
         self._state_provider = state_provider
         self.residual = residual
+        self.link = links.LinkMeter()  # lives in the averager process, where probes are sent and received
+        self._probing: set[str] = set()  # senders whose probe is arriving now: one at a time each
         super().__init__(*args, **kwargs)
+
+    # --- link probes (links.py) ------------------------------------------------------------
+
+    def probe(self, peers: Sequence[str], size: int, timeout: float) -> MPFuture:
+        """Probe each of `peers` in turn with `size` bytes, in the averager process; returns at once.
+        The future's result is {peer: the rate it reported}, when the sweep is over."""
+        future = MPFuture()
+        self._outer_pipe.send(("_probe", [], dict(peers=list(peers), size=size, deadline=time.monotonic() + timeout,
+                                                  future=future)))
+        return future
+
+    async def _probe(self, peers: list[str], size: int, deadline: float, future: MPFuture) -> None:
+        reports = {}
+        for peer in peers:
+            try:
+                rate = await asyncio.wait_for(self._probe_one(PeerID.from_base58(peer), size), deadline - time.monotonic())
+            except Exception as e:  # a peer that left or refuses: it is not measured this time
+                logger.debug("probe of %s failed: %s", peer, e)
+                continue
+            self.link.sent(rate)
+            reports[peer] = rate
+        if not future.done():
+            future.set_result(reports)
+
+    async def _probe_one(self, peer: PeerID, size: int) -> float | None:
+        chunk = bytes(links.PROBE_CHUNK)
+        messages = (averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor(buffer=chunk))
+                    for _ in range(max(2, size // links.PROBE_CHUNK)))
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        async for reply in await stub.rpc_probe(as_aiter(*messages)):
+            rate = reply.weight
+            return rate if math.isfinite(rate) and rate > 0 else None
+        return None
+
+    async def rpc_probe(self, stream: AsyncIterator[averaging_pb2.AveragingData],
+                        context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Another member's probe (untrusted, I4): at most PROBE_MAX bytes in PROBE_CHUNK messages,
+        one probe per sender at a time. Answers with the rate it arrived at (in `weight`)."""
+        sender = str(context.remote_id)
+        if sender in self._probing:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+            return
+        self._probing.add(sender)
+        try:
+            arrivals, total = [], 0
+            async for message in stream:
+                size = len(message.tensor_part.buffer)
+                total += size
+                if size > links.PROBE_CHUNK or total > links.PROBE_MAX:
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+                    return
+                arrivals.append((time.perf_counter(), size))
+            rate = links.probe_rate(arrivals)
+            self.link.received(sender, rate)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, weight=rate or 0.0)
+        finally:
+            self._probing.discard(sender)
+
+    def link_report(self, timeout: float) -> tuple[float | None, dict[str, float]]:
+        """(this peer's figure, what it measured of each sender) from the averager process."""
+        future = MPFuture()
+        self._outer_pipe.send(("_link_report", [], dict(future=future)))
+        return future.result(timeout=timeout)
+
+    async def _link_report(self, future: MPFuture) -> None:
+        future.set_result((self.link.bandwidth(), self.link.seen()))
 
     async def _shutdown(self, timeout: float | None) -> None:
         """hivemind leaves this process's p2p client socket in /tmp: shut the replica down too."""
@@ -383,18 +432,24 @@ class DiLoCoAverager(DecentralizedAverager):
         if self.residual is not None:
             self.residual.copy_(runner.residuals[LOSSY_TENSOR])
         self._last_runner_stats = {"bytes_sent": runner.bytes_sent, "bytes_received": runner.bytes_received,
-                                   "group_size": len(group_info.peer_ids), **runner.throughput()}
+                                   "group_size": len(group_info.peer_ids)}
         self.last_updated = time.time()
         self._state_updated.set()
 
 
 def _fair(group_info: GroupInfo, serializer: Any) -> GroupInfo:
-    """The group with every member's bandwidth claim capped (links.fair_bandwidths), so that no
+    """The group with every member's bandwidth claim counted only up to what the other members
+    measured of its probes (links.vouched_bandwidths) and capped (links.fair_bandwidths), so that no
     peer can claim its way to reducing the whole vector. Each member computes the same figures
     from the same gathered bytes. Malformed gathered data is left for hivemind to refuse."""
     try:
         unpacked = [list(serializer.loads(data)) for data in group_info.gathered]
-        fair = links.fair_bandwidths([u[0] for u in unpacked])
+        seen = []
+        for u in unpacked:
+            user = serializer.loads(u[2]) if isinstance(u[2], bytes) else None
+            seen.append(user.get("seen") if isinstance(user, dict) else None)
+        members = [str(p) for p in group_info.peer_ids]
+        fair = links.fair_bandwidths(links.vouched_bandwidths(members, [u[0] for u in unpacked], seen))
         gathered = tuple(serializer.dumps([b, *u[1:]]) for b, u in zip(fair, unpacked))
     except Exception:  # anything a peer could send: hivemind's own parsing fails the group cleanly
         return group_info

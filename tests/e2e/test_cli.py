@@ -91,6 +91,21 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, extra, fragments):
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("workers, extra, fragment", [
+    ("0", {}, "--workers must be >= 1, got 0"),
+    ("8", {}, "--workers 8 needs at least that many shards, data.num_shards is 4"),
+    ("2", {"data.shard": "1"}, "data.shard names one shard"),
+])
+def test_baseline_refuses_what_cannot_run(tmp_path, workers, extra, fragment):
+    run_dir = tmp_path / "run"
+    overrides = {**TINY, "run.dir": str(run_dir), **extra}
+    if "data.shard" not in extra:
+        del overrides["data.shard"]
+    result = run_cli("baseline", "--workers", workers, *options(overrides))
+    assert_one_line_error(result, fragment)
+    assert not run_dir.exists()
+
+
 def test_unknown_option_is_refused():
     result = run_cli("peer", "--inner.lrr=1")
     assert result.returncode == 2 and "unrecognized arguments: --inner.lrr=1" in result.stderr

@@ -10,6 +10,9 @@ With `die-as-reducer` the peer SIGKILLs itself (its main process, then its avera
 as a second part of its span arrives from another peer: a reducer dying in the middle of the
 all-reduce, after it already answered for its first part.
 
+With `probe` the peer waits for the probe sweep its all-reduce started and averages again, and
+reports what it measured of the others' links (bytes/s) and the figure it then announced.
+
 With `kill-averager` the peer SIGKILLs its own averager process right after handing it the step:
 the averaging process dying under a peer that is waiting for its result.
 """
@@ -99,10 +102,19 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
         except (AveragingError, SwarmError) as e:
             print(json.dumps({"error": str(e), "kind": type(e).__name__, "own_delta_intact": bool(torch.equal(swarm.buffer, delta))}), flush=True)
             return
+        if "probe" in sys.argv:
+            # The first all-reduce started a probe sweep of the others' links; once it is over, a
+            # second all-reduce of the same values announces the figure, vouched for by the others.
+            probes = swarm.probes.result(timeout=60)
+            result = swarm.average(delta, weight, round_=1, exact=known_exact(index))
+            report = {"probes": probes, "link_bps": result.link_bps}
+        else:
+            report = {}
         values = torch.cat([result.delta, result.exact])
         print(json.dumps({"values": result.delta.tolist(), "exact": result.exact.tolist(),
                           "sha256": hashlib.sha256(values.numpy().tobytes()).hexdigest(), "group": len(result.group),
-                          "bytes_sent": result.bytes_sent, "residual": describe_residual(swarm, delta, codec)}),
+                          "bytes_sent": result.bytes_sent, "residual": describe_residual(swarm, delta, codec),
+                          **report}),
               flush=True)
     finally:
         swarm.close()
@@ -113,5 +125,5 @@ if __name__ == "__main__":
         die_as_reducer()
     if "kill-averager" in sys.argv:
         kill_averager_after_start()
-    numel = int(sys.argv[6]) if len(sys.argv) > 6 else NUMEL
+    numel = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6].isdigit() else NUMEL
     main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5], numel)

@@ -51,7 +51,10 @@ TOLERANCE = {"fp32": 1e-6, "int4": 0.16}
 @pytest.mark.parametrize("codec", ["fp32", "int4"])  # exact, and the lossiest (scaled-fp16: tests/unit/test_codecs.py)
 def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
     weights = [1.0, 1.0, 2.0]  # tokens of each peer
-    workers = start_workers(swarm, weights, codec)
+    # fp32 averages twice: the first all-reduce starts a probe sweep of the links, the second
+    # announces the measured figures (the averages must be the same).
+    probe = ["probe"] if codec == "fp32" else []
+    workers = start_workers(swarm, weights, codec, probe, probe, probe)
     results = [json.loads(read_line(w, 60)) for w in workers]
     for w in workers:
         assert w.wait(timeout=60) == 0
@@ -68,6 +71,10 @@ def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
     residuals = sorted(r["residual"] for r in results)
     if codec == "fp32":
         assert residuals == ["none"] * 3
+        # Every peer probed the two others, and announced a figure measured from probes.
+        for r in results:
+            assert len(r["probes"]) == 2 and all(rate > 0 for rate in r["probes"].values()), r["probes"]
+            assert r["link_bps"] > 0
     else:
         assert residuals == ["codec-loss", "codec-loss", "zero"]
 

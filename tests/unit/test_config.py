@@ -56,6 +56,9 @@ def test_saved_config_loads_back_equal(tmp_path):
         ({"data.shard": "64"}, "data.shard must be -1 or in [0, 64)"),
         ({"run.device": "gpu"}, "run.device must be auto, cpu, cuda or cuda:N"),
         ({"outer.nesterov": "maybe"}, "--outer.nesterov must be true or false"),
+        ({"outer.drop_rate": "1"}, "outer.drop_rate must be in [0, 1), got 1.0"),
+        ({"data.shard_by": "file"}, "data.shard_by must be one of document, folder, got 'file'"),
+        ({"data.shard_by": "folder", "data.source": "hub", "data.name": "c4"}, "data.shard_by = folder needs a corpus with folders"),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(overrides, message):

@@ -13,8 +13,8 @@ import pytest
 import torch
 
 from p2p_diloco.config import DataSection
-from p2p_diloco.data import (FiniteCorpus, TrainStream, heldout_batch, is_heldout, open_corpus,
-                             pick_shard, shard_of)
+from p2p_diloco.data import (FiniteCorpus, TrainStream, folder_of, folder_shards, heldout_batch, is_heldout,
+                             open_corpus, pick_shard, shard_of, sharding)
 from p2p_diloco.errors import DataError
 from p2p_diloco.model import ByteTokenizer
 
@@ -277,3 +277,35 @@ def test_hub_missing_text_field_names_the_columns(tmp_path):
 def test_unknown_source_is_an_error():
     with pytest.raises(DataError, match="unknown data.source 'ftp'"):
         open_corpus(DataSection(source="ftp"))
+
+
+def test_folder_shards_put_whole_folders_largest_first_on_the_lightest_shard():
+    sizes = {"a/1.py": 50, "a/2.py": 50, "b/x.py": 60, "c/y.py": 30, "top.py": 20, "other.py": 5, "d/z/w.py": 10}
+    # folders by bytes: a 100, b 60, c 30, "." 25, d 10
+    # a -> 0 (loads 0, 0, 0); b -> 1 (100, 0, 0); c -> 2 (100, 60, 0); "." -> 2 (100, 60, 30); d -> 2 (100, 60, 55)
+    assert folder_shards(sizes, 3) == {"a": 0, "b": 1, "c": 2, ".": 2, "d": 2}
+    assert [folder_of(k) for k in ("a/1.py", "top.py", "d/z/w.py")] == ["a", ".", "d"]
+    with pytest.raises(DataError, match="at least data.num_shards = 6 top-level folders; the corpus has 5"):
+        folder_shards(sizes, 6)
+
+
+def test_folder_sharding_of_the_stdlib_is_non_iid_and_covers_every_document():
+    cfg = DataSection(num_shards=4, shard_by="folder")
+    corpus = open_corpus(cfg)
+    shard = sharding(corpus, cfg, seed=0)
+    by_folder = {}
+    for key in corpus.sizes:
+        by_folder.setdefault(folder_of(key), set()).add(shard(key))
+    assert all(len(shards) == 1 for shards in by_folder.values()), "a folder is split over shards"
+    assert {s for shards in by_folder.values() for s in shards} == {0, 1, 2, 3}
+    # The stdlib's test suite is its biggest folder: it gets a shard to itself.
+    assert [f for f, shards in by_folder.items() if shards == by_folder["test"]] == ["test"]
+    # The document sharding is the per-document hash, as before.
+    iid = sharding(corpus, DataSection(num_shards=4), seed=0)
+    assert all(iid(k) == shard_of(k, 0, 4) for k in list(corpus.sizes)[:50])
+
+
+def test_folder_sharding_needs_a_corpus_with_folders():
+    corpus = FiniteCorpus("rows", ["0", "1"], lambda key: "x")
+    with pytest.raises(DataError, match="data.shard_by = folder needs a corpus with folders"):
+        sharding(corpus, DataSection(num_shards=2, shard_by="folder"), seed=0)

@@ -26,21 +26,48 @@ def test_honest_figures_within_the_cap_are_untouched():
     assert links.fair_bandwidths([1.0, 2.0, 3.9]) == [1.0, 2.0, 3.9]
 
 
-def test_meter_announces_its_best_recent_measurement():
+def test_meter_announces_the_slower_direction_of_its_best_recent_probes():
     meter = links.LinkMeter()
     assert meter.bandwidth() is None
-    meter.record(1000.0, 2000.0)  # up 1000 B/s, down 2000 B/s: the slower direction
+    meter.sent(1000.0)  # a receiver saw this peer's probe arrive at 1000 B/s: its upload
+    assert meter.bandwidth() == 1000.0  # the one direction measured so far
+    meter.received("p1", 2000.0)  # p1's probe arrived at 2000 B/s: its download
     assert meter.bandwidth() == 1000.0
-    meter.record(100.0, 100.0)  # an all-reduce paced by a slow peer: not a slower link
+    meter.sent(100.0)  # a probe to a slow receiver: not a slower link
     assert meter.bandwidth() == 1000.0
     for _ in range(links.RECENT):
-        meter.record(300.0, 300.0)
+        meter.sent(300.0)
     assert meter.bandwidth() == 300.0  # the old figure ages out: a link that got slower is believed
+    meter.received("p2", 50.0)
+    meter.received("p1", float("nan"))  # nothing measured: ignored
+    assert meter.seen() == {"p1": 2000.0, "p2": 50.0}
 
 
-def test_meter_uses_the_one_direction_it_measured():
-    meter = links.LinkMeter()
-    meter.record(0.0, 0.0)
-    assert meter.bandwidth() is None
-    meter.record(500.0, 0.0)  # reduced nothing, so received no parts: its upload is what is known
-    assert meter.bandwidth() == 500.0
+def test_probe_rate_leaves_out_the_first_chunk():
+    # Chunks of 100 bytes at t = 5 (after connection set-up), 6, 7, 8: 300 bytes in 3 s.
+    assert links.probe_rate([(5.0, 100), (6.0, 100), (7.0, 100), (8.0, 100)]) == 100.0
+    assert links.probe_rate([(5.0, 100)]) is None
+    assert links.probe_rate([(5.0, 100), (5.0, 100)]) is None
+
+
+def test_probe_size_is_an_eighth_of_the_payload_within_bounds():
+    assert links.probe_size(10) == links.PROBE_MIN
+    assert links.probe_size(40 * 2**20) == 5 * 2**20
+    assert links.probe_size(10**12) == links.PROBE_MAX
+    assert links.probe_size(40 * 2**20 + 12345) % links.PROBE_CHUNK == 0
+
+
+def test_a_claim_counts_up_to_what_others_measured_of_it():
+    members = ["a", "b", "c"]
+    claims = [100.0, 1e12, 50.0]
+    seen_by = [{"b": 80.0, "c": 40.0}, {"a": 90.0, "c": 45.0}, {"a": 95.0, "b": 70.0, "c": 1e9}]
+    # a: min(100, max(90, 95)); b: min(1e12, max(80, 70)); c: min(50, max(40, 45)) - its own 1e9 is ignored
+    assert links.vouched_bandwidths(members, claims, seen_by) == [95.0, 80.0, 45.0]
+
+
+def test_unmeasured_or_malformed_claims_count_as_none():
+    members = ["a", "b", "c"]
+    seen_by = [{"b": "fast"}, ["a", 10.0], {"a": 30.0, "b": float("inf")}]
+    # b: only garbage vouches; c: nobody measured it; a: vouched 30 but claimed garbage
+    assert links.vouched_bandwidths(members, [20.0, 5.0, 5.0], seen_by) == [20.0, None, None]
+    assert links.vouched_bandwidths(members, ["x", 5.0, 5.0], seen_by) == [None, None, None]

@@ -115,3 +115,11 @@ def test_flatten_round_trip_and_size_check():
     assert torch.equal(outer.flatten(back), flat)
     with pytest.raises(ValueError, match="does not hold the 10 values"):
         outer.unflatten(torch.zeros(9), like)
+
+
+def test_dropped_pseudo_gradients_follow_the_rate_and_are_reproducible():
+    draws = [outer.is_dropped(0.5, 0, f"peer{p}", r) for p in range(20) for r in range(100)]
+    assert 0.45 < sum(draws) / len(draws) < 0.55
+    assert draws == [outer.is_dropped(0.5, 0, f"peer{p}", r) for p in range(20) for r in range(100)]
+    assert draws != [outer.is_dropped(0.5, 1, f"peer{p}", r) for p in range(20) for r in range(100)]
+    assert not any(outer.is_dropped(0.0, 0, f"peer{p}", r) for p in range(20) for r in range(100))
