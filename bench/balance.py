@@ -1,10 +1,11 @@
 """Bandwidth-aware reduction: one slow peer among fast ones.
 
 k peers on NetLab hosts, k-1 of them at --fast Mbit/s and one at --slow Mbit/s (up and down),
-average a pseudo-gradient of NUMEL fp32 values --repeats times in a row. Per all-reduce: the time,
-each peer's measured link figure (links.LinkMeter, bytes/s) and bytes sent. Peers do not announce
-their figures (swarm/__init__.py says why), so spans are equal; an earlier version that announced
-them measured 28, 24, 24, 40 and 43 s here, the slow peer having measured itself the fastest.
+average a pseudo-gradient of NUMEL fp32 values --repeats times in a row. The first all-reduce has
+no figures yet (equal spans); after it the peers probe each other's links (links.py; the worker
+waits for the sweep before the next all-reduce) and announce what they measured, vouched for by
+the others' measurements of their probes. Per all-reduce: the time, each peer's announced figure
+(bytes/s) and bytes sent (a peer that reduces nothing sends exactly its own |Δ|).
 
 Bounds, per peer i with span fraction f_i: it moves |Δ| (1 + (k-2) f_i) bytes each way, so
     equal shares:   |Δ| (1 + (k-2)/k) / slow_rate
@@ -52,7 +53,7 @@ def plot(result: dict, path: Path) -> None:
     ax.bar(range(1, len(times) + 1), times, color=["C1"] + ["C0"] * (len(times) - 1))
     ax.axhline(result["bound_equal_s"], color="C1", ls=":", label="bound, equal spans")
     ax.axhline(result["bound_best_s"], color="C0", ls="--", label="bound, optimal spans")
-    ax.set_xlabel("all-reduce (1: no measurement yet, equal spans; then measured)")
+    ax.set_xlabel("all-reduce (1: no figures yet, equal spans; then probed figures)")
     ax.set_ylabel("time (s)")
     s = result["setting"]
     ax.set_title(f"k = {s['k']}: {s['k'] - 1} peers at {s['fast_mbit']:g} Mbit/s, one at {s['slow_mbit']:g}; "

@@ -77,11 +77,15 @@ class InnerTrainer:
         self.model.train()
         micro_batches = batch.split(self.cfg.micro_batch_size)
         total = torch.zeros((), device=self.device)
-        for mb in micro_batches:
+        for i, mb in enumerate(micro_batches):
             mb = mb.to(self.device, non_blocking=True)
-            with self._autocast():
-                loss = self.model(input_ids=mb, labels=mb).loss / len(micro_batches)
-            loss.backward()
+            # A data-parallel model (DDP) syncs gradients on the last micro-batch only.
+            last = i == len(micro_batches) - 1
+            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            with sync:
+                with self._autocast():
+                    loss = self.model(input_ids=mb, labels=mb).loss / len(micro_batches)
+                loss.backward()
             total += loss.detach().float()
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
