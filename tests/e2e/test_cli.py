@@ -84,10 +84,11 @@ def test_console_script_is_installed():
     ],
     ids=["missing-data-path", "unknown-preset", "negative-lr", "missing-tokenizer", "peer-without-id", "not-a-maddr"],
 )
-def test_bad_input_is_one_line_and_creates_nothing(tmp_path, extra, fragments):
+def test_bad_input_is_one_line_and_creates_nothing(tmp_path, capsys, extra, fragments):
+    # In-process (the same main() the console script calls), to spare six interpreter starts;
+    # the subprocess path is covered by the other tests here.
     run_dir = tmp_path / "run"
-    result = run_cli("peer", *options({**TINY, "run.dir": str(run_dir), **extra}))
-    assert_one_line_error(result, *fragments)
+    assert_one_line_error(main_in_process(capsys, "peer", *options({**TINY, "run.dir": str(run_dir), **extra})), *fragments)
     assert not run_dir.exists()
 
 
@@ -104,24 +105,47 @@ def test_unknown_option_is_refused():
     assert result.returncode == 2 and "unrecognized arguments: --inner.lrr=1" in result.stderr
 
 
-def test_truncated_checkpoint_is_refused_and_nothing_is_overwritten(tmp_path):
-    run_dir = tmp_path / "run"
-    args = options({**TINY, "run.dir": str(run_dir), "run.rounds": "2"})
-    assert run_cli("peer", *args).returncode == 0
+@pytest.fixture(scope="module")
+def trained_run(tmp_path_factory):
+    """One run of 2 rounds through the CLI, shared (as copies) by the tests that need a finished run."""
+    run_dir = tmp_path_factory.mktemp("trained") / "run"
+    result = run_cli("peer", *options({**TINY, "run.dir": str(run_dir), "run.rounds": "2"}))
+    assert result.returncode == 0, result.stderr
+    return run_dir
+
+
+def copy_of(run_dir, tmp_path):
+    import shutil
+
+    return Path(shutil.copytree(run_dir, tmp_path / "run"))
+
+
+def main_in_process(capsys, *argv):
+    """The console script's main() in this process (spares an interpreter start): (code, stderr)."""
+    from types import SimpleNamespace
+
+    from p2p_diloco.cli import main
+
+    code = main(list(argv))
+    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+
+
+def test_truncated_checkpoint_is_refused_and_nothing_is_overwritten(trained_run, tmp_path, capsys):
+    run_dir = copy_of(trained_run, tmp_path)
     latest = checkpoint.latest(run_dir)
     latest.write_bytes(latest.read_bytes()[:1000])
     before = snapshot(run_dir)
-    result = run_cli("peer", "--resume", *args)
+    args = options({**TINY, "run.dir": str(run_dir), "run.rounds": "2"})
+    result = main_in_process(capsys, "peer", "--resume", *args)
     assert_one_line_error(result, "round-000002.pt is truncated or corrupt", "move it away")
     assert snapshot(run_dir) == before
 
 
-def test_existing_run_without_resume_is_refused(tmp_path):
-    run_dir = tmp_path / "run"
-    args = options({**TINY, "run.dir": str(run_dir), "run.rounds": "1"})
-    assert run_cli("peer", *args).returncode == 0
+def test_existing_run_without_resume_is_refused(trained_run, tmp_path, capsys):
+    run_dir = copy_of(trained_run, tmp_path)
     before = snapshot(run_dir)
-    assert_one_line_error(run_cli("peer", *args), "already holds checkpoints", "--resume")
+    args = options({**TINY, "run.dir": str(run_dir), "run.rounds": "2"})
+    assert_one_line_error(main_in_process(capsys, "peer", *args), "already holds checkpoints", "--resume")
     assert snapshot(run_dir) == before
 
 
@@ -155,11 +179,10 @@ def test_signal_stops_cleanly_and_resume_continues(tmp_path, signum):
     assert resumed_to >= stopped_at + 1 and metric_rounds(run_dir) == list(range(resumed_to + 1))
 
 
-def test_export_loads_in_transformers_with_thetas_values(tmp_path):
+def test_export_loads_in_transformers_with_thetas_values(trained_run, tmp_path, capsys):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    run_dir, out = tmp_path / "run", tmp_path / "model"
-    assert run_cli("peer", *options({**TINY, "run.dir": str(run_dir), "run.rounds": "2"})).returncode == 0
+    run_dir, out = trained_run, tmp_path / "model"
     result = run_cli("export", str(run_dir), str(out))
     assert result.returncode == 0, result.stderr
     theta = checkpoint.load(checkpoint.latest(run_dir))["params"]
@@ -167,9 +190,9 @@ def test_export_loads_in_transformers_with_thetas_values(tmp_path):
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), theta[name]), name
     assert AutoTokenizer.from_pretrained(out)("def f():")["input_ids"] == list(b"def f():")
-    again = run_cli("export", str(run_dir), str(out))
-    assert_one_line_error(again, str(out))
-    assert_one_line_error(run_cli("export", str(tmp_path / "nothing"), str(tmp_path / "m2")), "no latest checkpoint")
+    assert_one_line_error(main_in_process(capsys, "export", str(run_dir), str(out)), str(out))
+    assert_one_line_error(main_in_process(capsys, "export", str(tmp_path / "nothing"), str(tmp_path / "m2")),
+                          "no latest checkpoint")
 
 
 def test_config_command_prints_the_resolved_config_and_fingerprint():
