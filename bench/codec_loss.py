@@ -43,7 +43,7 @@ def overrides(args: argparse.Namespace) -> dict[str, str]:
         "model.preset": "tiny", "model.seq_len": "128", "data.num_shards": "8",
         "inner.steps": str(args.steps), "inner.batch_size": "16", "inner.micro_batch_size": "16",
         "inner.lr": "3e-3", "inner.warmup_steps": "20", "inner.weight_decay": "0.1", "inner.precision": "fp32",
-        "outer.lr": "0.7", "outer.momentum": "0.9",
+        "outer.lr": str(args.outer_lr), "outer.momentum": "0.9",
         "swarm.speed_aware": "false", "swarm.matchmaking_time_s": "3", "swarm.averaging_timeout_s": "30",
     }
 
@@ -100,6 +100,8 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=12)
     parser.add_argument("--steps", type=int, default=30, help="H")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), help="names from RUNS")
+    parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--out", default="codec_loss", help="name of the result files")
     args = parser.parse_args()
     results = []
     with tempfile.TemporaryDirectory(prefix="codec-loss-") as tmp:
@@ -111,11 +113,12 @@ def main() -> int:
     for r in results:
         r["vs_reference_pct"] = 100 * (r["final_eval_loss"] / reference - 1)
     result = {"setting": {"peers": 2, "rounds": args.rounds, "inner_steps": args.steps, "preset": "tiny",
+                          "outer_lr": args.outer_lr,
                           "tokens_per_peer": args.rounds * args.steps * 16 * 128},
               "reference": REFERENCE, "runs": results}
-    out = HERE / "results" / "codec_loss.json"
+    out = HERE / "results" / f"{args.out}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, HERE / "results" / "codec_loss.png")
+    plot(result, HERE / "results" / f"{args.out}.png")
     print(f"wrote {out}")
     return 0
 
