@@ -127,7 +127,8 @@ def folder_shards(sizes: dict[str, int], num_shards: int) -> dict[str, int]:
     shard with the fewest bytes so far (ties: the lowest shard). Depends only on the keys and sizes."""
     folders: dict[str, int] = {}
     for key, size in sizes.items():
-        folders[folder_of(key)] = folders.get(folder_of(key), 0) + size
+        folder = folder_of(key)
+        folders[folder] = folders.get(folder, 0) + size
     if len(folders) < num_shards:
         raise DataError(f"data.shard_by = folder needs at least data.num_shards = {num_shards} top-level folders; "
                         f"the corpus has {len(folders)}: lower data.num_shards")

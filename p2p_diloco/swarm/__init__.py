@@ -303,8 +303,7 @@ class Swarm:
         at = members.index(self.peer_id) if self.peer_id in members else 0
         # Each member starts with the one after it: while they all probe at once, no receiver gets two.
         self._probe_links(round_, members[at + 1:] + members[:at])
-        return Averaged(averaged[0], averaged[1] if len(averaged) > 1 else None,
-                        tuple(sorted(str(p) for p in gathered)), result["allreduce_s"],
+        return Averaged(averaged[0], averaged[1] if len(averaged) > 1 else None, tuple(members), result["allreduce_s"],
                         result.get("bytes_sent", 0), result.get("bytes_received", 0), link_bps)
 
     def _link_report(self) -> tuple[float | None, dict[str, float]]:
