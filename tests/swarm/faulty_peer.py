@@ -6,7 +6,8 @@ phase `inner`: at the start of the n-th inner phase this peer runs, the main pro
 whole process group (itself, its DHT and averager processes and their p2pd): SIGKILL is a crash,
 SIGSTOP a laptop that went to sleep, SIGINT a Ctrl+C in the peer's terminal (which also signals
 the whole foreground process group). phase `allreduce`: the averager process does the same in the
-n-th all-reduce this peer takes part in, at the first part it sends (as a sender) or receives (as
+first all-reduce it starts after n-1 all-reduces completed (failed attempts, which a loaded
+machine sees now and then, do not count), at the first part it sends (as a sender) or receives (as
 a reducer, before it answered anything). phase `matchmaking`: the n-th time this peer looks for its round's
 group, half a matchmaking window after it declared itself (others have seen it and may be
 waiting for it). phase `serve`: when another peer downloads this peer's state for the n-th time,
@@ -22,7 +23,7 @@ import threading
 
 from p2p_diloco import cli, peer
 from p2p_diloco.swarm import Swarm
-from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
+from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner, DiLoCoAverager
 
 PHASE, NTH, SIGNAL = os.environ["FAULT"].split(":")
 NTH = int(NTH)
@@ -53,22 +54,25 @@ def patch_inner() -> None:
 
 
 def patch_allreduce() -> None:
-    """The averager process counts its all-reduces; in the n-th it fails on the first part it sends
-    or receives, whichever role (sender, reducer) comes first. hivemind's load balancer may give a
-    peer no span to reduce, so the fault does not wait for that role."""
-    original_init = ConsistentAllReduceRunner.__init__
+    """The averager process counts its completed all-reduces; in the next one after n-1 it fails on
+    the first part it sends or receives, whichever role (sender, reducer) comes first. hivemind's
+    load balancer may give a peer no span to reduce, so the fault does not wait for that role."""
+    original_run = DiLoCoAverager._run_allreduce_inplace_
     original_reduce = ConsistentAllReduceRunner._accumulate_parts_streaming
     original_counted = ConsistentAllReduceRunner._counted
-    state = {"runs": 0}
+    state = {"completed": 0}
 
-    def init(self, *args, **kwargs):
-        state["runs"] += 1
-        original_init(self, *args, **kwargs)
+    async def run(self, *args, **kwargs):
+        await original_run(self, *args, **kwargs)
+        state["completed"] += 1
+
+    def armed() -> bool:
+        return state["completed"] == NTH - 1
 
     async def reduce(self, stream, sender_index):
         async def parts():
             async for message in stream:
-                if state["runs"] == NTH:
+                if armed():
                     fail()
                 yield message
 
@@ -77,11 +81,11 @@ def patch_allreduce() -> None:
 
     async def counted(self, messages, peer_index):
         async for message in original_counted(self, messages, peer_index):
-            if state["runs"] == NTH:
+            if armed():
                 fail()
             yield message
 
-    ConsistentAllReduceRunner.__init__ = init
+    DiLoCoAverager._run_allreduce_inplace_ = run
     ConsistentAllReduceRunner._accumulate_parts_streaming = reduce
     ConsistentAllReduceRunner._counted = counted
 

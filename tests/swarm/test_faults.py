@@ -26,7 +26,8 @@ def run_with_fault(swarm, fault):
     assert subject.poll() is None or subject.returncode == -9
     c = swarm.records("c")
     assert c and max(c) < ROUNDS - 2, "the fault must leave the survivors rounds to finish"
-    assert any(c[r].get("group_size") == 3 for r in c), "the subject never averaged with the survivors"
+    assert any(c[r].get("group_size", 1) >= 2 for r in c), \
+        f"the subject never averaged with a survivor: {c}\n{swarm.log('c')[-3000:]}"
     return swarm.records("a"), swarm.records("b"), max(c)
 
 
