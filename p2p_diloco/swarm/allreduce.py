@@ -49,6 +49,11 @@ logger = get_logger(__name__)
 
 
 LOSSY_TENSOR = 0  # index of the averaged tensor that goes through the run's codec; any other travels exact
+PROBE_RETRY_S = 0.5  # first pause before probing again a member that was busy receiving another probe
+
+
+class ReceiverBusy(Exception):
+    """A member was timing another member's probe: probe it again later."""
 
 
 class PartialAllreduce(AllreduceException):
@@ -260,7 +265,7 @@ class DiLoCoAverager(DecentralizedAverager):
         self._state_provider = state_provider
         self.residual = residual
         self.link = links.LinkMeter()  # lives in the averager process, where probes are sent and received
-        self._probing: set[str] = set()  # senders whose probe is arriving now: one at a time each
+        self._receiving_probe = False  # one probe arrives at a time: two would share this peer's download
         super().__init__(*args, **kwargs)
 
     # --- link probes (links.py) ------------------------------------------------------------
@@ -274,38 +279,71 @@ class DiLoCoAverager(DecentralizedAverager):
         return future
 
     async def _probe(self, peers: list[str], size: int, deadline: float, future: MPFuture) -> None:
-        reports = {}
-        for peer in peers:
-            try:
-                rate = await asyncio.wait_for(self._probe_one(PeerID.from_base58(peer), size), deadline - time.monotonic())
-            except Exception as e:  # a peer that left or refuses: it is not measured this time
-                logger.debug("probe of %s failed: %s", peer, e)
-                continue
-            self.link.sent(rate)
-            reports[peer] = rate
+        """Probe each peer in turn. A receiver already timing another member's probe answers busy
+        (two probes would share its download, and each would under-read a link): it is tried again
+        after the others, with a growing pause, until the deadline."""
+        reports, pending, pause = {}, list(peers), PROBE_RETRY_S
+        while pending and time.monotonic() < deadline:
+            busy = []
+            for peer in pending:
+                try:
+                    rate = await asyncio.wait_for(self._probe_one(PeerID.from_base58(peer), size), deadline - time.monotonic())
+                except ReceiverBusy:
+                    logger.debug("%s is busy with another probe: trying it again later", peer)
+                    busy.append(peer)
+                    continue
+                except Exception as e:  # a peer that left or refuses: it is not measured this time
+                    logger.debug("probe of %s failed: %r", peer, e)
+                    continue
+                self.link.sent(rate)
+                reports[peer] = rate
+            pending = busy
+            if pending:  # every one left is being probed by someone else: let those probes end
+                await asyncio.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+                pause *= 2
         if not future.done():
             future.set_result(reports)
 
     async def _probe_one(self, peer: PeerID, size: int) -> float | None:
-        chunk = bytes(links.PROBE_CHUNK)
-        messages = (averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor(buffer=chunk))
-                    for _ in range(max(2, size // links.PROBE_CHUNK)))
+        """One probe: a hello, then (once the receiver accepts) `size` bytes in chunks; the rate the
+        receiver measured, or ReceiverBusy. Nothing is streamed before the receiver accepted, so a
+        busy receiver's refusal cuts no stream short."""
+        accepted = asyncio.Event()
+
+        async def messages() -> AsyncIterator[averaging_pb2.AveragingData]:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.REQUEST_JOIN)
+            await accepted.wait()
+            chunk = runtime_pb2.Tensor(buffer=bytes(links.PROBE_CHUNK))
+            for _ in range(max(2, size // links.PROBE_CHUNK)):
+                yield averaging_pb2.AveragingData(tensor_part=chunk)
+
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        async for reply in await stub.rpc_probe(as_aiter(*messages)):
+        async for reply in await stub.rpc_probe(messages()):
+            if reply.code == averaging_pb2.NOT_LOOKING_FOR_GROUP:
+                raise ReceiverBusy(str(peer))
+            if reply.code == averaging_pb2.ACCEPTED:
+                accepted.set()
+                continue
             rate = reply.weight
-            return rate if math.isfinite(rate) and rate > 0 else None
+            return rate if reply.code == averaging_pb2.AVERAGED_PART and math.isfinite(rate) and rate > 0 else None
         return None
 
     async def rpc_probe(self, stream: AsyncIterator[averaging_pb2.AveragingData],
                         context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """Another member's probe (untrusted, I4): at most PROBE_MAX bytes in PROBE_CHUNK messages,
-        one probe per sender at a time. Answers with the rate it arrived at (in `weight`)."""
-        sender = str(context.remote_id)
-        if sender in self._probing:
-            yield averaging_pb2.AveragingData(code=averaging_pb2.BAD_GROUP_ID)
+        """Another member's probe (untrusted, I4): a hello, then at most PROBE_MAX bytes in
+        PROBE_CHUNK messages. One probe at a time: while one arrives, another sender's hello is
+        answered busy. Answers with the rate the chunks arrived at (in `weight`)."""
+        hello = await anext(aiter(stream), None)
+        if hello is None or hello.code != averaging_pb2.REQUEST_JOIN:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        self._probing.add(sender)
+        if self._receiving_probe:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        self._receiving_probe = True
+        sender = str(context.remote_id)
         try:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.ACCEPTED)
             arrivals, total = [], 0
             async for message in stream:
                 size = len(message.tensor_part.buffer)
@@ -318,7 +356,7 @@ class DiLoCoAverager(DecentralizedAverager):
             self.link.received(sender, rate)
             yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, weight=rate or 0.0)
         finally:
-            self._probing.discard(sender)
+            self._receiving_probe = False
 
     def link_report(self, timeout: float) -> tuple[float | None, dict[str, float]]:
         """(this peer's figure, what it measured of each sender) from the averager process."""
