@@ -41,7 +41,7 @@ from hivemind.utils.timed_storage import get_dht_time
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter, attach_event_on_finished
+from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter
 
 from p2p_diloco import codecs, links
 
@@ -128,6 +128,14 @@ class ConsistentAllReduceRunner(AllReduceRunner):
             self._encoded[part_index] = self.tensor_part_container.compression.compress(averaged, info, allow_inplace=False)
         return self._encoded[part_index]
 
+    def should_delay_results(self, peer_id: Any) -> bool:
+        """Never. hivemind makes a member that reduces nothing (a client, or a peer the load
+        balancer gave no span: the slowest) upload all its parts before it may download any
+        average, so its two directions take turns: 30 s instead of 16 on a 20 Mbit/s link
+        (bench/balance.py). Our senders also keep their stream open until every average arrived
+        (`_send_and_receive`), which a delayed reducer would wait on forever."""
+        return False
+
     @property
     def _my_index(self) -> int:
         return self.ordered_peer_ids.index(self.peer_id)
@@ -164,13 +172,18 @@ class ConsistentAllReduceRunner(AllReduceRunner):
             self.tensor_part_container.register_processed_part(peer_index, part_index, self.codec.extract(encoded))
 
     async def _send_and_receive(self, peer_id: Any, peer_index: int) -> None:
-        done_sending = asyncio.Event()
-        inputs = attach_event_on_finished(self._counted(self._generate_input_for_peer(peer_index), peer_index),
-                                          done_sending)
-        stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
-        if self.should_delay_results(self.peer_id):
-            await done_sending.wait()
+        """Our parts of `peer_index`'s span to it, its averages back.
+
+        Our request stream ends only once every average arrived. The reducer's handler ends (and
+        its side of the stream closes) only after our stream ended, so it cannot close the stream
+        while its last answer is still on the way: on a slow link p2pd then dropped that answer
+        (measured: "sent 6 parts, expected 7" for one member while the others completed)."""
+        received_all = asyncio.Event()
         expected = self.tensor_part_container.num_parts_by_peer[peer_index]
+        if expected == 0:
+            received_all.set()
+        inputs = _end_after(self._counted(self._generate_input_for_peer(peer_index), peer_index), received_all)
+        stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
         part_index = 0
 
         def decode(msg: averaging_pb2.AveragingData) -> torch.Tensor:
@@ -184,6 +197,8 @@ class ConsistentAllReduceRunner(AllReduceRunner):
             _check_part(averaged, self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0], peer_id)
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
             part_index += 1
+            if part_index == expected:
+                received_all.set()
         if part_index != expected:
             raise AllreduceException(f"peer {peer_id} sent {part_index} parts, expected {expected}")
 
@@ -242,6 +257,13 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
+
+
+async def _end_after(messages: AsyncIterator[Any], event: asyncio.Event) -> AsyncIterator[Any]:
+    """`messages`, then wait for `event` before the stream ends."""
+    async for message in messages:
+        yield message
+    await event.wait()
 
 
 def _check_part(part: torch.Tensor, like: torch.Tensor, peer: Any) -> None:
