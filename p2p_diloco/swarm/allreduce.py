@@ -232,31 +232,52 @@ class ConsistentAllReduceRunner(AllReduceRunner):
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         """As a reducer: add each sender's part to the sum, answer with the encoded average (not a delta).
 
+        Parts are added as they arrive, whatever the answers: those wait in a queue (references to
+        the one encoded average per part, shared by all senders). Answering in the same loop made
+        adding a slow sender's part i+1 wait until its answer to part i had left, so every member
+        waited on that sender's download as well as its upload.
+
         Once any sender was dropped, every later answer is an error: no member gets a partial average (I2)."""
-        part_index = 0
-        expected_parts = self.parts_for_local_averaging
+        answers: asyncio.Queue = asyncio.Queue()
+        done = object()
+
+        async def accumulate() -> None:
+            part_index = 0
+            expected_parts = self.parts_for_local_averaging
+            try:
+                async for part, weight, size in amap_in_executor(
+                    lambda msg: (self.codec.extract(msg.tensor_part), msg.weight, len(msg.tensor_part.buffer)),
+                    stream,
+                    max_prefetch=self.tensor_part_container.prefetch,
+                ):
+                    _check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
+                    if not (weight >= 0 and weight < float("inf")):
+                        raise AllreduceException(f"sender {sender_index} sent weight {weight}")
+                    self.bytes_received += size
+                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
+                    if self.banned_senders:
+                        # hivemind completes a part without a sender that dropped out; that average
+                        # is partial. Sending it would let this sender apply it while the others fail.
+                        answers.put_nowait(averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR))
+                        return
+                    encoded = await asyncio.get_event_loop().run_in_executor(None, self._encode_average, part_index, averaged)
+                    part_index += 1
+                    answers.put_nowait(averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded))
+            finally:
+                if part_index != self.tensor_part_reducer.num_parts:
+                    await self._ban_sender(self.sender_peer_ids[sender_index])
+                answers.put_nowait(done)
+
+        task = asyncio.create_task(accumulate())
         try:
-            async for part, weight, size in amap_in_executor(
-                lambda msg: (self.codec.extract(msg.tensor_part), msg.weight, len(msg.tensor_part.buffer)),
-                stream,
-                max_prefetch=self.tensor_part_container.prefetch,
-            ):
-                _check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
-                if not (weight >= 0 and weight < float("inf")):
-                    raise AllreduceException(f"sender {sender_index} sent weight {weight}")
-                self.bytes_received += size
-                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
-                if self.banned_senders:
-                    # hivemind completes a part without a sender that dropped out; that average
-                    # is partial. Sending it would let this sender apply it while the others fail.
-                    yield averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR)
+            while (answer := await answers.get()) is not done:
+                yield answer
+                if answer.code == averaging_pb2.INTERNAL_ERROR:
                     return
-                encoded = await asyncio.get_event_loop().run_in_executor(None, self._encode_average, part_index, averaged)
-                part_index += 1
-                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+            await task  # its error, if any, goes to the sender as hivemind's RPCError
         finally:
-            if part_index != self.tensor_part_reducer.num_parts:
-                await self._ban_sender(self.sender_peer_ids[sender_index])
+            if not task.done():
+                task.cancel()
 
 
 async def _end_after(messages: AsyncIterator[Any], event: asyncio.Event) -> AsyncIterator[Any]:
