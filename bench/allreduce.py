@@ -54,7 +54,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="group sizes")
     p.add_argument("--codecs", nargs="+", default=CODECS, help="pseudo-gradient codecs (swarm.compression)")
     p.add_argument("--repeats", type=int, default=3, help="all-reduces per setting; the median is reported")
-    p.add_argument("--out", default=str(ROOT / "bench" / "results" / "allreduce"), help="path of the .json/.png, no suffix")
+    p.add_argument(
+        "--out", default=str(ROOT / "bench" / "results" / "allreduce"), help="path of the .json/.png, no suffix"
+    )
     return p.parse_args()
 
 
@@ -71,9 +73,26 @@ def known_codecs(codecs: list[str]) -> list[str]:
 
 def bootstrap(lab: NetLab, host: int, folder: Path) -> str:
     """A bootstrap node in the lab; returns its multiaddr."""
-    proc = lab.popen(host, [sys.executable, "-m", "p2p_diloco.cli", "bootstrap", "--host", lab.hosts[host].ip,
-                            "--port", "0", "--identity", str(folder / "bootstrap.key")],
-                     stdout=subprocess.PIPE, stderr=open(folder / "bootstrap.log", "w"), text=True, env=ENV, cwd=ROOT)
+    proc = lab.popen(
+        host,
+        [
+            sys.executable,
+            "-m",
+            "p2p_diloco.cli",
+            "bootstrap",
+            "--host",
+            lab.hosts[host].ip,
+            "--port",
+            "0",
+            "--identity",
+            str(folder / "bootstrap.key"),
+        ],
+        stdout=subprocess.PIPE,
+        stderr=open(folder / "bootstrap.log", "w"),
+        text=True,
+        env=ENV,
+        cwd=ROOT,
+    )
     lines = line_reader(proc)
     deadline = time.monotonic() + 60
     while True:  # the node prints a heading, then its address as soon as it is up
@@ -87,15 +106,36 @@ def bound_s(k: int, wire_bytes: float, rate_mbit: float) -> float:
     return 2 * (k - 1) / k * wire_bytes * 8 / (rate_mbit * 1e6)
 
 
-def run_setting(lab: NetLab, maddr: str, k: int, codec: str, numel: int, args: argparse.Namespace, folder: Path) -> dict:
+def run_setting(
+    lab: NetLab, maddr: str, k: int, codec: str, numel: int, args: argparse.Namespace, folder: Path
+) -> dict:
     """k workers, `args.repeats` all-reduces; every member must hold the same bytes after each."""
     # The swarm's averaging deadline: generous, this measures the all-reduce, it does not police it.
     timeout_s = max(60.0, 5 * bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], args.rate))
-    workers = [lab.popen(i, [sys.executable, str(ROOT / "bench" / "allreduce_worker.py"), maddr, lab.hosts[i].ip,
-                             str(i), str(k), codec, str(numel), str(folder / f"k{k}-{codec}-w{i}"), str(timeout_s)],
-                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT,
-                         stderr=open(folder / f"k{k}-{codec}-w{i}.log", "w"))
-               for i in range(k)]
+    workers = [
+        lab.popen(
+            i,
+            [
+                sys.executable,
+                str(ROOT / "bench" / "allreduce_worker.py"),
+                maddr,
+                lab.hosts[i].ip,
+                str(i),
+                str(k),
+                codec,
+                str(numel),
+                str(folder / f"k{k}-{codec}-w{i}"),
+                str(timeout_s),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=ENV,
+            cwd=ROOT,
+            stderr=open(folder / f"k{k}-{codec}-w{i}.log", "w"),
+        )
+        for i in range(k)
+    ]
     outs = [line_reader(w) for w in workers]
     try:
         for i, out in enumerate(outs):
@@ -127,18 +167,27 @@ def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> d
     if errors:
         print(f"  failed: {errors}", flush=True)
         return {"error": errors}
-    run = {"allreduce_s": max(r["allreduce_s"] for r in replies),  # the all-reduce ends with its slowest member
-           "bytes_sent": [r["bytes_sent"] for r in replies],
-           "bandwidth": [r.get("bandwidth") for r in replies],
-           "link_sent": [lab.link_bytes(i)[0] - sent_before[i] for i in range(len(workers))]}
+    run = {
+        "allreduce_s": max(r["allreduce_s"] for r in replies),  # the all-reduce ends with its slowest member
+        "bytes_sent": [r["bytes_sent"] for r in replies],
+        "bandwidth": [r.get("bandwidth") for r in replies],
+        "link_sent": [lab.link_bytes(i)[0] - sent_before[i] for i in range(len(workers))],
+    }
     print(f"  {run['allreduce_s']:.2f} s", flush=True)
     return run
 
 
 def summarize(k: int, codec: str, numel: int, rate: float, runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
-    out = {"k": k, "codec": codec, "numel": numel, "rate_mbit": rate, "runs": len(runs), "failed": len(runs) - len(ok),
-           "nominal_bytes_per_value": NOMINAL_BYTES_PER_VALUE[codec]}
+    out = {
+        "k": k,
+        "codec": codec,
+        "numel": numel,
+        "rate_mbit": rate,
+        "runs": len(runs),
+        "failed": len(runs) - len(ok),
+        "nominal_bytes_per_value": NOMINAL_BYTES_PER_VALUE[codec],
+    }
     if not ok:
         return out
 
@@ -148,9 +197,16 @@ def summarize(k: int, codec: str, numel: int, rate: float, runs: list[dict]) -> 
 
     times = [r["allreduce_s"] for r in ok]
     bound = bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], rate)
-    return {**out, "wire_bytes_per_value": per_value("link_sent"), "reported_bytes_per_value": per_value("bytes_sent"),
-            "times_s": times, "median_s": statistics.median(times), "bound_s": bound,
-            "ratio": statistics.median(times) / bound, "per_run": ok}
+    return {
+        **out,
+        "wire_bytes_per_value": per_value("link_sent"),
+        "reported_bytes_per_value": per_value("bytes_sent"),
+        "times_s": times,
+        "median_s": statistics.median(times),
+        "bound_s": bound,
+        "ratio": statistics.median(times) / bound,
+        "per_run": ok,
+    }
 
 
 def plot(results: list[dict], path: Path, rate: float) -> None:
@@ -163,7 +219,7 @@ def plot(results: list[dict], path: Path, rate: float) -> None:
     for codec in dict.fromkeys(r["codec"] for r in results):
         rows = [r for r in results if r["codec"] == codec and "median_s" in r]
         ks = [r["k"] for r in rows]
-        line, = left.plot(ks, [r["median_s"] for r in rows], "o-", label=codec)
+        (line,) = left.plot(ks, [r["median_s"] for r in rows], "o-", label=codec)
         left.plot(ks, [r["bound_s"] for r in rows], "--", color=line.get_color(), alpha=0.6)
         right.plot(ks, [r["ratio"] for r in rows], "o-", label=codec)
     right.axhline(1.0, color="gray", ls=":", label="bound")
@@ -202,9 +258,13 @@ def main() -> int:
     assert not namespaces(prefix), f"namespaces left behind: {namespaces(prefix)}"
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    meta = {"rate_mbit": args.rate, "repeats": args.repeats, "cpus": os.cpu_count(),
-            "note": "time: the slowest member's allreduce_s (from group formed to result); "
-                    "the 2-core machine was shared with other work: noisy"}
+    meta = {
+        "rate_mbit": args.rate,
+        "repeats": args.repeats,
+        "cpus": os.cpu_count(),
+        "note": "time: the slowest member's allreduce_s (from group formed to result); "
+        "the 2-core machine was shared with other work: noisy",
+    }
     out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
     plot(results, out.with_suffix(".png"), args.rate)
     print(f"wrote {out}.json and {out}.png")

@@ -3,7 +3,8 @@ random pseudo-gradient once per "go" line on stdin.
 
     python bench/allreduce_worker.py MADDR HOST_IP INDEX GROUP CODEC NUMEL RUN_DIR AVERAGING_TIMEOUT_S
 Prints "ready" once joined; for each "go" prints one JSON line: allreduce_s, bytes_sent,
-bytes_received, group (size), its measured link (bytes/s), sha256 (of the averaged bytes: equal on every member), or error.
+bytes_received, group (size), its measured link (bytes/s), sha256 (of the averaged bytes: equal
+on every member), or error.
 Ends at EOF on stdin. Logs go to stderr.
 """
 
@@ -19,10 +20,20 @@ from p2p_diloco.errors import AveragingError
 from p2p_diloco.swarm import Swarm
 
 
-def main(maddr: str, host: str, index: int, group: int, codec: str, numel: int, run_dir: Path, timeout_s: float) -> None:
-    cfg = config.load(None, {"swarm.host": host, "swarm.initial_peers": maddr, "swarm.compression": codec,
-                             "swarm.matchmaking_time_s": "5", "swarm.averaging_timeout_s": str(timeout_s),
-                             "run.dir": str(run_dir)})
+def main(
+    maddr: str, host: str, index: int, group: int, codec: str, numel: int, run_dir: Path, timeout_s: float
+) -> None:
+    cfg = config.load(
+        None,
+        {
+            "swarm.host": host,
+            "swarm.initial_peers": maddr,
+            "swarm.compression": codec,
+            "swarm.matchmaking_time_s": "5",
+            "swarm.averaging_timeout_s": str(timeout_s),
+            "run.dir": str(run_dir),
+        },
+    )
     run_dir.mkdir(parents=True, exist_ok=True)
     swarm = Swarm(cfg, run_dir, numel, lambda: ({}, []))
     try:
@@ -44,11 +55,15 @@ def average(swarm: Swarm, delta: torch.Tensor, round_: int, group: int) -> dict:
         return {"error": str(e)}
     if result is None:
         return {"error": "no group formed"}
-    return {"allreduce_s": result.allreduce_s, "bytes_sent": result.bytes_sent,
-            "bytes_received": result.bytes_received, "group": len(result.group),
-            "bandwidth": result.link_bps,  # the link figure this peer announced, bytes/s (links.py)
-            "probes": wait_for_probes(swarm),
-            "sha256": hashlib.sha256(result.delta.numpy().tobytes()).hexdigest()}
+    return {
+        "allreduce_s": result.allreduce_s,
+        "bytes_sent": result.bytes_sent,
+        "bytes_received": result.bytes_received,
+        "group": len(result.group),
+        "bandwidth": result.link_bps,  # the link figure this peer announced, bytes/s (links.py)
+        "probes": wait_for_probes(swarm),
+        "sha256": hashlib.sha256(result.delta.numpy().tobytes()).hexdigest(),
+    }
 
 
 def wait_for_probes(swarm: Swarm) -> dict | None:

@@ -56,8 +56,11 @@ def plot(result: dict, path: Path) -> None:
     ax.set_xlabel("all-reduce (1: no figures yet, equal spans; then probed figures)")
     ax.set_ylabel("time (s)")
     s = result["setting"]
-    ax.set_title(f"k = {s['k']}: {s['k'] - 1} peers at {s['fast_mbit']:g} Mbit/s, one at {s['slow_mbit']:g}; "
-                 f"{s['numel'] / 1e6:g}M fp32 values", fontsize=9)
+    ax.set_title(
+        f"k = {s['k']}: {s['k'] - 1} peers at {s['fast_mbit']:g} Mbit/s, one at {s['slow_mbit']:g}; "
+        f"{s['numel'] / 1e6:g}M fp32 values",
+        fontsize=9,
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -87,11 +90,15 @@ def main() -> int:
     result = {
         "setting": {"k": args.k, "fast_mbit": args.fast, "slow_mbit": args.slow, "numel": args.numel, "codec": "fp32"},
         "bound_equal_s": bound_s(args.k, args.numel, rates, [1 / args.k] * args.k),
-        "bound_best_s": bound_s(args.k, args.numel, rates, best), "best_fractions": best,
-        "failed": setting["failed"], "runs": setting["per_run"],
+        "bound_best_s": bound_s(args.k, args.numel, rates, best),
+        "best_fractions": best,
+        "failed": setting["failed"],
+        "runs": setting["per_run"],
     }
     for i, run in enumerate(result["runs"], 1):
-        print(f"all-reduce {i}: {run['allreduce_s']:.1f} s, measured {run['bandwidth']}, bytes sent {run['bytes_sent']}")
+        print(
+            f"all-reduce {i}: {run['allreduce_s']:.1f} s, measured {run['bandwidth']}, bytes sent {run['bytes_sent']}"
+        )
     print(f"bounds: equal spans {result['bound_equal_s']:.1f} s, optimal spans {result['bound_best_s']:.1f} s")
     out = HERE / "results" / "balance.json"
     out.write_text(json.dumps(result, indent=1) + "\n")

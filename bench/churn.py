@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import json
 import platform
-import signal
 import tempfile
 import time
 from pathlib import Path
@@ -23,11 +22,21 @@ from lab import LocalSwarm
 HERE = Path(__file__).resolve().parent
 ROUNDS = 24
 CONFIG = {
-    "run.run_id": "churn", "run.rounds": str(ROUNDS), "run.eval_sequences": "32", "run.eval_every_rounds": "1",
-    "model.preset": "tiny", "model.seq_len": "128", "data.num_shards": "16",
-    "inner.steps": "20", "inner.batch_size": "16", "inner.micro_batch_size": "16",
-    "inner.lr": "3e-3", "inner.warmup_steps": "20",
-    "swarm.matchmaking_time_s": "3", "swarm.averaging_timeout_s": "30", "swarm.agreement_timeout_s": "15",
+    "run.run_id": "churn",
+    "run.rounds": str(ROUNDS),
+    "run.eval_sequences": "32",
+    "run.eval_every_rounds": "1",
+    "model.preset": "tiny",
+    "model.seq_len": "128",
+    "data.num_shards": "16",
+    "inner.steps": "20",
+    "inner.batch_size": "16",
+    "inner.micro_batch_size": "16",
+    "inner.lr": "3e-3",
+    "inner.warmup_steps": "20",
+    "swarm.matchmaking_time_s": "3",
+    "swarm.averaging_timeout_s": "30",
+    "swarm.agreement_timeout_s": "15",
 }
 # (swarm round, action, peer)
 EVENTS = [
@@ -54,7 +63,7 @@ def main() -> None:
         for peer in ("a", "b", "c"):
             lab.start(peer)
         for at, action, peer in EVENTS:
-            lab.wait(lambda: swarm_round(lab) >= at, 300, f"round {at}")
+            lab.wait(lambda at=at: swarm_round(lab) >= at, 300, f"round {at}")
             if action == "crash":
                 lab.kill(peer)
             elif action == "leave":
@@ -64,8 +73,14 @@ def main() -> None:
                 lab.start(peer)
             else:
                 lab.start(peer, resume=True)
-            log.append({"round": swarm_round(lab), "action": action, "peer": peer,
-                        "t_s": round(time.perf_counter() - started, 1)})
+            log.append(
+                {
+                    "round": swarm_round(lab),
+                    "action": action,
+                    "peer": peer,
+                    "t_s": round(time.perf_counter() - started, 1),
+                }
+            )
             print(log[-1], flush=True)
         live = [p for p in PEERS if p in lab.procs and lab.running(p)]
         lab.wait(lambda: not any(lab.running(p) for p in live), 600, "the live peers finish")
@@ -76,16 +91,21 @@ def main() -> None:
     for r in range(ROUNDS + 1):
         here = {p: recs[r] for p, recs in records.items() if r in recs}
         losses = [rec["eval_loss"] for rec in here.values() if rec.get("eval_loss") is not None]
-        rounds.append({
-            "round": r,
-            "peers": sorted(here),
-            "digests_equal": len({rec["digest"] for rec in here.values()}) == 1,
-            "group_sizes": {p: rec.get("group_size") for p, rec in here.items()},
-            "eval_loss": losses[0] if losses else None,
-        })
+        rounds.append(
+            {
+                "round": r,
+                "peers": sorted(here),
+                "digests_equal": len({rec["digest"] for rec in here.values()}) == 1,
+                "group_sizes": {p: rec.get("group_size") for p, rec in here.items()},
+                "eval_loss": losses[0] if losses else None,
+            }
+        )
     result = {
-        "machine": f"{platform.machine()}, {platform.system()}, 2 cores", "config": CONFIG, "events": log,
-        "wall_s": round(wall, 1), "final_exit_codes": codes,
+        "machine": f"{platform.machine()}, {platform.system()}, 2 cores",
+        "config": CONFIG,
+        "events": log,
+        "wall_s": round(wall, 1),
+        "final_exit_codes": codes,
         "rounds_recorded": sum(1 for row in rounds if row["peers"]),
         "rounds_with_disagreement": [row["round"] for row in rounds if row["peers"] and not row["digests_equal"]],
         "eval_loss_first_last": [rounds[0]["eval_loss"], rounds[-1]["eval_loss"]],
@@ -110,10 +130,19 @@ def plot(result: dict, path: Path) -> None:
     top.set_ylabel("held-out loss")
     for event in result["events"]:
         top.axvline(event["round"], color="grey", lw=0.6, ls=":")
-        top.annotate(f"{event['action']} {event['peer']}", (event["round"], top.get_ylim()[1]), fontsize=7,
-                     rotation=90, va="top", ha="right")
-    bottom.bar([row["round"] for row in result["rounds"]], [len(row["peers"]) for row in result["rounds"]],
-               color=["tab:green" if row["digests_equal"] else "tab:red" for row in result["rounds"]])
+        top.annotate(
+            f"{event['action']} {event['peer']}",
+            (event["round"], top.get_ylim()[1]),
+            fontsize=7,
+            rotation=90,
+            va="top",
+            ha="right",
+        )
+    bottom.bar(
+        [row["round"] for row in result["rounds"]],
+        [len(row["peers"]) for row in result["rounds"]],
+        color=["tab:green" if row["digests_equal"] else "tab:red" for row in result["rounds"]],
+    )
     bottom.set_ylabel("peers at round\n(green: digests equal)")
     bottom.set_xlabel("round")
     fig.suptitle("churn soak: crashes, leaves, joins and comebacks in a 24-round swarm")

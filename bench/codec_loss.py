@@ -38,13 +38,26 @@ REFERENCE = "fp32"
 
 def overrides(args: argparse.Namespace) -> dict[str, str]:
     return {
-        "run.run_id": "codec-loss", "run.rounds": str(args.rounds), "run.seed": "0",
-        "run.eval_every_rounds": "1", "run.eval_sequences": "64",
-        "model.preset": "tiny", "model.seq_len": "128", "data.num_shards": "8",
-        "inner.steps": str(args.steps), "inner.batch_size": "16", "inner.micro_batch_size": "16",
-        "inner.lr": "3e-3", "inner.warmup_steps": "20", "inner.weight_decay": "0.1", "inner.precision": "fp32",
-        "outer.lr": str(args.outer_lr), "outer.momentum": "0.9",
-        "swarm.speed_aware": "false", "swarm.matchmaking_time_s": "3", "swarm.averaging_timeout_s": "30",
+        "run.run_id": "codec-loss",
+        "run.rounds": str(args.rounds),
+        "run.seed": "0",
+        "run.eval_every_rounds": "1",
+        "run.eval_sequences": "64",
+        "model.preset": "tiny",
+        "model.seq_len": "128",
+        "data.num_shards": "8",
+        "inner.steps": str(args.steps),
+        "inner.batch_size": "16",
+        "inner.micro_batch_size": "16",
+        "inner.lr": "3e-3",
+        "inner.warmup_steps": "20",
+        "inner.weight_decay": "0.1",
+        "inner.precision": "fp32",
+        "outer.lr": str(args.outer_lr),
+        "outer.momentum": "0.9",
+        "swarm.speed_aware": "false",
+        "swarm.matchmaking_time_s": "3",
+        "swarm.averaging_timeout_s": "30",
     }
 
 
@@ -59,7 +72,9 @@ def run(name: str, extra: dict[str, str], args: argparse.Namespace, folder: Path
     if final["digest"] != b[args.rounds]["digest"]:
         raise RuntimeError(f"{name}: the peers ended with different states; see {folder}")
     return {
-        "name": name, "overrides": extra, "wall_s": time.perf_counter() - started,
+        "name": name,
+        "overrides": extra,
+        "wall_s": time.perf_counter() - started,
         "final_eval_loss": final["eval_loss"],
         "curve": [[a[r]["total_tokens"] if r else 0, a[r]["eval_loss"]] for r in sorted(a) if "eval_loss" in a[r]],
         "group_sizes": [a[r].get("group_size", 1) for r in range(1, args.rounds + 1)],
@@ -107,15 +122,26 @@ def main() -> int:
     with tempfile.TemporaryDirectory(prefix="codec-loss-") as tmp:
         for i, name in enumerate(args.runs):
             results.append(run(name, RUNS[name], args, Path(tmp) / f"run{i}"))
-            print(f"{name}: held-out loss {results[-1]['final_eval_loss']:.4f} "
-                  f"({results[-1]['wall_s']:.0f} s, groups {results[-1]['group_sizes']})", flush=True)
+            print(
+                f"{name}: held-out loss {results[-1]['final_eval_loss']:.4f} "
+                f"({results[-1]['wall_s']:.0f} s, groups {results[-1]['group_sizes']})",
+                flush=True,
+            )
     reference = next(r["final_eval_loss"] for r in results if r["name"] == REFERENCE)
     for r in results:
         r["vs_reference_pct"] = 100 * (r["final_eval_loss"] / reference - 1)
-    result = {"setting": {"peers": 2, "rounds": args.rounds, "inner_steps": args.steps, "preset": "tiny",
-                          "outer_lr": args.outer_lr,
-                          "tokens_per_peer": args.rounds * args.steps * 16 * 128},
-              "reference": REFERENCE, "runs": results}
+    result = {
+        "setting": {
+            "peers": 2,
+            "rounds": args.rounds,
+            "inner_steps": args.steps,
+            "preset": "tiny",
+            "outer_lr": args.outer_lr,
+            "tokens_per_peer": args.rounds * args.steps * 16 * 128,
+        },
+        "reference": REFERENCE,
+        "runs": results,
+    }
     out = HERE / "results" / f"{args.out}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, HERE / "results" / f"{args.out}.png")

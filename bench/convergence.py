@@ -31,19 +31,37 @@ from pathlib import Path
 from lab import CLI, ENV, LocalSwarm
 
 HERE = Path(__file__).resolve().parent
-PAPER = {"single worker": 16.23, "data-parallel (8x batch)": 15.30, "DiLoCo k=8, H=500": 15.02,
-         "DiLoCo, 50 % dropped": "+2.1 %", "DiLoCo, non-i.i.d.": "about the same as i.i.d."}
+PAPER = {
+    "single worker": 16.23,
+    "data-parallel (8x batch)": 15.30,
+    "DiLoCo k=8, H=500": 15.02,
+    "DiLoCo, 50 % dropped": "+2.1 %",
+    "DiLoCo, non-i.i.d.": "about the same as i.i.d.",
+}
 
 
 def setting(args: argparse.Namespace) -> dict[str, str]:
     return {
-        "run.run_id": "convergence", "run.rounds": str(args.rounds), "run.seed": "0",
-        "run.eval_every_rounds": "1", "run.eval_sequences": "128", "log.progress": "false",
-        "model.preset": "tiny", "model.seq_len": "128", "data.num_shards": str(args.k),
-        "inner.steps": str(args.steps), "inner.batch_size": str(args.batch), "inner.micro_batch_size": str(args.batch),
-        "inner.lr": str(args.lr), "inner.warmup_steps": str(args.warmup), "inner.precision": "fp32",
-        "outer.lr": str(args.outer_lr), "outer.momentum": str(args.outer_momentum),
-        "swarm.speed_aware": "false", "swarm.matchmaking_time_s": "8", "swarm.averaging_timeout_s": "30",
+        "run.run_id": "convergence",
+        "run.rounds": str(args.rounds),
+        "run.seed": "0",
+        "run.eval_every_rounds": "1",
+        "run.eval_sequences": "128",
+        "log.progress": "false",
+        "model.preset": "tiny",
+        "model.seq_len": "128",
+        "data.num_shards": str(args.k),
+        "inner.steps": str(args.steps),
+        "inner.batch_size": str(args.batch),
+        "inner.micro_batch_size": str(args.batch),
+        "inner.lr": str(args.lr),
+        "inner.warmup_steps": str(args.warmup),
+        "inner.precision": "fp32",
+        "outer.lr": str(args.outer_lr),
+        "outer.momentum": str(args.outer_momentum),
+        "swarm.speed_aware": "false",
+        "swarm.matchmaking_time_s": "8",
+        "swarm.averaging_timeout_s": "30",
     }
 
 
@@ -51,14 +69,26 @@ def baseline(name: str, workers: int, args: argparse.Namespace, folder: Path) ->
     options = {**setting(args), "run.dir": str(folder)}
     started = time.perf_counter()
     with open(folder.parent / f"{folder.name}.log", "w") as log:
-        proc = subprocess.run([*CLI, "baseline", "--workers", str(workers), *[f"--{k}={v}" for k, v in options.items()]],
-                              stdout=log, stderr=subprocess.STDOUT, env=ENV, timeout=60 * 30)
+        proc = subprocess.run(
+            [*CLI, "baseline", "--workers", str(workers), *[f"--{k}={v}" for k, v in options.items()]],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            timeout=60 * 30,
+        )
     if proc.returncode != 0:
         raise RuntimeError(f"{name}: baseline exited with {proc.returncode}; see {folder.parent / folder.name}.log")
     wall = time.perf_counter() - started
     records = [json.loads(line) for line in (folder / "metrics.jsonl").read_text().splitlines()]
-    return summary(name, "data-parallel" if workers > 1 else "single", workers, wall,
-                   [(r["total_tokens"], r["step"], r["eval_loss"]) for r in records], records[-1]["bytes_sent"], {})
+    return summary(
+        name,
+        "data-parallel" if workers > 1 else "single",
+        workers,
+        wall,
+        [(r["total_tokens"], r["step"], r["eval_loss"]) for r in records],
+        records[-1]["bytes_sent"],
+        {},
+    )
 
 
 def diloco(name: str, extra: dict[str, str], args: argparse.Namespace, folder: Path) -> dict:
@@ -96,9 +126,19 @@ def diloco(name: str, extra: dict[str, str], args: argparse.Namespace, folder: P
 
 def summary(name: str, kind: str, workers: int, wall: float, curve: list, bytes_sent: int, extra: dict) -> dict:
     tokens, steps, loss = curve[-1]
-    return {"name": name, "kind": kind, "workers": workers, "final_eval_loss": loss, "final_ppl": math.exp(loss),
-            "total_tokens": tokens, "steps_per_worker": steps, "bytes_sent_per_worker": bytes_sent,
-            "wall_s": round(wall, 1), "curve": curve, **extra}
+    return {
+        "name": name,
+        "kind": kind,
+        "workers": workers,
+        "final_eval_loss": loss,
+        "final_ppl": math.exp(loss),
+        "total_tokens": tokens,
+        "steps_per_worker": steps,
+        "bytes_sent_per_worker": bytes_sent,
+        "wall_s": round(wall, 1),
+        "curve": curve,
+        **extra,
+    }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -111,7 +151,9 @@ def plot(result: dict, path: Path) -> None:
     styles = {"single": ":", "data-parallel": "--", "diloco": "-"}
     for i, r in enumerate(result["runs"]):
         tokens, steps, loss = zip(*r["curve"])
-        left.plot(tokens, loss, styles[r["kind"]], color=f"C{i}", lw=1.4, label=f"{r['name']}: {r['final_eval_loss']:.3f}")
+        left.plot(
+            tokens, loss, styles[r["kind"]], color=f"C{i}", lw=1.4, label=f"{r['name']}: {r['final_eval_loss']:.3f}"
+        )
         right.plot(steps, loss, styles[r["kind"]], color=f"C{i}", lw=1.4, label=r["name"])
     left.xaxis.set_major_formatter(lambda v, _: f"{v / 1e6:.1f}M")
     left.set_xlabel("tokens, all workers")
@@ -122,9 +164,11 @@ def plot(result: dict, path: Path) -> None:
         ax.grid(alpha=0.3)
     left.legend(fontsize=7)
     s = result["setting"]
-    fig.suptitle(f"tiny preset ({s['parameters']:,} parameters), stdlib corpus, K = {s['k']}, "
-                 f"{s['rounds']} rounds x H = {s['inner_steps']}, batch {s['batch']} x {s['seq_len']} per worker",
-                 fontsize=10)
+    fig.suptitle(
+        f"tiny preset ({s['parameters']:,} parameters), stdlib corpus, K = {s['k']}, "
+        f"{s['rounds']} rounds x H = {s['inner_steps']}, batch {s['batch']} x {s['seq_len']} per worker",
+        fontsize=10,
+    )
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -137,7 +181,12 @@ def main() -> int:
     parser.add_argument("--batch", type=int, default=16, help="sequences per step per worker")
     parser.add_argument("--lr", type=float, default=3e-3, help="inner (and baseline) AdamW lr")
     parser.add_argument("--warmup", type=int, default=20)
-    parser.add_argument("--outer-lr", type=float, default=0.2, help="0.2 is best here (bench/results/convergence_sweep_*.json); the paper uses 0.7")
+    parser.add_argument(
+        "--outer-lr",
+        type=float,
+        default=0.2,
+        help="0.2 is best here (bench/results/convergence_sweep_*.json); the paper uses 0.7",
+    )
     parser.add_argument("--outer-momentum", type=float, default=0.9)
     parser.add_argument("--runs", nargs="+", default=["single", "dp", "diloco", "dropped", "noniid"])
     parser.add_argument("--out", default="convergence", help="name of the result files")
@@ -156,9 +205,12 @@ def main() -> int:
             results.append(plan[key](Path(tmp) / key))
             r = by_key[key] = results[-1]
             r["key"] = key
-            print(f"{r['name']}: held-out loss {r['final_eval_loss']:.4f} (ppl {r['final_ppl']:.2f}), "
-                  f"{r['total_tokens']:,} tokens, {r['bytes_sent_per_worker'] / 1e6:.1f} MB sent per worker, "
-                  f"{r['wall_s']:.0f} s", flush=True)
+            print(
+                f"{r['name']}: held-out loss {r['final_eval_loss']:.4f} (ppl {r['final_ppl']:.2f}), "
+                f"{r['total_tokens']:,} tokens, {r['bytes_sent_per_worker'] / 1e6:.1f} MB sent per worker, "
+                f"{r['wall_s']:.0f} s",
+                flush=True,
+            )
     if "diloco" in by_key:
         full = by_key["diloco"]
         for r in results:
@@ -167,18 +219,33 @@ def main() -> int:
         for r in results:
             r["vs_dp_pct"] = round(100 * (r["final_eval_loss"] / by_key["dp"]["final_eval_loss"] - 1), 2)
             if r["kind"] == "diloco":
-                r["communication_vs_dp"] = round(by_key["dp"]["bytes_sent_per_worker"] / max(r["bytes_sent_per_worker"], 1), 1)
+                r["communication_vs_dp"] = round(
+                    by_key["dp"]["bytes_sent_per_worker"] / max(r["bytes_sent_per_worker"], 1), 1
+                )
     from p2p_diloco import config, model
 
     cfg = config.load(None, setting(args))
     vocab = model.load_tokenizer(cfg.model.tokenizer).vocab_size
     params = model.count_parameters(model.init_model(model.model_config(cfg.model, vocab), 0))
     result = {
-        "setting": {"k": args.k, "rounds": args.rounds, "inner_steps": args.steps, "batch": args.batch, "seq_len": 128,
-                    "preset": "tiny", "parameters": params, "inner_lr": args.lr, "warmup": args.warmup, "outer_lr": args.outer_lr,
-                    "outer_momentum": args.outer_momentum,
-                    "codec": cfg.swarm.compression, "machine": "2 cores, no GPU"},
-        "paper_table_2_ppl": PAPER, "total_wall_s": round(time.perf_counter() - started, 1), "runs": results,
+        "setting": {
+            "k": args.k,
+            "rounds": args.rounds,
+            "inner_steps": args.steps,
+            "batch": args.batch,
+            "seq_len": 128,
+            "preset": "tiny",
+            "parameters": params,
+            "inner_lr": args.lr,
+            "warmup": args.warmup,
+            "outer_lr": args.outer_lr,
+            "outer_momentum": args.outer_momentum,
+            "codec": cfg.swarm.compression,
+            "machine": "2 cores, no GPU",
+        },
+        "paper_table_2_ppl": PAPER,
+        "total_wall_s": round(time.perf_counter() - started, 1),
+        "runs": results,
     }
     out = HERE / "results" / f"{args.out}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")

@@ -20,31 +20,52 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results"
 SETTINGS = {  # tag: convergence.py options
-    "lr0.1": ["--outer-lr", "0.1"], "lr0.2": ["--outer-lr", "0.2"], "lr0.4": ["--outer-lr", "0.4"],
-    "lr0.7": ["--outer-lr", "0.7"], "lr1.0": ["--outer-lr", "1.0"],
-    "mu0.5": ["--outer-lr", "1.0", "--outer-momentum", "0.5"], "h10": ["--outer-lr", "0.7", "--steps", "10", "--rounds", "36"],
+    "lr0.1": ["--outer-lr", "0.1"],
+    "lr0.2": ["--outer-lr", "0.2"],
+    "lr0.4": ["--outer-lr", "0.4"],
+    "lr0.7": ["--outer-lr", "0.7"],
+    "lr1.0": ["--outer-lr", "1.0"],
+    "mu0.5": ["--outer-lr", "1.0", "--outer-momentum", "0.5"],
+    "h10": ["--outer-lr", "0.7", "--steps", "10", "--rounds", "36"],
     "warmup60": ["--outer-lr", "0.2", "--warmup", "60"],
 }
 
 
 def collect() -> dict:
-    out = json.loads((RESULTS / "convergence_sweep.json").read_text()) if (RESULTS / "convergence_sweep.json").exists() else {}
+    out = (
+        json.loads((RESULTS / "convergence_sweep.json").read_text())
+        if (RESULTS / "convergence_sweep.json").exists()
+        else {}
+    )
     rows = {_key(r): r for r in out.get("runs", [])}
     for tag in SETTINGS:
         path = RESULTS / f"convergence_sweep_{tag}.json"
         if path.exists():
             j = json.loads(path.read_text())
             s, r = j["setting"], j["runs"][0]
-            row = {"outer_lr": s["outer_lr"], "outer_momentum": s["outer_momentum"], "H": s["inner_steps"],
-                   "rounds": s["rounds"], "warmup": s.get("warmup", 20), "final_eval_loss": r["final_eval_loss"],
-                   "file": path.name}
+            row = {
+                "outer_lr": s["outer_lr"],
+                "outer_momentum": s["outer_momentum"],
+                "H": s["inner_steps"],
+                "rounds": s["rounds"],
+                "warmup": s.get("warmup", 20),
+                "final_eval_loss": r["final_eval_loss"],
+                "file": path.name,
+            }
             rows[_key(row)] = row
     full = json.loads((RESULTS / "convergence.json").read_text())
     by_kind = {r["kind"]: r["final_eval_loss"] for r in full["runs"] if r["kind"] != "diloco"}
-    out.update({"what": "DiLoCo k=4 on the tiny preset, the tokens of bench/convergence.py; only the outer optimizer or H changes",
-                "data_parallel_4x_batch": by_kind.get("data-parallel", out.get("data_parallel_4x_batch")),
-                "single_worker": by_kind.get("single", out.get("single_worker")),
-                "runs": sorted(rows.values(), key=_key)})
+    out.update(
+        {
+            "what": (
+                "DiLoCo k=4 on the tiny preset, the tokens of bench/convergence.py; "
+                "only the outer optimizer or H changes"
+            ),
+            "data_parallel_4x_batch": by_kind.get("data-parallel", out.get("data_parallel_4x_batch")),
+            "single_worker": by_kind.get("single", out.get("single_worker")),
+            "runs": sorted(rows.values(), key=_key),
+        }
+    )
     return out
 
 
@@ -60,11 +81,20 @@ def plot(result: dict, path: Path) -> None:
 
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     main = [r for r in result["runs"] if r["H"] == 30 and r["outer_momentum"] == 0.9 and r.get("warmup", 20) == 20]
-    ax.plot([r["outer_lr"] for r in main], [r["final_eval_loss"] for r in main], "o-", label="DiLoCo k=4, H=30, momentum 0.9")
+    ax.plot(
+        [r["outer_lr"] for r in main],
+        [r["final_eval_loss"] for r in main],
+        "o-",
+        label="DiLoCo k=4, H=30, momentum 0.9",
+    )
     for r in result["runs"]:
         if r not in main:
-            ax.plot([r["outer_lr"]], [r["final_eval_loss"]], "s",
-                    label=f"H={r['H']}, momentum {r['outer_momentum']}, warm-up {r.get('warmup', 20)}")
+            ax.plot(
+                [r["outer_lr"]],
+                [r["final_eval_loss"]],
+                "s",
+                label=f"H={r['H']}, momentum {r['outer_momentum']}, warm-up {r.get('warmup', 20)}",
+            )
     ax.axhline(result["data_parallel_4x_batch"], color="C3", ls="--", label="data-parallel, 4x batch")
     ax.axhline(result["single_worker"], color="grey", ls=":", label="single worker")
     ax.set_xlabel("outer lr (Nesterov)")
@@ -81,15 +111,27 @@ def main() -> int:
     args = parser.parse_args()
     if not args.collect:
         for tag in args.only:
-            subprocess.run([sys.executable, str(HERE / "convergence.py"), "--runs", "diloco", *SETTINGS[tag],
-                            "--out", f"convergence_sweep_{tag}"], check=True)
+            subprocess.run(
+                [
+                    sys.executable,
+                    str(HERE / "convergence.py"),
+                    "--runs",
+                    "diloco",
+                    *SETTINGS[tag],
+                    "--out",
+                    f"convergence_sweep_{tag}",
+                ],
+                check=True,
+            )
             (RESULTS / f"convergence_sweep_{tag}.png").unlink(missing_ok=True)
     result = collect()
     (RESULTS / "convergence_sweep.json").write_text(json.dumps(result, indent=1) + "\n")
     plot(result, RESULTS / "convergence_sweep.png")
     for r in result["runs"]:
-        print(f"H={r['H']} warm-up {r.get('warmup', 20)} momentum {r['outer_momentum']} outer lr {r['outer_lr']}: "
-              f"{r['final_eval_loss']:.4f}")
+        print(
+            f"H={r['H']} warm-up {r.get('warmup', 20)} momentum {r['outer_momentum']} outer lr {r['outer_lr']}: "
+            f"{r['final_eval_loss']:.4f}"
+        )
     return 0
 
 

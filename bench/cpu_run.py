@@ -48,7 +48,9 @@ def run(name: str, overrides: dict[str, str], folder: Path, extra: dict[str, str
         "wall_s": round(wall, 1),
         "compute_utilisation": round(compute / wall, 3),
         "final_eval_loss": records[-1]["eval_loss"],
-        "rounds": [{k: r.get(k) for k in ("round", "total_tokens", "train_loss", "eval_loss", "digest")} for r in records],
+        "rounds": [
+            {k: r.get(k) for k in ("round", "total_tokens", "train_loss", "eval_loss", "digest")} for r in records
+        ],
     }
 
 
@@ -61,7 +63,9 @@ def plot(results: list[dict], path: Path) -> None:
     fig, ax = plt.subplots(figsize=(7, 4))
     for res in results:
         rounds = [r for r in res["rounds"] if r["eval_loss"] is not None]
-        ax.plot([r["total_tokens"] or 0 for r in rounds], [r["eval_loss"] for r in rounds], marker=".", label=res["name"])
+        ax.plot(
+            [r["total_tokens"] or 0 for r in rounds], [r["eval_loss"] for r in rounds], marker=".", label=res["name"]
+        )
     ax.set_xlabel("training tokens")
     ax.set_ylabel("held-out loss (nats/byte)")
     ax.set_title("peers/cpu.toml: tiny Llama (0.47M) on the stdlib corpus, 2-core CPU")

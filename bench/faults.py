@@ -24,11 +24,21 @@ from lab import LocalSwarm
 HERE = Path(__file__).resolve().parent
 ROUNDS = 12
 CONFIG = {
-    "run.run_id": "faults", "run.rounds": str(ROUNDS), "run.eval_sequences": "4", "run.eval_every_rounds": "0",
-    "model.preset": "tiny", "model.seq_len": "32", "data.num_shards": "8",
-    "inner.steps": "3", "inner.batch_size": "4", "inner.micro_batch_size": "2", "inner.warmup_steps": "2",
+    "run.run_id": "faults",
+    "run.rounds": str(ROUNDS),
+    "run.eval_sequences": "4",
+    "run.eval_every_rounds": "0",
+    "model.preset": "tiny",
+    "model.seq_len": "32",
+    "data.num_shards": "8",
+    "inner.steps": "3",
+    "inner.batch_size": "4",
+    "inner.micro_batch_size": "2",
+    "inner.warmup_steps": "2",
     "inner.lr": "3e-3",
-    "swarm.matchmaking_time_s": "4", "swarm.averaging_timeout_s": "20", "swarm.agreement_timeout_s": "15",
+    "swarm.matchmaking_time_s": "4",
+    "swarm.averaging_timeout_s": "20",
+    "swarm.agreement_timeout_s": "15",
     "swarm.join_timeout_s": "20",
 }
 FAULTS = [
@@ -72,8 +82,13 @@ def run(phase: str, kind: str, fault: str, folder: Path) -> dict:
     after = {r: rec for r, rec in ours.items() if r > last and "wall_s" in rec}
     common = set(recs[survivors[0]]) & set(recs[survivors[1]])
     return {
-        "phase": phase, "fault": kind, "injected": fault, "fired": bool(fired),
-        "survivors_exit_codes": codes, "subject_last_round": last, "rounds": rounds,
+        "phase": phase,
+        "fault": kind,
+        "injected": fault,
+        "fired": bool(fired),
+        "survivors_exit_codes": codes,
+        "subject_last_round": last,
+        "rounds": rounds,
         "survivors_finished": all(max(recs[p]) == rounds for p in survivors),
         "digests_agreed": all(recs[survivors[0]][r]["digest"] == recs[survivors[1]][r]["digest"] for r in common),
         "common_rounds": len(common),
@@ -111,9 +126,13 @@ def main() -> None:
             print(json.dumps(results[-1]))
     out = HERE / "results"
     out.mkdir(exist_ok=True)
-    (out / "faults.json").write_text(json.dumps(
-        {"machine": f"{platform.machine()}, {platform.system()}, 2 cores", "config": CONFIG, "runs": results},
-        indent=1) + "\n")
+    (out / "faults.json").write_text(
+        json.dumps(
+            {"machine": f"{platform.machine()}, {platform.system()}, 2 cores", "config": CONFIG, "runs": results},
+            indent=1,
+        )
+        + "\n"
+    )
     print(f"wrote {out / 'faults.json'}")
 
 

@@ -25,11 +25,20 @@ from lab import LocalSwarm
 HERE = Path(__file__).resolve().parent
 PEERS = ("a", "b", "slow")
 BASE = {
-    "run.run_id": "hetero", "run.eval_sequences": "32", "run.eval_every_rounds": "4",
-    "model.preset": "tiny", "model.seq_len": "128", "data.num_shards": "16",
-    "inner.steps": "40", "inner.batch_size": "16", "inner.micro_batch_size": "16",
-    "inner.lr": "3e-3", "inner.warmup_steps": "40",
-    "swarm.matchmaking_time_s": "3", "swarm.averaging_timeout_s": "30", "swarm.agreement_timeout_s": "15",
+    "run.run_id": "hetero",
+    "run.eval_sequences": "32",
+    "run.eval_every_rounds": "4",
+    "model.preset": "tiny",
+    "model.seq_len": "128",
+    "data.num_shards": "16",
+    "inner.steps": "40",
+    "inner.batch_size": "16",
+    "inner.micro_batch_size": "16",
+    "inner.lr": "3e-3",
+    "inner.warmup_steps": "40",
+    "swarm.matchmaking_time_s": "3",
+    "swarm.averaging_timeout_s": "30",
+    "swarm.agreement_timeout_s": "15",
 }
 
 
@@ -48,17 +57,19 @@ def run(name: str, speed_aware: bool, rounds: int, share: float, folder: Path) -
     for r in range(2, rounds + 1):  # round 1 ran before the throttle was on
         recs = {p: records[p].get(r) for p in PEERS}
         trained = {p: rec for p, rec in recs.items() if rec and "inner_steps" in rec}
-        per_round.append({
-            "round": r,
-            "digests_equal": len({rec["digest"] for rec in recs.values() if rec}) == 1,
-            "steps": {p: rec["inner_steps"] for p, rec in trained.items()},
-            "tokens": {p: rec["tokens"] for p, rec in trained.items()},
-            "wait_s": {p: round(rec.get("wait_s", 0.0), 2) for p, rec in trained.items()},
-            # everything in the round that was not inner compute: matchmaking, all-reduce, agreement
-            "idle_s": {p: round(rec["wall_s"] - rec["compute_s"], 2) for p, rec in trained.items()},
-            "wall_s": {p: round(rec["wall_s"], 2) for p, rec in trained.items()},
-            "group_size": {p: rec["group_size"] for p, rec in trained.items()},
-        })
+        per_round.append(
+            {
+                "round": r,
+                "digests_equal": len({rec["digest"] for rec in recs.values() if rec}) == 1,
+                "steps": {p: rec["inner_steps"] for p, rec in trained.items()},
+                "tokens": {p: rec["tokens"] for p, rec in trained.items()},
+                "wait_s": {p: round(rec.get("wait_s", 0.0), 2) for p, rec in trained.items()},
+                # everything in the round that was not inner compute: matchmaking, all-reduce, agreement
+                "idle_s": {p: round(rec["wall_s"] - rec["compute_s"], 2) for p, rec in trained.items()},
+                "wall_s": {p: round(rec["wall_s"], 2) for p, rec in trained.items()},
+                "group_size": {p: rec["group_size"] for p, rec in trained.items()},
+            }
+        )
     summary = {}
     for p in PEERS:
         rows = [row for row in per_round if p in row["steps"]]
@@ -71,16 +82,25 @@ def run(name: str, speed_aware: bool, rounds: int, share: float, folder: Path) -
             "mean_idle_s": round(statistics.mean(row["idle_s"][p] for row in rows), 2) if rows else None,
             "max_idle_s": max((row["idle_s"][p] for row in rows), default=None),
             "mean_round_wall_s": round(statistics.mean(row["wall_s"][p] for row in rows), 2) if rows else None,
-            "tokens_per_s": round(statistics.mean(
-                records[p][row["round"]]["tokens_per_s"] for row in rows), 0) if rows else None,
+            "tokens_per_s": round(statistics.mean(records[p][row["round"]]["tokens_per_s"] for row in rows), 0)
+            if rows
+            else None,
         }
     total_tokens = sum(s["tokens"] for s in summary.values()) or 1
     for s in summary.values():
         s["weight_share"] = round(s["tokens"] / total_tokens, 3)
     final = {p: records[p][rounds].get("eval_loss") for p in PEERS if rounds in records[p]}
-    return {"name": name, "speed_aware": speed_aware, "wall_s": round(wall, 1), "rounds": rounds,
-            "slow_share": share, "all_digests_equal": all(row["digests_equal"] for row in per_round),
-            "final_eval_loss": final, "peers": summary, "per_round": per_round}
+    return {
+        "name": name,
+        "speed_aware": speed_aware,
+        "wall_s": round(wall, 1),
+        "rounds": rounds,
+        "slow_share": share,
+        "all_digests_equal": all(row["digests_equal"] for row in per_round),
+        "final_eval_loss": final,
+        "peers": summary,
+        "per_round": per_round,
+    }
 
 
 def plot(results: list[dict], path: Path) -> None:
@@ -116,9 +136,18 @@ def main() -> None:
             print(json.dumps({k: v for k, v in results[-1].items() if k != "per_round"}, indent=1))
     out = HERE / "results"
     out.mkdir(exist_ok=True)
-    (out / "heterogeneous.json").write_text(json.dumps(
-        {"machine": f"{platform.machine()}, {platform.system()}, 2 cores", "peers": PEERS, "config": BASE,
-         "runs": results}, indent=1) + "\n")
+    (out / "heterogeneous.json").write_text(
+        json.dumps(
+            {
+                "machine": f"{platform.machine()}, {platform.system()}, 2 cores",
+                "peers": PEERS,
+                "config": BASE,
+                "runs": results,
+            },
+            indent=1,
+        )
+        + "\n"
+    )
     plot(results, out / "heterogeneous.png")
     print(f"wrote {out / 'heterogeneous.json'} and .png")
 

@@ -17,8 +17,8 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from p2p_diloco import config
 
@@ -39,7 +39,7 @@ class LocalSwarm:
         self._throttles: dict[str, threading.Event] = {}
         self.maddr = self._bootstrap()
 
-    def __enter__(self) -> "LocalSwarm":
+    def __enter__(self) -> LocalSwarm:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -47,9 +47,27 @@ class LocalSwarm:
 
     def _bootstrap(self) -> str:
         log = open(self.folder / "bootstrap.log", "w")
-        proc = subprocess.Popen([*CLI, "bootstrap", "--host", "127.0.0.1", "--port", "0", "--report-every", "5",
-                                 "--identity", str(self.folder / "bootstrap.key"), "--config", str(self.run_toml)],
-                                stdout=subprocess.PIPE, stderr=log, text=True, env=ENV, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                *CLI,
+                "bootstrap",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--report-every",
+                "5",
+                "--identity",
+                str(self.folder / "bootstrap.key"),
+                "--config",
+                str(self.run_toml),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=ENV,
+            start_new_session=True,
+        )
         self.procs["bootstrap"] = proc
         self.groups.add(proc.pid)
         for line in proc.stdout:  # the node prints its address as soon as it is up
@@ -57,13 +75,22 @@ class LocalSwarm:
                 return line.split()[1]
         raise RuntimeError(f"bootstrap node exited with {proc.wait(timeout=10)}; see {self.folder}/bootstrap.log")
 
-    def start(self, name: str, extra: dict[str, str] | None = None, resume: bool = False,
-              fault: str | None = None) -> subprocess.Popen:
+    def start(
+        self, name: str, extra: dict[str, str] | None = None, resume: bool = False, fault: str | None = None
+    ) -> subprocess.Popen:
         """A peer; with `fault` (tests/swarm/faulty_peer.py: phase:n:KILL|STOP) one that fails on purpose."""
         options = {**(extra or {}), "run.dir": str(self.folder / name)}
         program = [sys.executable, "-m", "tests.swarm.faulty_peer"] if fault else CLI
-        cmd = [*program, "peer", "--config", str(self.run_toml), *[f"--{k}={v}" for k, v in options.items()],
-               "--initial-peers", self.maddr, *(["--resume"] if resume else [])]
+        cmd = [
+            *program,
+            "peer",
+            "--config",
+            str(self.run_toml),
+            *[f"--{k}={v}" for k, v in options.items()],
+            "--initial-peers",
+            self.maddr,
+            *(["--resume"] if resume else []),
+        ]
         log = open(self.folder / f"{name}.log", "a")
         env = {**ENV, "FAULT": fault, "PYTHONPATH": str(ROOT)} if fault else ENV
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)

@@ -59,7 +59,9 @@ class NetLab:
     def __init__(self, links: list[tuple[float | None, float | None]]):
         self.prefix = f"pdl{os.getpid()}-"
         self.bridge_ns = self.prefix + "br"
-        self.hosts = [Host(i, f"{self.prefix}h{i}", f"{SUBNET}.{i + 1}", up, down) for i, (up, down) in enumerate(links)]
+        self.hosts = [
+            Host(i, f"{self.prefix}h{i}", f"{SUBNET}.{i + 1}", up, down) for i, (up, down) in enumerate(links)
+        ]
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []  # namespaces this lab created, deleted in reverse on close
         _delete_namespaces(self.prefix)  # what a crashed run with our pid left (this prefix only)
@@ -69,7 +71,7 @@ class NetLab:
             self.close()
             raise
 
-    def __enter__(self) -> "NetLab":
+    def __enter__(self) -> NetLab:
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -102,9 +104,17 @@ class NetLab:
         return proc
 
     def link_bytes(self, host: int) -> tuple[int, int]:
-        """(sent, received) bytes on host `host`'s link so far, as the kernel counts them (one header per GSO packet)."""
-        out = subprocess.run(["ip", "-n", self.hosts[host].netns, "-s", "-j", "link", "show", "dev", "eth0"],
-                             capture_output=True, text=True, timeout=30, check=True).stdout
+        """(sent, received) bytes on host `host`'s link so far, as the kernel counts them.
+
+        One header is counted per GSO packet.
+        """
+        out = subprocess.run(
+            ["ip", "-n", self.hosts[host].netns, "-s", "-j", "link", "show", "dev", "eth0"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+            check=True,
+        ).stdout
         stats = json.loads(out)[0]["stats64"]
         return stats["tx"]["bytes"], stats["rx"]["bytes"]
 
@@ -158,8 +168,23 @@ def _netns_pids(name: str) -> list[int]:
 def _limit(netns: str, dev: str, mbit: float | None) -> None:
     """Rate-limit what `dev` sends (its egress) with a token bucket."""
     if mbit is not None:
-        _run("tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", "tbf", "rate", f"{mbit * 1000:g}kbit",
-             "burst", str(BURST_BYTES), "latency", QUEUE_LATENCY)
+        _run(
+            "tc",
+            "-n",
+            netns,
+            "qdisc",
+            "replace",
+            "dev",
+            dev,
+            "root",
+            "tbf",
+            "rate",
+            f"{mbit * 1000:g}kbit",
+            "burst",
+            str(BURST_BYTES),
+            "latency",
+            QUEUE_LATENCY,
+        )
 
 
 def _ip(netns: str, *args: str) -> None:
@@ -189,7 +214,7 @@ def _kill(pid: int) -> None:
 # --- reading a child's stdout with deadlines ------------------------------------------------------
 
 
-def line_reader(proc: subprocess.Popen) -> "queue.Queue[str | None]":
+def line_reader(proc: subprocess.Popen) -> queue.Queue[str | None]:
     """A queue of `proc`'s stdout lines (None at EOF), filled by a thread, so a wait can have a deadline."""
     lines: queue.Queue[str | None] = queue.Queue()
 
@@ -202,7 +227,7 @@ def line_reader(proc: subprocess.Popen) -> "queue.Queue[str | None]":
     return lines
 
 
-def next_line(lines: "queue.Queue[str | None]", timeout_s: float, what: str) -> str:
+def next_line(lines: queue.Queue[str | None], timeout_s: float, what: str) -> str:
     """The next line, or RuntimeError naming `what` after `timeout_s` seconds or at EOF."""
     try:
         line = lines.get(timeout=timeout_s)
@@ -219,8 +244,9 @@ def next_line(lines: "queue.Queue[str | None]", timeout_s: float, what: str) -> 
 def measure_tcp(lab: NetLab, src: int, dst: int, seconds: float = 2.0) -> float:
     """Mbit/s of TCP payload that host `src` pushes to host `dst` in `seconds` (after a warm-up
     that excludes the token buckets' initial burst)."""
-    receiver = lab.popen(dst, [sys.executable, __file__, "_recv", lab.hosts[dst].ip, str(seconds)],
-                         stdout=subprocess.PIPE, text=True)
+    receiver = lab.popen(
+        dst, [sys.executable, __file__, "_recv", lab.hosts[dst].ip, str(seconds)], stdout=subprocess.PIPE, text=True
+    )
     out = line_reader(receiver)
     port = next_line(out, 30, "TCP receiver's port")
     sender = lab.popen(src, [sys.executable, __file__, "_send", lab.hosts[dst].ip, port, str(seconds)])

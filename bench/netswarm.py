@@ -36,10 +36,26 @@ class NetSwarm:
         self.maddr = self._bootstrap(bootstrap_host)
 
     def _bootstrap(self, host: int) -> str:
-        proc = self.lab.popen(host, [*CLI, "bootstrap", "--host", self.lab.hosts[host].ip, "--port", "0",
-                                     "--identity", str(self.folder / "bootstrap.key"), "--config", str(self.run_toml)],
-                              stdout=subprocess.PIPE, stderr=open(self.folder / "bootstrap.log", "w"), text=True,
-                              env=ENV, cwd=ROOT)
+        proc = self.lab.popen(
+            host,
+            [
+                *CLI,
+                "bootstrap",
+                "--host",
+                self.lab.hosts[host].ip,
+                "--port",
+                "0",
+                "--identity",
+                str(self.folder / "bootstrap.key"),
+                "--config",
+                str(self.run_toml),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=open(self.folder / "bootstrap.log", "w"),
+            text=True,
+            env=ENV,
+            cwd=ROOT,
+        )
         lines = line_reader(proc)
         deadline = time.monotonic() + 60
         while True:  # the node prints its address as soon as it is up
@@ -55,8 +71,16 @@ class NetSwarm:
         started = time.perf_counter()
         procs = []
         for host in hosts:
-            cmd = [*CLI, "peer", "--config", str(self.run_toml), f"--run.dir={self.peer_dir(host)}",
-                   f"--swarm.host={self.lab.hosts[host].ip}", "--initial-peers", self.maddr]
+            cmd = [
+                *CLI,
+                "peer",
+                "--config",
+                str(self.run_toml),
+                f"--run.dir={self.peer_dir(host)}",
+                f"--swarm.host={self.lab.hosts[host].ip}",
+                "--initial-peers",
+                self.maddr,
+            ]
             log = open(self.folder / f"peer{host}.log", "w")
             procs.append(self.lab.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT))
         deadline = time.monotonic() + timeout_s
@@ -64,8 +88,9 @@ class NetSwarm:
             try:
                 code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
-                raise RuntimeError(f"peer on host {host} did not finish within {timeout_s:g} s; "
-                                   f"see {self.folder}/peer{host}.log") from None
+                raise RuntimeError(
+                    f"peer on host {host} did not finish within {timeout_s:g} s; see {self.folder}/peer{host}.log"
+                ) from None
             if code != 0:
                 raise RuntimeError(f"peer on host {host} exited with {code}; see {self.folder}/peer{host}.log")
         return time.perf_counter() - started

@@ -37,12 +37,22 @@ PARAMETERS = 469_632  # the tiny preset (p2p-diloco prints it at start; checked 
 
 def overrides(codec: str, args: argparse.Namespace) -> dict[str, str]:
     return {
-        "run.run_id": "traffic", "run.rounds": str(args.rounds), "run.eval_every_rounds": "0",
-        "model.preset": "tiny", "model.seq_len": "32", "data.num_shards": "8",
-        "inner.steps": str(args.steps), "inner.batch_size": "4", "inner.micro_batch_size": "4",
-        "inner.warmup_steps": "10", "inner.lr": "1e-3", "inner.precision": "fp32",
-        "swarm.compression": codec, "swarm.speed_aware": "false",
-        "swarm.matchmaking_time_s": "5", "swarm.averaging_timeout_s": "60",
+        "run.run_id": "traffic",
+        "run.rounds": str(args.rounds),
+        "run.eval_every_rounds": "0",
+        "model.preset": "tiny",
+        "model.seq_len": "32",
+        "data.num_shards": "8",
+        "inner.steps": str(args.steps),
+        "inner.batch_size": "4",
+        "inner.micro_batch_size": "4",
+        "inner.warmup_steps": "10",
+        "inner.lr": "1e-3",
+        "inner.precision": "fp32",
+        "swarm.compression": codec,
+        "swarm.speed_aware": "false",
+        "swarm.matchmaking_time_s": "5",
+        "swarm.averaging_timeout_s": "60",
     }
 
 
@@ -59,9 +69,16 @@ def run_codec(codec: str, args: argparse.Namespace, folder: Path) -> dict:
             steps = sum(r["inner_steps"] for r in trained)
             sent, received = lab.link_bytes(host)
             payload = sum(r["bytes_sent"] + r["bytes_received"] for r in trained)
-            peers.append({"inner_steps": steps, "wire_bytes": sent + received, "payload_bytes": payload,
-                          "wire_per_step": (sent + received) / steps, "payload_per_step": payload / steps,
-                          "group_sizes": [r["group_size"] for r in trained]})
+            peers.append(
+                {
+                    "inner_steps": steps,
+                    "wire_bytes": sent + received,
+                    "payload_bytes": payload,
+                    "wire_per_step": (sent + received) / steps,
+                    "payload_per_step": payload / steps,
+                    "group_sizes": [r["group_size"] for r in trained],
+                }
+            )
     return {"codec": codec, "wall_s": wall, "peers": peers}
 
 
@@ -74,16 +91,21 @@ def plot(result: dict, path: Path) -> None:
     fig, ax = plt.subplots(figsize=(6.5, 3.8))
     names = [c["codec"] for c in result["codecs"]]
     ax.bar(range(len(names)), [c["ratio_wire"] for c in result["codecs"]], width=0.4, label="all traffic (veth)")
-    ax.bar([i + 0.4 for i in range(len(names))], [c["ratio_payload"] for c in result["codecs"]], width=0.4,
-           label="pseudo-gradient payload")
+    ax.bar(
+        [i + 0.4 for i in range(len(names))],
+        [c["ratio_payload"] for c in result["codecs"]],
+        width=0.4,
+        label="pseudo-gradient payload",
+    )
     ax.axhline(1000, color="grey", ls=":", label="target scaled-fp16: 1000x")
     ax.axhline(2000, color="black", ls="--", lw=0.8, label="target int8: 2000x")
     ax.set_xticks([i + 0.2 for i in range(len(names))], names)
     ax.set_ylabel("data-parallel bytes / DiLoCo bytes")
     ax.set_yscale("log")
     s = result["setting"]
-    ax.set_title(f"per peer per inner step, k = {s['peers']}, H = {s['inner_steps']}, {s['parameters']:,} params",
-                 fontsize=9)
+    ax.set_title(
+        f"per peer per inner step, k = {s['peers']}, H = {s['inner_steps']}, {s['parameters']:,} params", fontsize=9
+    )
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -107,14 +129,28 @@ def main() -> int:
             run = run_codec(codec, args, Path(tmp) / codec)
             wire = sum(p["wire_per_step"] for p in run["peers"]) / k
             payload = sum(p["payload_per_step"] for p in run["peers"]) / k
-            run.update(wire_per_step=wire, payload_per_step=payload, ratio_wire=data_parallel / wire,
-                       ratio_payload=data_parallel / payload)
-            print(f"{codec}: {wire:,.0f} B/step on the wire ({data_parallel / wire:,.0f}x below data-parallel), "
-                  f"{payload:,.0f} B/step payload ({data_parallel / payload:,.0f}x)", flush=True)
+            run.update(
+                wire_per_step=wire,
+                payload_per_step=payload,
+                ratio_wire=data_parallel / wire,
+                ratio_payload=data_parallel / payload,
+            )
+            print(
+                f"{codec}: {wire:,.0f} B/step on the wire ({data_parallel / wire:,.0f}x below data-parallel), "
+                f"{payload:,.0f} B/step payload ({data_parallel / payload:,.0f}x)",
+                flush=True,
+            )
             results.append(run)
-    result = {"setting": {"peers": k, "inner_steps": args.steps, "rounds": args.rounds, "parameters": PARAMETERS,
-                          "data_parallel_bytes_per_step": data_parallel},
-              "codecs": results}
+    result = {
+        "setting": {
+            "peers": k,
+            "inner_steps": args.steps,
+            "rounds": args.rounds,
+            "parameters": PARAMETERS,
+            "data_parallel_bytes_per_step": data_parallel,
+        },
+        "codecs": results,
+    }
     out = HERE / "results" / "traffic.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
     plot(result, HERE / "results" / "traffic.png")

@@ -29,18 +29,36 @@ from netlab import NetLab, available
 from netswarm import NetSwarm
 
 HERE = Path(__file__).resolve().parent
-MODEL = dict(model_type="llama", hidden_size=256, num_hidden_layers=4, num_attention_heads=4,
-             intermediate_size=704, vocab_size=264, max_position_embeddings=128, tie_word_embeddings=False)
+MODEL = dict(
+    model_type="llama",
+    hidden_size=256,
+    num_hidden_layers=4,
+    num_attention_heads=4,
+    intermediate_size=704,
+    vocab_size=264,
+    max_position_embeddings=128,
+    tie_word_embeddings=False,
+)
 MODES = {"blocking": {"swarm.overlap": "off"}, "overlapped (eager)": {"swarm.overlap": "eager"}}
 
 
 def overrides(model_dir: Path, args: argparse.Namespace) -> dict[str, str]:
     return {
-        "run.run_id": "utilization", "run.rounds": str(args.rounds), "run.eval_every_rounds": "0",
-        "model.config_path": str(model_dir), "model.seq_len": "128",
-        "data.num_shards": "8", "inner.steps": str(args.steps), "inner.batch_size": "16",
-        "inner.micro_batch_size": "16", "inner.lr": "1e-3", "inner.warmup_steps": "10", "inner.precision": "fp32",
-        "swarm.compression": args.codec, "swarm.matchmaking_time_s": "5", "swarm.averaging_timeout_s": "60",
+        "run.run_id": "utilization",
+        "run.rounds": str(args.rounds),
+        "run.eval_every_rounds": "0",
+        "model.config_path": str(model_dir),
+        "model.seq_len": "128",
+        "data.num_shards": "8",
+        "inner.steps": str(args.steps),
+        "inner.batch_size": "16",
+        "inner.micro_batch_size": "16",
+        "inner.lr": "1e-3",
+        "inner.warmup_steps": "10",
+        "inner.precision": "fp32",
+        "swarm.compression": args.codec,
+        "swarm.matchmaking_time_s": "5",
+        "swarm.averaging_timeout_s": "60",
     }
 
 
@@ -59,21 +77,31 @@ def run_mode(name: str, extra: dict[str, str], args: argparse.Namespace, folder:
             records = swarm.records(host)
             steady = range(2, args.rounds)
             trained = [records[r] for r in range(1, args.rounds + 1)]
-            per_peer.append({
-                "steady_utilisation": utilisation(records, steady),
-                "run_utilisation": sum(r["compute_s"] for r in trained) / wall,
-                "compute_s_per_round": sum(records[r]["compute_s"] for r in steady) / len(steady),
-                "blocked_s_per_round": sum(records[r].get("blocked_s", 0.0) for r in steady) / len(steady),
-                "allreduce_s_per_round": sum(records[r]["allreduce_s"] for r in steady) / len(steady),
-                "group_sizes": [records[r]["group_size"] for r in range(1, args.rounds + 1)],
-                "bytes_sent_per_round": sum(records[r]["bytes_sent"] for r in steady) / len(steady),
-            })
-            print(f"  peer {host}: {per_peer[-1]['steady_utilisation']:.3f} steady, "
-                  f"blocked {per_peer[-1]['blocked_s_per_round']:.2f} s of {per_peer[-1]['compute_s_per_round']:.1f} s "
-                  f"compute per round", flush=True)
+            per_peer.append(
+                {
+                    "steady_utilisation": utilisation(records, steady),
+                    "run_utilisation": sum(r["compute_s"] for r in trained) / wall,
+                    "compute_s_per_round": sum(records[r]["compute_s"] for r in steady) / len(steady),
+                    "blocked_s_per_round": sum(records[r].get("blocked_s", 0.0) for r in steady) / len(steady),
+                    "allreduce_s_per_round": sum(records[r]["allreduce_s"] for r in steady) / len(steady),
+                    "group_sizes": [records[r]["group_size"] for r in range(1, args.rounds + 1)],
+                    "bytes_sent_per_round": sum(records[r]["bytes_sent"] for r in steady) / len(steady),
+                }
+            )
+            print(
+                f"  peer {host}: {per_peer[-1]['steady_utilisation']:.3f} steady, "
+                f"blocked {per_peer[-1]['blocked_s_per_round']:.2f} s of {per_peer[-1]['compute_s_per_round']:.1f} s "
+                f"compute per round",
+                flush=True,
+            )
         digests = [[swarm.records(h)[r]["digest"] for h in range(args.peers)] for r in range(args.rounds + 1)]
-        return {"mode": name, "overrides": extra, "wall_s": wall, "peers": per_peer,
-                "agreed_every_round": all(len(set(d)) == 1 for d in digests)}
+        return {
+            "mode": name,
+            "overrides": extra,
+            "wall_s": wall,
+            "peers": per_peer,
+            "agreed_every_round": all(len(set(d)) == 1 for d in digests),
+        }
 
 
 def plot(result: dict, path: Path) -> None:
@@ -86,16 +114,24 @@ def plot(result: dict, path: Path) -> None:
     names = [m["mode"] for m in result["modes"]]
     for i, mode in enumerate(result["modes"]):
         for j, peer in enumerate(mode["peers"]):
-            ax.bar(i + (j - 0.5) * 0.35, peer["steady_utilisation"] * 100, width=0.33, color=f"C{j}",
-                   label=f"peer {j}" if i == 0 else None)
+            ax.bar(
+                i + (j - 0.5) * 0.35,
+                peer["steady_utilisation"] * 100,
+                width=0.33,
+                color=f"C{j}",
+                label=f"peer {j}" if i == 0 else None,
+            )
     ax.axhline(95, color="grey", ls=":", label="target blocking 95 %")
     ax.axhline(99, color="black", ls="--", lw=0.8, label="target overlapped 99 %")
     ax.set_xticks(range(len(names)), names)
     ax.set_ylim(80, 100.5)
     ax.set_ylabel("compute utilisation, steady rounds (%)")
     s = result["setting"]
-    ax.set_title(f"{s['peers']} peers, {s['rate_mbit']} Mbit/s links, {s['parameters'] / 1e6:.1f}M params, "
-                 f"H = {s['inner_steps']}, {s['codec']}", fontsize=9)
+    ax.set_title(
+        f"{s['peers']} peers, {s['rate_mbit']} Mbit/s links, {s['parameters'] / 1e6:.1f}M params, "
+        f"H = {s['inner_steps']}, {s['codec']}",
+        fontsize=9,
+    )
     ax.legend(fontsize=8, loc="lower right")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
@@ -122,10 +158,19 @@ def main() -> int:
     ideal_s = 2 * (args.peers - 1) / args.peers * encoded * 8 / (args.rate * 1e6)
     compute = min(p["compute_s_per_round"] for m in modes for p in m["peers"])
     result = {
-        "setting": {"peers": args.peers, "rate_mbit": args.rate, "parameters": parameters, "inner_steps": args.steps,
-                    "rounds": args.rounds, "codec": args.codec, "batch": "16 x 128 tokens", "cpus": 2,
-                    "ideal_transfer_s": ideal_s, "compute_over_ideal_transfer": compute / ideal_s,
-                    "machine": platform.processor() or platform.machine()},
+        "setting": {
+            "peers": args.peers,
+            "rate_mbit": args.rate,
+            "parameters": parameters,
+            "inner_steps": args.steps,
+            "rounds": args.rounds,
+            "codec": args.codec,
+            "batch": "16 x 128 tokens",
+            "cpus": 2,
+            "ideal_transfer_s": ideal_s,
+            "compute_over_ideal_transfer": compute / ideal_s,
+            "machine": platform.processor() or platform.machine(),
+        },
         "modes": modes,
     }
     out = HERE / "results" / "utilization.json"
@@ -138,7 +183,10 @@ def main() -> int:
 def _parameters() -> int:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    return sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"})).parameters())
+    return sum(
+        p.numel()
+        for p in LlamaForCausalLM(LlamaConfig(**{k: v for k, v in MODEL.items() if k != "model_type"})).parameters()
+    )
 
 
 if __name__ == "__main__":

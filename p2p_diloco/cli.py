@@ -6,7 +6,7 @@ import argparse
 import signal
 import sys
 import threading
-from typing import Sequence
+from collections.abc import Sequence
 
 from p2p_diloco import config as config_mod
 from p2p_diloco.errors import P2PDilocoError
@@ -21,7 +21,9 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
     for section, key, typ, default, meta in config_mod.field_specs():
         kind = "local" if meta["local"] else "shared"
         groups[section].add_argument(
-            f"--{section}.{key}", dest=f"{section}.{key}", metavar=_metavar(typ),
+            f"--{section}.{key}",
+            dest=f"{section}.{key}",
+            metavar=_metavar(typ),
             help=f"{meta['doc']} (default: {config_mod.format_value(default)}; {kind})".replace("%", "%%"),
         )
 
@@ -44,22 +46,35 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_options(peer)
 
     boot = sub.add_parser("bootstrap", help="run a bootstrap node: a stable entry point into the swarm")
-    boot.add_argument("--identity", default="bootstrap.key", help="private key file fixing the node's address (made on first start; keep it private)")
+    boot.add_argument(
+        "--identity",
+        default="bootstrap.key",
+        help="private key file fixing the node's address (made on first start; keep it private)",
+    )
     boot.add_argument("--host", default="0.0.0.0", help="IP address to listen on")
     boot.add_argument("--port", type=int, default=31337, help="TCP port to listen on")
-    boot.add_argument("--announce", default="", metavar="PUBLIC_IP", help="public IP to announce, if it differs from --host")
+    boot.add_argument(
+        "--announce", default="", metavar="PUBLIC_IP", help="public IP to announce, if it differs from --host"
+    )
     boot.add_argument("--config", metavar="RUN_TOML", help="the run's config: report the rounds its peers are at")
-    boot.add_argument("--report-every", type=float, default=30.0, metavar="SECONDS", help="log the swarm status this often")
+    boot.add_argument(
+        "--report-every", type=float, default=30.0, metavar="SECONDS", help="log the swarm status this often"
+    )
 
     demo = sub.add_parser("demo", help="a bootstrap node and N peers on 127.0.0.1, one combined view")
     demo.add_argument("--peers", type=int, default=3, help="number of peer processes")
     demo.add_argument("--rounds", type=int, default=10, help="rounds to train")
     demo.add_argument("--dir", default="runs/demo", help="folder for the peers' run dirs and logs (emptied first)")
 
-    base = sub.add_parser("baseline", help="the synchronous reference: K local workers averaging gradients every step",
-                          epilog=EPILOG)
-    base.add_argument("--workers", type=int, default=1,
-                      help="data-parallel workers (torch.distributed, gloo); 1 = the single-worker baseline")
+    base = sub.add_parser(
+        "baseline", help="the synchronous reference: K local workers averaging gradients every step", epilog=EPILOG
+    )
+    base.add_argument(
+        "--workers",
+        type=int,
+        default=1,
+        help="data-parallel workers (torch.distributed, gloo); 1 = the single-worker baseline",
+    )
     _add_config_options(base)
 
     show = sub.add_parser("config", help="print the resolved config and its fingerprint", epilog=EPILOG)
@@ -182,7 +197,14 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
-COMMANDS = {"peer": cmd_peer, "bootstrap": cmd_bootstrap, "demo": cmd_demo, "baseline": cmd_baseline, "config": cmd_config, "export": cmd_export}
+COMMANDS = {
+    "peer": cmd_peer,
+    "bootstrap": cmd_bootstrap,
+    "demo": cmd_demo,
+    "baseline": cmd_baseline,
+    "config": cmd_config,
+    "export": cmd_export,
+}
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -98,7 +98,7 @@ def _from_raw(data: bytes, dtype: torch.dtype) -> torch.Tensor:
     return torch.frombuffer(bytearray(data), dtype=dtype)
 
 
-def _view(data: bytes, dtype: torch.dtype) -> torch.Tensor:
+def _view(data: bytes | memoryview, dtype: torch.dtype) -> torch.Tensor:
     """A read-only view of `data`, for input that is only read on the way to a new tensor: no copy."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "The given buffer is not writable"
@@ -158,7 +158,7 @@ def _decode_blockwise(name: str, data: bytes, numel: int) -> torch.Tensor:
     block = _BLOCK[name]
     n_blocks = math.ceil(numel / block)
     payload = _view(memoryview(data)[: len(data) - 4 * n_blocks], torch.uint8)
-    scale = _view(memoryview(data)[len(data) - 4 * n_blocks:], torch.float32)
+    scale = _view(memoryview(data)[len(data) - 4 * n_blocks :], torch.float32)
     if name == "int4":
         q = torch.stack([payload & 0x0F, payload >> 4], dim=1).reshape(-1).to(torch.float32) - 8
         if bool((q < -7).any()):

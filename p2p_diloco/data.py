@@ -20,9 +20,10 @@ import logging
 import os
 import sys
 import sysconfig
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Iterator, Optional
+from typing import Any
 
 import torch
 
@@ -31,7 +32,7 @@ from p2p_diloco.errors import DataError
 
 log = logging.getLogger(__name__)
 
-KeyFilter = Optional[Callable[[str], bool]]
+KeyFilter = Callable[[str], bool] | None
 Packed = tuple[int, int, list[int]]  # (epoch, position in the epoch order, tokens + eos) of one document
 STDLIB_SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
@@ -63,8 +64,9 @@ class FiniteCorpus(Corpus):
 
     finite = True
 
-    def __init__(self, description: str, keys: list[str], read: Callable[[str], str],
-                 sizes: dict[str, int] | None = None):
+    def __init__(
+        self, description: str, keys: list[str], read: Callable[[str], str], sizes: dict[str, int] | None = None
+    ):
         """`sizes`: bytes of each document, where known (folder sharding balances by them)."""
         self.description = description
         self._keys = keys
@@ -116,8 +118,7 @@ def shard_of(key: str, seed: int, num_shards: int) -> int:
 
 
 def folder_of(key: str) -> str:
-    """A document's top-level folder ("asyncio" for asyncio/events.py); files at the top share ".".
-    """
+    """A document's top-level folder ("asyncio" for asyncio/events.py); files at the top share "."."""
     head, sep, _ = key.partition("/")
     return head if sep else "."
 
@@ -130,8 +131,10 @@ def folder_shards(sizes: dict[str, int], num_shards: int) -> dict[str, int]:
         folder = folder_of(key)
         folders[folder] = folders.get(folder, 0) + size
     if len(folders) < num_shards:
-        raise DataError(f"data.shard_by = folder needs at least data.num_shards = {num_shards} top-level folders; "
-                        f"the corpus has {len(folders)}: lower data.num_shards")
+        raise DataError(
+            f"data.shard_by = folder needs at least data.num_shards = {num_shards} top-level folders; "
+            f"the corpus has {len(folders)}: lower data.num_shards"
+        )
     load = [0] * num_shards
     assignment = {}
     for folder, size in sorted(folders.items(), key=lambda item: (-item[1], item[0])):
@@ -147,8 +150,10 @@ def sharding(corpus: Corpus, cfg: DataSection, seed: int) -> Callable[[str], int
         return lambda key: shard_of(key, seed, cfg.num_shards)
     sizes = getattr(corpus, "sizes", None)
     if sizes is None:
-        raise DataError(f"data.shard_by = folder needs a corpus with folders (data.source = stdlib); "
-                        f"{corpus.description} has none: use data.shard_by = document")
+        raise DataError(
+            f"data.shard_by = folder needs a corpus with folders (data.source = stdlib); "
+            f"{corpus.description} has none: use data.shard_by = document"
+        )
     assignment = folder_shards(sizes, cfg.num_shards)
     return lambda key: assignment[folder_of(key)]
 
@@ -172,12 +177,23 @@ class TrainStream:
     of the document holding the next token and `_offset` the next token within its packed tokens.
     """
 
-    def __init__(self, corpus: Corpus, tokenizer: Any, seq_len: int, shard: int, num_shards: int,
-                 seed: int, heldout_fraction: float, shard_of_key: Callable[[str], int] | None = None):
+    def __init__(
+        self,
+        corpus: Corpus,
+        tokenizer: Any,
+        seq_len: int,
+        shard: int,
+        num_shards: int,
+        seed: int,
+        heldout_fraction: float,
+        shard_of_key: Callable[[str], int] | None = None,
+    ):
         """`shard_of_key`: the run's sharding (`sharding()`); by default each document's own hash."""
         if seq_len < 1 or not 0 <= shard < num_shards:
-            raise DataError(f"need seq_len >= 1 and 0 <= shard < num_shards, got seq_len={seq_len}, "
-                            f"shard={shard}, num_shards={num_shards}; fix model.seq_len or data.shard")
+            raise DataError(
+                f"need seq_len >= 1 and 0 <= shard < num_shards, got seq_len={seq_len}, "
+                f"shard={shard}, num_shards={num_shards}; fix model.seq_len or data.shard"
+            )
         self._corpus, self._tokenizer, self._seq_len = corpus, tokenizer, seq_len
         self._shard, self._num_shards, self._seed = shard, num_shards, seed
         self._heldout_fraction = heldout_fraction
@@ -191,7 +207,7 @@ class TrainStream:
         need = n * self._seq_len
         out: list[int] = []
         while len(out) < need:
-            chunk = self._tokens[self._offset:self._offset + need - len(out)]
+            chunk = self._tokens[self._offset : self._offset + need - len(out)]
             out += chunk
             self._offset += len(chunk)
             if self._offset == len(self._tokens):
@@ -202,8 +218,12 @@ class TrainStream:
         return torch.tensor(out, dtype=torch.long).view(n, self._seq_len)
 
     def state_dict(self) -> dict:
-        return {"epoch": self._epoch, "index": self._index, "offset": self._offset,
-                "tokens_consumed": self.tokens_consumed}
+        return {
+            "epoch": self._epoch,
+            "index": self._index,
+            "offset": self._offset,
+            "tokens_consumed": self.tokens_consumed,
+        }
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state_dict()` of a stream of the same corpus, shard and seed. On a bad
@@ -211,9 +231,11 @@ class TrainStream:
         _check_state(state)
         docs, (epoch, index, tokens) = self._open(state["epoch"], state["index"])
         if (epoch, index) != (state["epoch"], state["index"]) or state["offset"] >= len(tokens):
-            raise DataError(f"data state {state} does not point into a train document of shard "
-                            f"{self._shard} of {self._num_shards}; the checkpoint is from another "
-                            f"corpus, shard or seed")
+            raise DataError(
+                f"data state {state} does not point into a train document of shard "
+                f"{self._shard} of {self._num_shards}; the checkpoint is from another "
+                f"corpus, shard or seed"
+            )
         self._docs, self._epoch, self._index, self._tokens = docs, epoch, index, tokens
         self._offset, self.tokens_consumed = state["offset"], state["tokens_consumed"]
 
@@ -230,8 +252,10 @@ class TrainStream:
                 found = True
                 yield epoch, position, list(self._tokenizer.encode(doc.text)) + [self._tokenizer.eos_token_id]
             if start == 0 and not found:  # a whole epoch without a document: it would loop forever
-                raise DataError(f"shard {self._shard} of {self._num_shards} has no training documents "
-                                f"in {self._corpus.description}; lower data.num_shards")
+                raise DataError(
+                    f"shard {self._shard} of {self._num_shards} has no training documents "
+                    f"in {self._corpus.description}; lower data.num_shards"
+                )
             epoch, start = epoch + 1, 0
             log.info("shard %d/%d: epoch %d begins", self._shard, self._num_shards, epoch)
 
@@ -259,9 +283,11 @@ def heldout_batch(corpus: Corpus, tokenizer: Any, seq_len: int, n: int, heldout_
         tokens += list(tokenizer.encode(doc.text)) + [tokenizer.eos_token_id]
         if len(tokens) >= need:
             return torch.tensor(tokens[:need], dtype=torch.long).view(n, seq_len)
-    raise DataError(f"the held-out documents of {corpus.description} fill only {len(tokens) // seq_len} "
-                    f"of {n} sequences of {seq_len} tokens; lower run.eval_sequences or raise "
-                    f"data.heldout_fraction")
+    raise DataError(
+        f"the held-out documents of {corpus.description} fill only {len(tokens) // seq_len} "
+        f"of {n} sequences of {seq_len} tokens; lower run.eval_sequences or raise "
+        f"data.heldout_fraction"
+    )
 
 
 def open_corpus(cfg: DataSection) -> Corpus:
@@ -287,8 +313,9 @@ def _open_stdlib(cfg: DataSection) -> Corpus:
         raise DataError(f"no .py files under the standard library at {root}; use data.source=files")
     version = f"{sys.version_info.major}.{sys.version_info.minor}"
     description = f"stdlib of Python {version} ({len(sizes):,} files, {sum(sizes.values()) / 1e6:.1f} MB)"
-    return FiniteCorpus(description, sorted(sizes),
-                        lambda key: (root / key).read_text(encoding="utf-8", errors="replace"), sizes)
+    return FiniteCorpus(
+        description, sorted(sizes), lambda key: (root / key).read_text(encoding="utf-8", errors="replace"), sizes
+    )
 
 
 def _open_files(cfg: DataSection) -> Corpus:
@@ -301,18 +328,20 @@ def _open_files(cfg: DataSection) -> Corpus:
     try:
         dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
     except Exception as exc:  # datasets raises many types, StopIteration for an empty .jsonl among them
-        raise DataError(f"cannot load {cfg.path} with the datasets {builder!r} builder ({type(exc).__name__}: "
-                        f"{exc}); check that the files are non-empty and well-formed") from exc
+        raise DataError(
+            f"cannot load {cfg.path} with the datasets {builder!r} builder ({type(exc).__name__}: "
+            f"{exc}); check that the files are non-empty and well-formed"
+        ) from exc
     field = "text" if builder == "text" else cfg.text_field
     if field not in dataset.column_names:
-        raise DataError(f"{cfg.path} has no column {field!r} (it has {', '.join(dataset.column_names)}); "
-                        f"set data.text_field")
+        raise DataError(
+            f"{cfg.path} has no column {field!r} (it has {', '.join(dataset.column_names)}); set data.text_field"
+        )
     if len(dataset) == 0:
         raise DataError(f"{cfg.path} holds no documents; point data.path at non-empty files")
     rows = dataset.select_columns([field])
     description = f"files {cfg.path} ({len(files):,} files, {len(dataset):,} documents)"
-    return FiniteCorpus(description, [str(i) for i in range(len(dataset))],
-                        lambda key: rows[int(key)][field] or "")
+    return FiniteCorpus(description, [str(i) for i in range(len(dataset))], lambda key: rows[int(key)][field] or "")
 
 
 def _list_files(path: str) -> list[Path]:
@@ -338,12 +367,10 @@ def _builder_of(files: list[Path], path: str) -> str:
     """The one `datasets` builder that reads all the files."""
     unsupported = [f for f in files if f.suffix not in BUILDERS]
     if unsupported:
-        raise DataError(f"{unsupported[0]} has an unsupported extension; data.path takes "
-                        f"{', '.join(BUILDERS)} files")
+        raise DataError(f"{unsupported[0]} has an unsupported extension; data.path takes {', '.join(BUILDERS)} files")
     builders = sorted({BUILDERS[f.suffix] for f in files})
     if len(builders) > 1:
-        raise DataError(f"data.path {path} mixes file kinds ({', '.join(builders)}); "
-                        f"point it at files of one kind")
+        raise DataError(f"data.path {path} mixes file kinds ({', '.join(builders)}); point it at files of one kind")
     return builders[0]
 
 
@@ -356,8 +383,10 @@ def _open_hub(cfg: DataSection) -> Corpus:
     try:
         dataset = datasets.load_dataset(cfg.name, cfg.subset or None, split="train", streaming=True)
     except Exception as exc:  # not found, offline, gated: datasets raises many types
-        raise DataError(f"cannot open hub dataset {cfg.name!r} ({type(exc).__name__}: {exc}); hub datasets "
-                        f"need network access, or use data.source=files with local copies") from exc
+        raise DataError(
+            f"cannot open hub dataset {cfg.name!r} ({type(exc).__name__}: {exc}); hub datasets "
+            f"need network access, or use data.source=files with local copies"
+        ) from exc
     subset = f"/{cfg.subset}" if cfg.subset else ""
     return StreamingCorpus(f"hub dataset {cfg.name}{subset} (streamed)", dataset, cfg.text_field)
 

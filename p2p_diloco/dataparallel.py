@@ -50,8 +50,10 @@ def check(config: Config, workers: int) -> None:
     if config.data.shard >= 0 and workers > 1:
         raise ConfigError("data.shard names one shard, but data-parallel workers read shards 0..k-1; leave it at -1")
     if workers > config.data.num_shards:
-        raise ConfigError(f"--workers {workers} needs at least that many shards, data.num_shards is "
-                          f"{config.data.num_shards}; raise it")
+        raise ConfigError(
+            f"--workers {workers} needs at least that many shards, data.num_shards is "
+            f"{config.data.num_shards}; raise it"
+        )
     if (Path(config.run.dir) / "metrics.jsonl").exists():
         raise ConfigError(f"run dir {config.run.dir} already holds a metrics.jsonl; choose another --run.dir")
 
@@ -78,8 +80,13 @@ def _worker(rank: int, config: Config, workers: int, rendezvous: Path) -> None:
     setup_logging(config.log.level)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
     if workers > 1:
-        dist.init_process_group("gloo", init_method=f"file://{rendezvous}", rank=rank, world_size=workers,
-                                timeout=timedelta(seconds=INIT_TIMEOUT_S))
+        dist.init_process_group(
+            "gloo",
+            init_method=f"file://{rendezvous}",
+            rank=rank,
+            world_size=workers,
+            timeout=timedelta(seconds=INIT_TIMEOUT_S),
+        )
     try:
         _train(rank, config, workers)
     finally:
@@ -92,8 +99,16 @@ def _train(rank: int, config: Config, workers: int) -> None:
     model = model_mod.init_model(model_mod.model_config(config.model, tokenizer.vocab_size), config.run.seed)
     corpus = data.open_corpus(config.data)
     shard = config.data.shard if config.data.shard >= 0 else rank
-    stream = data.TrainStream(corpus, tokenizer, config.model.seq_len, shard, config.data.num_shards, config.run.seed,
-                              config.data.heldout_fraction, data.sharding(corpus, config.data, config.run.seed))
+    stream = data.TrainStream(
+        corpus,
+        tokenizer,
+        config.model.seq_len,
+        shard,
+        config.data.num_shards,
+        config.run.seed,
+        config.data.heldout_fraction,
+        data.sharding(corpus, config.data, config.run.seed),
+    )
     steps_per_eval = config.inner.steps * max(config.run.eval_every_rounds, 1)
     total_steps = config.run.rounds * config.inner.steps
     comm = Communication(workers)
@@ -110,22 +125,34 @@ def _train(rank: int, config: Config, workers: int) -> None:
     # Evaluates the plain module on rank 0 alone: a forward through DDP would be a collective.
     evaluator = InnerTrainer(model, config.inner, total_steps, torch.device("cpu"))
     if rank == 0 and config.run.eval_every_rounds > 0:
-        heldout = data.heldout_batch(corpus, tokenizer, config.model.seq_len, config.run.eval_sequences,
-                                     config.data.heldout_fraction)
+        heldout = data.heldout_batch(
+            corpus, tokenizer, config.model.seq_len, config.run.eval_sequences, config.data.heldout_fraction
+        )
     if rank == 0:
-        logger.info("data-parallel baseline: %d worker(s), %s parameters, %d steps of %d x %d tokens each, %s",
-                    workers, f"{model_mod.count_parameters(model):,}", total_steps, config.inner.batch_size * workers,
-                    config.model.seq_len, corpus.description)
-    started, compute_s, losses = time.perf_counter(), 0.0, []
+        logger.info(
+            "data-parallel baseline: %d worker(s), %s parameters, %d steps of %d x %d tokens each, %s",
+            workers,
+            f"{model_mod.count_parameters(model):,}",
+            total_steps,
+            config.inner.batch_size * workers,
+            config.model.seq_len,
+            corpus.description,
+        )
+    started, compute_s = time.perf_counter(), 0.0
+    losses: list[float] = []
 
     def record(step: int) -> None:
         if log is None:
             return
         entry: dict[str, Any] = {
-            "round": step // config.inner.steps, "step": step, "workers": workers,
+            "round": step // config.inner.steps,
+            "step": step,
+            "workers": workers,
             "total_tokens": step * config.inner.batch_size * config.model.seq_len * workers,
             "train_loss": sum(losses) / len(losses) if losses else None,
-            "bytes_sent": comm.bytes_sent(), "compute_s": compute_s, "wall_s": time.perf_counter() - started,
+            "bytes_sent": comm.bytes_sent(),
+            "compute_s": compute_s,
+            "wall_s": time.perf_counter() - started,
         }
         if heldout is not None:
             loss = evaluator.evaluate(heldout)
@@ -133,8 +160,13 @@ def _train(rank: int, config: Config, workers: int) -> None:
         log.append(entry)
         losses.clear()
         if step:
-            logger.info("step %d/%d: train loss %.4f, held-out loss %s", step, total_steps, entry["train_loss"],
-                        f"{entry['eval_loss']:.4f}" if "eval_loss" in entry else "-")
+            logger.info(
+                "step %d/%d: train loss %.4f, held-out loss %s",
+                step,
+                total_steps,
+                entry["train_loss"],
+                f"{entry['eval_loss']:.4f}" if "eval_loss" in entry else "-",
+            )
 
     record(0)
     for step in range(1, total_steps + 1):
@@ -161,4 +193,3 @@ class Communication:
         self.payload += tensor.numel() * tensor.element_size()
         tensor.div_(self.workers)
         return dist.all_reduce(tensor, async_op=True).get_future().then(lambda fut: fut.value()[0])
-

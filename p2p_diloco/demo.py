@@ -14,18 +14,25 @@ import signal
 import subprocess
 import sys
 import threading
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from p2p_diloco import config as config_mod
 
 DEMO = {
-    "run.run_id": "demo", "run.eval_sequences": "32",
-    "model.preset": "tiny", "model.seq_len": "128",
+    "run.run_id": "demo",
+    "run.eval_sequences": "32",
+    "model.preset": "tiny",
+    "model.seq_len": "128",
     "data.num_shards": "16",
-    "inner.steps": "30", "inner.batch_size": "16", "inner.micro_batch_size": "16",
-    "inner.lr": "3e-3", "inner.warmup_steps": "30",
-    "swarm.host": "127.0.0.1", "swarm.matchmaking_time_s": "3", "log.progress": "false",
+    "inner.steps": "30",
+    "inner.batch_size": "16",
+    "inner.micro_batch_size": "16",
+    "inner.lr": "3e-3",
+    "inner.warmup_steps": "30",
+    "swarm.host": "127.0.0.1",
+    "swarm.matchmaking_time_s": "3",
+    "log.progress": "false",
 }
 STOP_DEADLINE_S = 60
 
@@ -63,8 +70,20 @@ def run_demo(n_peers: int, rounds: int, folder: str | Path, stop: threading.Even
 
 def _start_peer(i: int, folder: Path, maddrs: list[str]) -> subprocess.Popen:
     log = open(folder / f"peer-{i}.log", "w")
-    cmd = [sys.executable, "-m", "p2p_diloco.cli", "peer", "--config", str(folder / "run.toml"),
-           "--run.dir", str(folder / f"peer-{i}"), "--data.shard", str(i), "--initial-peers", *maddrs]
+    cmd = [
+        sys.executable,
+        "-m",
+        "p2p_diloco.cli",
+        "peer",
+        "--config",
+        str(folder / "run.toml"),
+        "--run.dir",
+        str(folder / f"peer-{i}"),
+        "--data.shard",
+        str(i),
+        "--initial-peers",
+        *maddrs,
+    ]
     # One thread per peer: N peers share this machine's cores; oversubscribing them slows everyone.
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     return subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -84,8 +103,9 @@ def _records(folder: Path, i: int) -> dict[int, dict]:
     return out
 
 
-def _watch(procs: list[subprocess.Popen], folder: Path, rounds: int, stop: threading.Event,
-           emit: Callable[[str], None]) -> tuple[bool, int]:
+def _watch(
+    procs: list[subprocess.Popen], folder: Path, rounds: int, stop: threading.Event, emit: Callable[[str], None]
+) -> tuple[bool, int]:
     """Print each round once all live peers have it; (every shown round had equal digests, last round shown)."""
     shown, agreed = -1, True  # round 0: θ(0), before any training
     while not stop.wait(0.5):
@@ -99,8 +119,10 @@ def _watch(procs: list[subprocess.Popen], folder: Path, rounds: int, stop: threa
     if shown >= 1:
         first, last = _records(folder, 0).get(0, {}), _records(folder, 0).get(shown, {})
         if first.get("eval_loss") is not None and last.get("eval_loss") is not None:
-            emit(f"held-out loss {first['eval_loss']:.3f} -> {last['eval_loss']:.3f} over {shown} rounds; "
-                 f"digests {'equal on every peer in every round' if agreed else 'DIFFERED in some round'}")
+            emit(
+                f"held-out loss {first['eval_loss']:.3f} -> {last['eval_loss']:.3f} over {shown} rounds; "
+                f"digests {'equal on every peer in every round' if agreed else 'DIFFERED in some round'}"
+            )
     return agreed, shown
 
 
@@ -109,7 +131,11 @@ def _emit_round(r: int, recs: list[dict], emit: Callable[[str], None]) -> bool:
     losses = " ".join(f"{rec['eval_loss']:.3f}" if rec.get("eval_loss") is not None else "-" for rec in recs)
     group = max(rec.get("group_size", 1) for rec in recs)
     same = "equal" if len(digests) == 1 else f"DIFFER ({len(digests)})"
-    comm = f"group {group}  all-reduce {max(rec.get('allreduce_s', 0) for rec in recs):.2f} s" if r else "theta(0)" + " " * 20
+    comm = (
+        f"group {group}  all-reduce {max(rec.get('allreduce_s', 0) for rec in recs):.2f} s"
+        if r
+        else "theta(0)" + " " * 20
+    )
     emit(f"round {r:3d}  held-out loss {losses}  {comm}  digests {same} {sorted(digests)[0][:12]}")
     return len(digests) == 1
 

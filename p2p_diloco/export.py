@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from p2p_diloco import checkpoint, config as config_mod, model as model_mod
+from p2p_diloco import checkpoint
+from p2p_diloco import config as config_mod
+from p2p_diloco import model as model_mod
 from p2p_diloco.errors import CheckpointError
 
 

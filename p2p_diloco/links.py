@@ -30,7 +30,8 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from typing import Sequence
+from collections.abc import Sequence
+from typing import TypeGuard
 
 CLAIM_CAP = 4.0  # no peer's figure counts for more than this many times the group's lower median
 RECENT = 5  # figures are the best of the last RECENT measurements: a probe can only under-read a link
@@ -96,10 +97,12 @@ class LinkMeter:
 
     def seen(self) -> dict[str, float]:
         """What this peer measured of each sender's probes: announced, to vouch for their claims."""
-        return {peer: best.value() for peer, best in self._seen.items() if best.value() is not None}
+        return {peer: value for peer, best in self._seen.items() if (value := best.value()) is not None}
 
 
-def vouched_bandwidths(members: Sequence[str], claims: Sequence[object], seen_by: Sequence[object]) -> list[float | None]:
+def vouched_bandwidths(
+    members: Sequence[str], claims: Sequence[object], seen_by: Sequence[object]
+) -> list[float | None]:
     """Each member's claim, counted up to the best rate another member measured of its probes.
 
     `claims[i]` and `seen_by[i]` come from member `members[i]`: its figure, and what it measured of
@@ -135,5 +138,5 @@ def fair_bandwidths(claims: Sequence[object]) -> list[float | None]:
     return [None if c is None else min(c, cap) for c in valid]
 
 
-def _is_number(x: object) -> bool:
+def _is_number(x: object) -> TypeGuard[int | float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool)

@@ -12,8 +12,9 @@ import logging
 import math
 import os
 import sys
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 from tqdm import tqdm
 
@@ -72,7 +73,9 @@ class Progress:
 
     def start(self, round_: int, steps: int) -> None:
         if self.enabled:
-            self.bar = tqdm(total=steps, desc=f"peer {self.peer} round {round_}", unit="step", leave=False, dynamic_ncols=True)
+            self.bar = tqdm(
+                total=steps, desc=f"peer {self.peer} round {round_}", unit="step", leave=False, dynamic_ncols=True
+            )
 
     def update(self, loss: float, tokens_per_s: float) -> None:
         if self.bar is not None:

@@ -18,8 +18,14 @@ from typing import Protocol
 
 import tokenizers
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, LlamaConfig, PretrainedConfig
-from transformers import PreTrainedTokenizerFast
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    LlamaConfig,
+    PretrainedConfig,
+    PreTrainedTokenizerFast,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
 from p2p_diloco.config import ModelSection
@@ -104,8 +110,7 @@ class _JsonTokenizer:
             raise ModelError(f"cannot read tokenizer {path}: {e}; give a valid tokenizer.json") from e
         self.path = path
         self.vocab_size = self._tok.get_vocab_size(with_added_tokens=True)
-        self.eos_token = _find_eos_spelling(self._tok, path)
-        self.eos_token_id = self._tok.token_to_id(self.eos_token)
+        self.eos_token, self.eos_token_id = _find_eos(self._tok, path)
 
     def encode(self, text: str) -> list[int]:
         # No BOS/CLS from a post-processor: the data pipeline joins documents with eos itself, and a
@@ -116,10 +121,12 @@ class _JsonTokenizer:
         return self._tok.decode(ids, skip_special_tokens=True)
 
 
-def _find_eos_spelling(tok: tokenizers.Tokenizer, path: Path) -> str:
+def _find_eos(tok: tokenizers.Tokenizer, path: Path) -> tuple[str, int]:
+    """The end-of-sequence token's spelling and id."""
     for spelling in _EOS_SPELLINGS:
-        if tok.token_to_id(spelling) is not None:
-            return spelling
+        token_id = tok.token_to_id(spelling)
+        if token_id is not None:
+            return spelling, token_id
     raise ModelError(
         f"tokenizer {path} has no end-of-sequence token (looked for {', '.join(_EOS_SPELLINGS)}); "
         "give its transformers folder instead, whose tokenizer_config.json names eos_token"

@@ -10,8 +10,8 @@ from __future__ import annotations
 import hashlib
 import math
 import struct
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Mapping, Sequence
 
 import torch
 
@@ -127,7 +127,7 @@ def unflatten(flat: torch.Tensor, like: Mapping[str, torch.Tensor]) -> Tensors:
         raise ValueError(f"flat vector of {tuple(flat.shape)} does not hold the {total} values expected")
     out, offset = {}, 0
     for name, t in like.items():
-        out[name] = flat[offset:offset + t.numel()].view(t.shape).clone()
+        out[name] = flat[offset : offset + t.numel()].view(t.shape).clone()
         offset += t.numel()
     return out
 
@@ -142,8 +142,9 @@ def split_exact(tensors: Mapping[str, torch.Tensor]) -> tuple[Tensors, Tensors]:
     return lossy, {name: t for name, t in tensors.items() if t.dim() < 2}
 
 
-def eager_estimate(own: Tensors, previous_average: Tensors | None, previous_own: Tensors | None,
-                   share: float) -> Tensors:
+def eager_estimate(
+    own: Tensors, previous_average: Tensors | None, previous_own: Tensors | None, share: float
+) -> Tensors:
     """The eager estimate of a round's average Δ while its all-reduce is still running (overlapped
     rounds, arXiv 2502.12996): this peer's fresh Δ for its own share, the others' part of the
     previous round's average for theirs.

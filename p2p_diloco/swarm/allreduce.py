@@ -25,23 +25,24 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from collections.abc import AsyncIterator, Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
-from typing import Any, AsyncIterator, Sequence
+from typing import Any
 
 import torch
 from hivemind.averaging import DecentralizedAverager
-from hivemind.averaging.control import StepControl
 from hivemind.averaging.allreduce import AllreduceException, AllReduceRunner, AveragingMode
+from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.partition import TensorPartReducer
 from hivemind.compression import CompressionBase, CompressionInfo, deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.timed_storage import get_dht_time
-from hivemind.utils.streaming import combine_from_streaming
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco import codecs, links
 
@@ -74,8 +75,9 @@ class WireCodec(CompressionBase):
 
     def compress(self, tensor: torch.Tensor, info: CompressionInfo, allow_inplace: bool = False) -> runtime_pb2.Tensor:
         codec = self._for(info)
-        return runtime_pb2.Tensor(buffer=codec.encode(tensor), size=tensor.shape, dtype=codec.name,
-                                  compression=self.compression_type)
+        return runtime_pb2.Tensor(
+            buffer=codec.encode(tensor), size=tensor.shape, dtype=codec.name, compression=self.compression_type
+        )
 
     def extract(self, message: runtime_pb2.Tensor) -> torch.Tensor:
         """Untrusted bytes (I4): only this run's codec or fp32, and a length that fits the shape."""
@@ -125,7 +127,9 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         """Serialize the average of one part of our span once; every sender gets these bytes."""
         if part_index not in self._encoded:
             info = self.tensor_part_container._input_parts_by_peer[self._my_index][part_index][1]
-            self._encoded[part_index] = self.tensor_part_container.compression.compress(averaged, info, allow_inplace=False)
+            self._encoded[part_index] = self.tensor_part_container.compression.compress(
+                averaged, info, allow_inplace=False
+            )
         return self._encoded[part_index]
 
     def should_delay_results(self, peer_id: Any) -> bool:
@@ -164,7 +168,9 @@ class ConsistentAllReduceRunner(AllReduceRunner):
     async def _reduce_own_span(self, peer_index: int) -> None:
         sender_index = self.sender_peer_ids.index(self.peer_id)
         for part_index, part in enumerate(self.parts_for_local_averaging):
-            averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=self.weight)
+            averaged = await self.tensor_part_reducer.accumulate_part(
+                sender_index, part_index, part, weight=self.weight
+            )
             encoded = self._encode_average(part_index, averaged)
             # Counted here, not where the replies are sent: those may still be in flight when our
             # own result is complete. One reply per other sender.
@@ -192,8 +198,9 @@ class ConsistentAllReduceRunner(AllReduceRunner):
             self.bytes_received += len(msg.tensor_part.buffer)
             return self.codec.extract(msg.tensor_part)
 
-        async for averaged in amap_in_executor(decode, aiter_with_timeout(stream, self.reducer_timeout),
-                                               max_prefetch=self.tensor_part_container.prefetch):
+        async for averaged in amap_in_executor(
+            decode, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=self.tensor_part_container.prefetch
+        ):
             _check_part(averaged, self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0], peer_id)
             self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
             part_index += 1
@@ -202,8 +209,9 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         if part_index != expected:
             raise AllreduceException(f"peer {peer_id} sent {part_index} parts, expected {expected}")
 
-    async def _counted(self, messages: AsyncIterator[averaging_pb2.AveragingData],
-                       peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def _counted(
+        self, messages: AsyncIterator[averaging_pb2.AveragingData], peer_index: int
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for msg in messages:
             yield msg
             self.bytes_sent += len(msg.tensor_part.buffer)
@@ -212,11 +220,16 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         """Our parts of `peer_index`'s span, encoded; what the codec lost of each goes to `residuals`."""
         parts = self.tensor_part_container._input_parts_by_peer[peer_index]
         first = True
-        async for encoded in amap_in_executor(lambda pair: self._encode_input(*pair), as_aiter(*parts),
-                                              max_prefetch=self.tensor_part_container.prefetch):
+        async for encoded in amap_in_executor(
+            lambda pair: self._encode_input(*pair), as_aiter(*parts), max_prefetch=self.tensor_part_container.prefetch
+        ):
             if first:
-                yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING, group_id=self.group_id,
-                                                  tensor_part=encoded, weight=self.weight)
+                yield averaging_pb2.AveragingData(
+                    code=averaging_pb2.PART_FOR_AVERAGING,
+                    group_id=self.group_id,
+                    tensor_part=encoded,
+                    weight=self.weight,
+                )
                 first = False
             else:
                 yield averaging_pb2.AveragingData(tensor_part=encoded, weight=self.weight)
@@ -226,7 +239,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         residual = self.residuals.get(info.key)
         if residual is not None:
             start = part.storage_offset() - self.tensor_part_container.local_tensors[info.key].storage_offset()
-            residual[start:start + part.numel()] = part.reshape(-1) - self.codec.extract(encoded).reshape(-1)
+            residual[start : start + part.numel()] = part.reshape(-1) - self.codec.extract(encoded).reshape(-1)
         return encoded
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
@@ -254,15 +267,21 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                     if not (weight >= 0 and weight < float("inf")):
                         raise AllreduceException(f"sender {sender_index} sent weight {weight}")
                     self.bytes_received += size
-                    averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
+                    averaged = await self.tensor_part_reducer.accumulate_part(
+                        sender_index, part_index, part, weight=weight
+                    )
                     if self.banned_senders:
                         # hivemind completes a part without a sender that dropped out; that average
                         # is partial. Sending it would let this sender apply it while the others fail.
                         answers.put_nowait(averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR))
                         return
-                    encoded = await asyncio.get_event_loop().run_in_executor(None, self._encode_average, part_index, averaged)
+                    encoded = await asyncio.get_event_loop().run_in_executor(
+                        None, self._encode_average, part_index, averaged
+                    )
                     part_index += 1
-                    answers.put_nowait(averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded))
+                    answers.put_nowait(
+                        averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
+                    )
             finally:
                 if part_index != self.tensor_part_reducer.num_parts:
                     await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -317,8 +336,9 @@ class DiLoCoAverager(DecentralizedAverager):
         """Probe each of `peers` in turn with `size` bytes, in the averager process; returns at once.
         The future's result is {peer: the rate it reported}, when the sweep is over."""
         future = MPFuture()
-        self._outer_pipe.send(("_probe", [], dict(peers=list(peers), size=size, deadline=time.monotonic() + timeout,
-                                                  future=future)))
+        self._outer_pipe.send(
+            ("_probe", [], dict(peers=list(peers), size=size, deadline=time.monotonic() + timeout, future=future))
+        )
         return future
 
     async def _probe(self, peers: list[str], size: int, deadline: float, future: MPFuture) -> None:
@@ -330,7 +350,9 @@ class DiLoCoAverager(DecentralizedAverager):
             busy = []
             for peer in pending:
                 try:
-                    rate = await asyncio.wait_for(self._probe_one(PeerID.from_base58(peer), size), deadline - time.monotonic())
+                    rate = await asyncio.wait_for(
+                        self._probe_one(PeerID.from_base58(peer), size), deadline - time.monotonic()
+                    )
                 except ReceiverBusy:
                     logger.debug("%s is busy with another probe: trying it again later", peer)
                     busy.append(peer)
@@ -371,8 +393,9 @@ class DiLoCoAverager(DecentralizedAverager):
             return rate if reply.code == averaging_pb2.AVERAGED_PART and math.isfinite(rate) and rate > 0 else None
         return None
 
-    async def rpc_probe(self, stream: AsyncIterator[averaging_pb2.AveragingData],
-                        context: P2PContext) -> AsyncIterator[averaging_pb2.AveragingData]:
+    async def rpc_probe(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Another member's probe (untrusted, I4): a hello, then at most PROBE_MAX bytes in
         PROBE_CHUNK messages. One probe at a time: while one arrives, another sender's hello is
         answered busy. Answers with the rate the chunks arrived at (in `weight`)."""
@@ -427,8 +450,13 @@ class DiLoCoAverager(DecentralizedAverager):
         """
         scheduled_time = get_dht_time() + self.matchmaking_kwargs["min_matchmaking_time"]
         data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
-        step = StepControl(scheduled_time=scheduled_time, deadline=get_dht_time() + timeout, allow_retries=False,
-                           weight=weight, data_for_gather=data_for_gather)
+        step = StepControl(
+            scheduled_time=scheduled_time,
+            deadline=get_dht_time() + timeout,
+            allow_retries=False,
+            weight=weight,
+            data_for_gather=data_for_gather,
+        )
         future_for_init = MPFuture()
         self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=future_for_init)))
         try:
@@ -459,7 +487,9 @@ class DiLoCoAverager(DecentralizedAverager):
         a joiner must choose the peer (one that published the right digest) and bound the whole download.
         """
         future = MPFuture()
-        self._outer_pipe.send(("_download_state_from", [], dict(peer=peer, deadline=time.monotonic() + timeout, future=future)))
+        self._outer_pipe.send(
+            ("_download_state_from", [], dict(peer=peer, deadline=time.monotonic() + timeout, future=future))
+        )
         return future.result(timeout=timeout + 5)
 
     async def _download_state_from(self, peer: str, deadline: float, future: MPFuture) -> None:
@@ -473,7 +503,9 @@ class DiLoCoAverager(DecentralizedAverager):
     async def _fetch_state(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata, tensors, parts = None, [], []
+        metadata: Any = None
+        tensors: list[torch.Tensor] = []
+        parts: list[runtime_pb2.Tensor] = []
         async for message in stream:
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
@@ -493,12 +525,18 @@ class DiLoCoAverager(DecentralizedAverager):
         stats = getattr(self, "_last_runner_stats", {})
         return {"gathered": gathered, "allreduce_s": time.perf_counter() - started, **stats}
 
-    async def _run_allreduce_inplace_(self, tensors: Sequence[torch.Tensor], group_info: GroupInfo,
-                                      group_id: bytes | None = None, **kwargs: Any) -> None:
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
+    ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
         runner = ConsistentAllReduceRunner(
-            p2p=self._p2p, servicer_type=type(self), prefix=self.prefix, tensors=tensors,
-            group_id=group_id, ordered_peer_ids=group_info.peer_ids, **kwargs,
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
@@ -512,8 +550,11 @@ class DiLoCoAverager(DecentralizedAverager):
             tensor.copy_(averaged)
         if self.residual is not None:
             self.residual.copy_(runner.residuals[LOSSY_TENSOR])
-        self._last_runner_stats = {"bytes_sent": runner.bytes_sent, "bytes_received": runner.bytes_received,
-                                   "group_size": len(group_info.peer_ids)}
+        self._last_runner_stats = {
+            "bytes_sent": runner.bytes_sent,
+            "bytes_received": runner.bytes_received,
+            "group_size": len(group_info.peer_ids),
+        }
         self.last_updated = time.time()
         self._state_updated.set()
 

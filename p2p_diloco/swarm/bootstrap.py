@@ -10,10 +10,15 @@ import logging
 import threading
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from p2p_diloco.config import Config
 from p2p_diloco.swarm import records
 from p2p_diloco.swarm.node import make_validator, start_dht
+
+if TYPE_CHECKING:
+    from hivemind import DHT
+    from hivemind.dht.node import DHTNode
 
 logger = logging.getLogger(__name__)
 
@@ -35,7 +40,10 @@ class Bootstrap:
         if not self.watch_run:
             return f"{known} peers in the routing table (pass --config RUN_TOML to see the run's rounds)"
         rounds = Counter(r.round for r in records.read_rounds(self.dht, self.prefix).values())
-        seen = ", ".join(f"round {r}: {n} peer{'s' if n > 1 else ''}" for r, n in sorted(rounds.items())) or "no round records yet"
+        seen = (
+            ", ".join(f"round {r}: {n} peer{'s' if n > 1 else ''}" for r, n in sorted(rounds.items()))
+            or "no round records yet"
+        )
         return f"{known} peers in the routing table; run {self.config.run.run_id!r}: {seen}"
 
     def serve(self, stop: threading.Event, report_every_s: float) -> None:
@@ -47,5 +55,5 @@ class Bootstrap:
         self.dht.shutdown()
 
 
-async def _routing_table_size(_dht: object, node: object) -> int:
+async def _routing_table_size(_dht: DHT, node: DHTNode) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)

@@ -9,8 +9,9 @@ from __future__ import annotations
 import ipaddress
 import logging
 import socket
+from collections.abc import Sequence
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any
 
 import hivemind
 from hivemind.dht.crypto import RSASignatureValidator
@@ -28,9 +29,13 @@ def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
         try:
             maddr = Multiaddr(text)
         except Exception as e:  # multiaddr raises several types for malformed text
-            raise SwarmError(f"initial peer {text!r} is not a multiaddr ({e}); copy the line the bootstrap node printed") from None
+            raise SwarmError(
+                f"initial peer {text!r} is not a multiaddr ({e}); copy the line the bootstrap node printed"
+            ) from None
         if "/p2p/" not in str(maddr):
-            raise SwarmError(f"initial peer {text!r} has no /p2p/<peer id> part; copy the full line the bootstrap node printed")
+            raise SwarmError(
+                f"initial peer {text!r} has no /p2p/<peer id> part; copy the full line the bootstrap node printed"
+            )
     return list(maddrs)
 
 
@@ -47,8 +52,13 @@ def listen_maddrs(cfg: SwarmSection) -> tuple[list[str], list[str]]:
     return host, announce
 
 
-def start_dht(cfg: SwarmSection, identity_path: Path | None, initial_peers: Sequence[str], client_mode: bool,
-              validators: Sequence[Any] = ()) -> hivemind.DHT:
+def start_dht(
+    cfg: SwarmSection,
+    identity_path: Path | None,
+    initial_peers: Sequence[str],
+    client_mode: bool,
+    validators: Sequence[Any] = (),
+) -> hivemind.DHT:
     """Start a DHT node in a background process and join the swarm through `initial_peers`."""
     host, announce = listen_maddrs(cfg)
     _check_port_free(cfg.host, cfg.port)
@@ -57,12 +67,18 @@ def start_dht(cfg: SwarmSection, identity_path: Path | None, initial_peers: Sequ
         _check_identity(identity_path)
     try:
         return hivemind.DHT(
-            initial_peers=parse_initial_peers(initial_peers), start=True, client_mode=client_mode,
-            host_maddrs=host, announce_maddrs=announce or None,
+            initial_peers=parse_initial_peers(initial_peers),
+            start=True,
+            client_mode=client_mode,
+            host_maddrs=host,
+            announce_maddrs=announce or None,
             identity_path=str(identity_path) if identity_path else None,
             record_validators=list(validators),
             # UPnP/NAT-PMP probing, AutoNAT and relays reach out to the LAN: only when asked for.
-            nat_port_map=nat, auto_nat=nat, use_relay=nat, use_auto_relay=nat,
+            nat_port_map=nat,
+            auto_nat=nat,
+            use_relay=nat,
+            use_auto_relay=nat,
             startup_timeout=cfg.join_timeout_s,
         )
     except SwarmError:
@@ -81,8 +97,10 @@ def _check_port_free(host: str, port: int) -> None:
         try:
             probe.bind((host, port))
         except OSError as e:
-            raise SwarmError(f"port {port} on {host} is not free ({e.strerror}); stop what uses it or choose "
-                             f"another port (0 picks a free one)") from None
+            raise SwarmError(
+                f"port {port} on {host} is not free ({e.strerror}); stop what uses it or choose "
+                f"another port (0 picks a free one)"
+            ) from None
 
 
 def _check_identity(path: Path) -> None:
@@ -95,8 +113,10 @@ def _check_identity(path: Path) -> None:
     except Exception:  # protobuf raises DecodeError and others on foreign bytes
         ok = False
     if not ok:
-        raise SwarmError(f"identity file {path} is not a private key; delete it to make a new one (this peer then "
-                         f"gets a new peer id), or point swarm.identity_path at the right file")
+        raise SwarmError(
+            f"identity file {path} is not a private key; delete it to make a new one (this peer then "
+            f"gets a new peer id), or point swarm.identity_path at the right file"
+        )
 
 
 def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) -> str:
@@ -105,8 +125,10 @@ def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) 
     if "address already in use" in lowered or "bind" in lowered:
         return f"port {cfg.port} on {cfg.host} is already in use ({text}); choose another --swarm.port or 0 for any"
     if initial_peers and ("connect" in lowered or "bootstrap" in lowered or "timeout" in lowered or "dial" in lowered):
-        return (f"could not reach any initial peer ({', '.join(initial_peers)}): {text}; check the address and that "
-                f"the bootstrap node is running")
+        return (
+            f"could not reach any initial peer ({', '.join(initial_peers)}): {text}; check the address and that "
+            f"the bootstrap node is running"
+        )
     return f"could not start the DHT node: {text}"
 
 

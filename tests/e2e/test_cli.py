@@ -12,7 +12,6 @@ import pytest
 import torch
 
 from p2p_diloco import checkpoint
-
 from tests.conftest import TINY
 
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
@@ -36,7 +35,11 @@ def assert_one_line_error(result, *fragments):
 
 
 def snapshot(folder: Path) -> dict:
-    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file() and p.name != ".lock"}
+    return {
+        p.relative_to(folder).as_posix(): p.read_bytes()
+        for p in sorted(folder.rglob("*"))
+        if p.is_file() and p.name != ".lock"
+    }
 
 
 def wait_until(condition, proc, timeout_s):
@@ -75,7 +78,10 @@ def test_console_script_is_installed():
 @pytest.mark.parametrize(
     "extra, fragments",
     [
-        ({"data.source": "files", "data.path": "/nonexistent/corpus"}, ["data.path /nonexistent/corpus does not exist"]),
+        (
+            {"data.source": "files", "data.path": "/nonexistent/corpus"},
+            ["data.path /nonexistent/corpus does not exist"],
+        ),
         ({"model.preset": "huge"}, ["model.preset is unknown: 'huge'"]),
         ({"inner.lr": "-0.001"}, ["inner.lr must be > 0, got -0.001", "[inner] lr"]),
         ({"model.tokenizer": "/nonexistent/tok.json"}, ["/nonexistent/tok.json"]),
@@ -88,7 +94,9 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, capsys, extra, frag
     # In-process (the same main() the console script calls), to spare six interpreter starts;
     # the subprocess path is covered by the other tests here.
     run_dir = tmp_path / "run"
-    assert_one_line_error(main_in_process(capsys, "peer", *options({**TINY, "run.dir": str(run_dir), **extra})), *fragments)
+    assert_one_line_error(
+        main_in_process(capsys, "peer", *options({**TINY, "run.dir": str(run_dir), **extra})), *fragments
+    )
     assert not run_dir.exists()
 
 
@@ -191,8 +199,9 @@ def test_export_loads_in_transformers_with_thetas_values(trained_run, tmp_path, 
         assert torch.equal(p.detach(), theta[name]), name
     assert AutoTokenizer.from_pretrained(out)("def f():")["input_ids"] == list(b"def f():")
     assert_one_line_error(main_in_process(capsys, "export", str(run_dir), str(out)), str(out))
-    assert_one_line_error(main_in_process(capsys, "export", str(tmp_path / "nothing"), str(tmp_path / "m2")),
-                          "no latest checkpoint")
+    assert_one_line_error(
+        main_in_process(capsys, "export", str(tmp_path / "nothing"), str(tmp_path / "m2")), "no latest checkpoint"
+    )
 
 
 def test_config_command_prints_the_resolved_config_and_fingerprint():

@@ -44,7 +44,11 @@ def test_rounds_write_metrics_and_checkpoints(tiny_config):
         assert r["inner_steps"] == 2 and r["tokens"] == 2 * 4 * 32 and r["group_size"] == 1
         assert {"train_loss", "eval_loss", "digest", "wall_s", "compute_s"} <= set(r)
         assert 0 < r["compute_s"] <= r["wall_s"]
-    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == ["round-000001.pt", "round-000002.pt", "round-000003.pt"]
+    assert [p.name for p in checkpoint.list_checkpoints(run_dir)] == [
+        "round-000001.pt",
+        "round-000002.pt",
+        "round-000003.pt",
+    ]
     assert config.load(f"{run_dir}/config.toml") == tiny_config
 
 

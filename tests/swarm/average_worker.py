@@ -89,8 +89,17 @@ def describe_residual(swarm: Swarm, delta: torch.Tensor, codec: str) -> str:
 
 
 def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel: int = NUMEL) -> None:
-    cfg = config.load(None, {"swarm.host": "127.0.0.1", "swarm.initial_peers": maddr, "swarm.compression": codec,
-                             "swarm.matchmaking_time_s": "4", "swarm.averaging_timeout_s": "20", "run.dir": run_dir})
+    cfg = config.load(
+        None,
+        {
+            "swarm.host": "127.0.0.1",
+            "swarm.initial_peers": maddr,
+            "swarm.compression": codec,
+            "swarm.matchmaking_time_s": "4",
+            "swarm.averaging_timeout_s": "20",
+            "run.dir": run_dir,
+        },
+    )
     Path(run_dir).mkdir(parents=True)
     swarm = Swarm(cfg, Path(run_dir), numel, lambda: ({}, []), exact_numel=EXACT)
     try:
@@ -100,7 +109,16 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
         try:
             result = swarm.average(delta, weight, round_=0, exact=known_exact(index))
         except (AveragingError, SwarmError) as e:
-            print(json.dumps({"error": str(e), "kind": type(e).__name__, "own_delta_intact": bool(torch.equal(swarm.buffer, delta))}), flush=True)
+            print(
+                json.dumps(
+                    {
+                        "error": str(e),
+                        "kind": type(e).__name__,
+                        "own_delta_intact": bool(torch.equal(swarm.buffer, delta)),
+                    }
+                ),
+                flush=True,
+            )
             return
         if "probe" in sys.argv:
             # The first all-reduce started a probe sweep of the others' links; once it is over, a
@@ -111,11 +129,20 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
         else:
             report = {}
         values = torch.cat([result.delta, result.exact])
-        print(json.dumps({"values": result.delta.tolist(), "exact": result.exact.tolist(),
-                          "sha256": hashlib.sha256(values.numpy().tobytes()).hexdigest(), "group": len(result.group),
-                          "bytes_sent": result.bytes_sent, "residual": describe_residual(swarm, delta, codec),
-                          **report}),
-              flush=True)
+        print(
+            json.dumps(
+                {
+                    "values": result.delta.tolist(),
+                    "exact": result.exact.tolist(),
+                    "sha256": hashlib.sha256(values.numpy().tobytes()).hexdigest(),
+                    "group": len(result.group),
+                    "bytes_sent": result.bytes_sent,
+                    "residual": describe_residual(swarm, delta, codec),
+                    **report,
+                }
+            ),
+            flush=True,
+        )
     finally:
         swarm.close()
 

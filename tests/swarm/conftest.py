@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 from p2p_diloco import config
-
 from tests.conftest import TINY
 
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
@@ -60,9 +59,27 @@ class Swarm:
         log = open(self.folder / "bootstrap.log", "w")
         run_toml = self.folder / "run.toml"
         config.save(config.load(None, SWARM), run_toml)  # the bootstrap node reports this run's rounds
-        proc = subprocess.Popen([*CLI, "bootstrap", "--host", "127.0.0.1", "--port", "0", "--report-every", "2",
-                                 "--identity", str(self.folder / "bootstrap.key"), "--config", str(run_toml)],
-                                stdout=subprocess.PIPE, stderr=log, text=True, env=ENV, start_new_session=True)
+        proc = subprocess.Popen(
+            [
+                *CLI,
+                "bootstrap",
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--report-every",
+                "2",
+                "--identity",
+                str(self.folder / "bootstrap.key"),
+                "--config",
+                str(run_toml),
+            ],
+            stdout=subprocess.PIPE,
+            stderr=log,
+            text=True,
+            env=ENV,
+            start_new_session=True,
+        )
         self.procs.append(proc)
         self.sessions.add(proc.pid)
         deadline = time.monotonic() + 60
@@ -73,8 +90,14 @@ class Swarm:
             assert time.monotonic() < deadline, "bootstrap node did not print its address"
         raise AssertionError(f"bootstrap node exited: {proc.wait(timeout=10)}")
 
-    def peer(self, name: str, extra: dict | None = None, script: list[str] | None = None,
-             fault: str | None = None, resume: bool = False) -> subprocess.Popen:
+    def peer(
+        self,
+        name: str,
+        extra: dict | None = None,
+        script: list[str] | None = None,
+        fault: str | None = None,
+        resume: bool = False,
+    ) -> subprocess.Popen:
         """A peer process; with `fault` (see faulty_peer.py) one that fails on purpose, in its own session."""
         options = {**SWARM, **(extra or {}), "run.dir": str(self.folder / name)}
         if fault:

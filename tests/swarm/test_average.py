@@ -27,10 +27,26 @@ def start_workers(swarm, weights, codec, *extra_by_worker):
     workers = []
     for i, w in enumerate(weights):
         extra = list(extra_by_worker[i]) if i < len(extra_by_worker) else []
-        workers.append(subprocess.Popen(
-            [sys.executable, "-m", "tests.swarm.average_worker", swarm.maddr, str(i), str(w), codec,
-             str(swarm.folder / f"w{i}"), *extra],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=ENV, start_new_session=True))
+        workers.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    "-m",
+                    "tests.swarm.average_worker",
+                    swarm.maddr,
+                    str(i),
+                    str(w),
+                    codec,
+                    str(swarm.folder / f"w{i}"),
+                    *extra,
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+                env=ENV,
+                start_new_session=True,
+            )
+        )
         swarm.procs.append(workers[-1])
         swarm.sessions.add(workers[-1].pid)
     for w in workers:

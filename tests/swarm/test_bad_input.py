@@ -11,7 +11,9 @@ FAKE_PEER_ID = "QmW6jYSj4CRDDYnptoKGFN2nFvhFYYUrynQh5Nsu72XBP8"
 
 
 def run_peer(tmp_path, *extra):
-    options = [f"--{k}={v}" for k, v in {**SWARM, "run.dir": str(tmp_path / "run"), "swarm.join_timeout_s": "10"}.items()]
+    options = [
+        f"--{k}={v}" for k, v in {**SWARM, "run.dir": str(tmp_path / "run"), "swarm.join_timeout_s": "10"}.items()
+    ]
     return subprocess.run([*CLI, "peer", *options, *extra], capture_output=True, text=True, timeout=120, env=ENV)
 
 
@@ -41,8 +43,9 @@ def test_port_in_use(tmp_path):
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        line = last_line(run_peer(tmp_path, "--swarm.port", str(port), "--initial-peers",
-                                  f"/ip4/127.0.0.1/tcp/1/p2p/{FAKE_PEER_ID}"))
+        line = last_line(
+            run_peer(tmp_path, "--swarm.port", str(port), "--initial-peers", f"/ip4/127.0.0.1/tcp/1/p2p/{FAKE_PEER_ID}")
+        )
     assert line.startswith(f"error: port {port} on 127.0.0.1 is not free")
 
 
@@ -50,8 +53,17 @@ def test_port_in_use(tmp_path):
 def test_identity_file_that_is_not_a_key(tmp_path, closed_port):
     key = tmp_path / "identity.key"
     key.write_text("this is not a key\n")
-    line = last_line(run_peer(tmp_path, "--swarm.identity_path", str(key), "--initial-peers",
-                              f"/ip4/127.0.0.1/tcp/{closed_port}/p2p/{FAKE_PEER_ID}"))
-    assert line == (f"error: identity file {key} is not a private key; delete it to make a new one (this peer then "
-                    f"gets a new peer id), or point swarm.identity_path at the right file")
+    line = last_line(
+        run_peer(
+            tmp_path,
+            "--swarm.identity_path",
+            str(key),
+            "--initial-peers",
+            f"/ip4/127.0.0.1/tcp/{closed_port}/p2p/{FAKE_PEER_ID}",
+        )
+    )
+    assert line == (
+        f"error: identity file {key} is not a private key; delete it to make a new one (this peer then "
+        f"gets a new peer id), or point swarm.identity_path at the right file"
+    )
     assert key.read_text() == "this is not a key\n"

@@ -11,9 +11,17 @@ import pytest
 from tests.swarm.conftest import CLI, ENV, SWARM, wait_until
 
 H, ROUNDS, WORKERS = 5, 4, 2
-SETTING = {**SWARM, "inner.steps": str(H), "run.rounds": str(ROUNDS), "data.num_shards": str(WORKERS),
-           "run.eval_sequences": "16", "swarm.speed_aware": "false"}
-TINY_PARAMETERS = 469_632  # model.count_parameters of the tiny preset with the byte tokenizer (tests/unit/test_model.py)
+SETTING = {
+    **SWARM,
+    "inner.steps": str(H),
+    "run.rounds": str(ROUNDS),
+    "data.num_shards": str(WORKERS),
+    "run.eval_sequences": "16",
+    "swarm.speed_aware": "false",
+}
+TINY_PARAMETERS = (
+    469_632  # model.count_parameters of the tiny preset with the byte tokenizer (tests/unit/test_model.py)
+)
 
 
 @pytest.mark.timeout(240)
@@ -21,8 +29,13 @@ def test_diloco_against_data_parallel_smoke(swarm, tmp_path):
     dp_dir = tmp_path / "dp"
     options = [f"--{k}={v}" for k, v in {**SETTING, "run.dir": str(dp_dir)}.items() if not k.startswith("swarm.")]
     with open(tmp_path / "dp.log", "w") as log:
-        dp = subprocess.Popen([*CLI, "baseline", "--workers", str(WORKERS), *options], stdout=log,
-                              stderr=subprocess.STDOUT, env=ENV, start_new_session=True)
+        dp = subprocess.Popen(
+            [*CLI, "baseline", "--workers", str(WORKERS), *options],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=ENV,
+            start_new_session=True,
+        )
     swarm.procs.append(dp)
     swarm.sessions.add(dp.pid)
     peers = [swarm.peer(f"p{i}", {**SETTING, "data.shard": str(i)}) for i in range(WORKERS)]
@@ -35,7 +48,9 @@ def test_diloco_against_data_parallel_smoke(swarm, tmp_path):
     start, dp_end = dp_records[0], dp_records[-1]
     diloco_end = peer_records[0][ROUNDS]
     assert len({rec[ROUNDS]["digest"] for rec in peer_records}) == 1
-    assert [rec[r]["group_size"] for rec in peer_records for r in range(2, ROUNDS + 1)] == [WORKERS] * (ROUNDS - 1) * WORKERS
+    assert [rec[r]["group_size"] for rec in peer_records for r in range(2, ROUNDS + 1)] == [WORKERS] * (
+        ROUNDS - 1
+    ) * WORKERS
 
     # The same θ(0) on the same held-out sequences, and the same tokens in all.
     assert start["eval_loss"] == peer_records[0][0]["eval_loss"]

@@ -9,8 +9,13 @@ from tests.swarm.conftest import CLI, ENV
 
 @pytest.mark.timeout(240)
 def test_demo_runs_two_peers_that_agree_and_stops_them(tmp_path):
-    result = subprocess.run([*CLI, "demo", "--peers", "2", "--rounds", "2", "--dir", str(tmp_path / "demo")],
-                            capture_output=True, text=True, timeout=220, env=ENV)
+    result = subprocess.run(
+        [*CLI, "demo", "--peers", "2", "--rounds", "2", "--dir", str(tmp_path / "demo")],
+        capture_output=True,
+        text=True,
+        timeout=220,
+        env=ENV,
+    )
     assert result.returncode == 0, result.stdout + result.stderr[-2000:]
     lines = result.stdout.splitlines()
     rounds = [line for line in lines if line.startswith("round ")]
@@ -27,8 +32,13 @@ def test_ctrl_c_stops_the_demo_and_every_peer_cleanly(tmp_path):
     import signal
     import time
 
-    proc = subprocess.Popen([*CLI, "demo", "--peers", "2", "--rounds", "1000", "--dir", str(tmp_path / "demo")],
-                            stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, env=ENV)
+    proc = subprocess.Popen(
+        [*CLI, "demo", "--peers", "2", "--rounds", "1000", "--dir", str(tmp_path / "demo")],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=ENV,
+    )
     try:
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)

@@ -26,8 +26,9 @@ def run_with_fault(swarm, fault):
     assert subject.poll() is None or subject.returncode == -9
     c = swarm.records("c")
     assert c and max(c) < ROUNDS - 2, "the fault must leave the survivors rounds to finish"
-    assert any(c[r].get("group_size", 1) >= 2 for r in c), \
+    assert any(c[r].get("group_size", 1) >= 2 for r in c), (
         f"the subject never averaged with a survivor: {c}\n{swarm.log('c')[-3000:]}"
+    )
     return swarm.records("a"), swarm.records("b"), max(c)
 
 

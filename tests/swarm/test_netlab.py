@@ -33,6 +33,6 @@ def test_an_error_inside_the_lab_still_ends_its_processes_and_namespaces():
             prefix = lab.prefix
             waiting = lab.popen(0, [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
             assert sorted(namespaces(prefix)) == [f"{prefix}br", f"{prefix}h0", f"{prefix}h1"]
-            1 / 0
+            raise ZeroDivisionError("an error inside the lab")
     assert waiting.poll() is not None, "a process started in the lab outlived it"
     assert namespaces(prefix) == []

@@ -121,7 +121,10 @@ def test_whole_swarm_restart_continues_from_the_last_completed_round(swarm):
         p.send_signal(signal.SIGINT)
     assert [p.wait(timeout=90) for p in again] == [0, 0]
     for n in names:
-        assert f"resumed from {checkpoint.path_for(swarm.folder / n, before[n][0])} (digest {before[n][1]})" in swarm.log(n)
+        assert (
+            f"resumed from {checkpoint.path_for(swarm.folder / n, before[n][0])} (digest {before[n][1]})"
+            in swarm.log(n)
+        )
     a, b = swarm.records("a"), swarm.records("b")
     for r in sorted(set(a) & set(b)):
         assert a[r]["digest"] == b[r]["digest"], r

@@ -12,9 +12,15 @@ def payload(round_, cfg=None):
     params = {"w": torch.arange(4, dtype=torch.float32) + round_}
     momentum = {"w": torch.ones(4)}
     return {
-        "round": round_, "params": params, "momentum": momentum, "digest": outer.digest(round_, params, momentum),
-        "shared_config": cfg.shared_dict(), "config": cfg.to_dict(), "fingerprint": cfg.fingerprint(),
-        "trainer": {"step": 3}, "data": {"epoch": 0, "index": 1, "offset": 2, "tokens_consumed": 9},
+        "round": round_,
+        "params": params,
+        "momentum": momentum,
+        "digest": outer.digest(round_, params, momentum),
+        "shared_config": cfg.shared_dict(),
+        "config": cfg.to_dict(),
+        "fingerprint": cfg.fingerprint(),
+        "trainer": {"step": 3},
+        "data": {"epoch": 0, "index": 1, "offset": 2, "tokens_consumed": 9},
         "rng": {"torch": torch.get_rng_state()},
     }
 

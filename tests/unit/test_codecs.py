@@ -12,13 +12,16 @@ def heavy_tailed(n: int, seed: int = 0) -> torch.Tensor:
     return torch.distributions.StudentT(2.0).sample((n,))
 
 
-@pytest.mark.parametrize("name, numel, size", [
-    ("fp32", 1000, 4000),
-    ("bf16", 1000, 2000),
-    ("scaled-fp16", 1000, 2008),  # + mean and std in fp32
-    ("int8", 1000, 8 * 128 + 8 * 4),  # 8 blocks of 128 (the last padded), one fp32 scale each
-    ("int4", 1000, 16 * 32 + 16 * 4),  # 16 blocks of 64 values, 2 per byte, one fp32 scale each
-])
+@pytest.mark.parametrize(
+    "name, numel, size",
+    [
+        ("fp32", 1000, 4000),
+        ("bf16", 1000, 2000),
+        ("scaled-fp16", 1000, 2008),  # + mean and std in fp32
+        ("int8", 1000, 8 * 128 + 8 * 4),  # 8 blocks of 128 (the last padded), one fp32 scale each
+        ("int4", 1000, 16 * 32 + 16 * 4),  # 16 blocks of 64 values, 2 per byte, one fp32 scale each
+    ],
+)
 def test_encoded_size_by_hand(name, numel, size):
     codec = codecs.get(name)
     assert codec.encoded_size(numel) == size

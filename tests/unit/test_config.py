@@ -17,8 +17,9 @@ def test_defaults_are_the_papers():
     assert (c.outer.lr, c.outer.momentum, c.outer.nesterov) == (0.7, 0.9, True)
 
 
-@pytest.mark.parametrize("path", sorted((ROOT / "peers").glob("*.toml")) + sorted((ROOT / "bench").glob("*.toml")),
-                         ids=lambda p: p.name)
+@pytest.mark.parametrize(
+    "path", sorted((ROOT / "peers").glob("*.toml")) + sorted((ROOT / "bench").glob("*.toml")), ids=lambda p: p.name
+)
 def test_every_shipped_config_loads(path):
     config.load(path)
 
@@ -58,7 +59,10 @@ def test_saved_config_loads_back_equal(tmp_path):
         ({"outer.nesterov": "maybe"}, "--outer.nesterov must be true or false"),
         ({"outer.drop_rate": "1"}, "outer.drop_rate must be in [0, 1), got 1.0"),
         ({"data.shard_by": "file"}, "data.shard_by must be one of document, folder, got 'file'"),
-        ({"data.shard_by": "folder", "data.source": "hub", "data.name": "c4"}, "data.shard_by = folder needs a corpus with folders"),
+        (
+            {"data.shard_by": "folder", "data.source": "hub", "data.name": "c4"},
+            "data.shard_by = folder needs a corpus with folders",
+        ),
     ],
 )
 def test_bad_values_name_the_field_and_the_fix(overrides, message):
@@ -83,7 +87,9 @@ def test_bad_toml_files(tmp_path):
 
 def test_fingerprint_covers_shared_fields_only():
     base = config.load()
-    assert config.load(None, {"run.dir": "/elsewhere", "inner.micro_batch_size": "4"}).fingerprint() == base.fingerprint()
+    assert (
+        config.load(None, {"run.dir": "/elsewhere", "inner.micro_batch_size": "4"}).fingerprint() == base.fingerprint()
+    )
     assert config.load(None, {"inner.steps": "499"}).fingerprint() != base.fingerprint()
     assert config.load(None, {"run.run_id": "other"}).fingerprint() != base.fingerprint()
 

@@ -13,8 +13,18 @@ import pytest
 import torch
 
 from p2p_diloco.config import DataSection
-from p2p_diloco.data import (FiniteCorpus, TrainStream, folder_of, folder_shards, heldout_batch, is_heldout,
-                             open_corpus, pick_shard, shard_of, sharding)
+from p2p_diloco.data import (
+    FiniteCorpus,
+    TrainStream,
+    folder_of,
+    folder_shards,
+    heldout_batch,
+    is_heldout,
+    open_corpus,
+    pick_shard,
+    shard_of,
+    sharding,
+)
 from p2p_diloco.errors import DataError
 from p2p_diloco.model import ByteTokenizer
 
@@ -23,8 +33,12 @@ from p2p_diloco.model import ByteTokenizer
 def offline_hf(tmp_path, monkeypatch):
     """No test reaches the hub or writes to ~/.cache: datasets read these at import, so patch both."""
     cache = tmp_path / "hf"
-    for name, value in {"HF_HOME": cache, "HF_DATASETS_CACHE": cache / "datasets",
-                        "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}.items():
+    for name, value in {
+        "HF_HOME": cache,
+        "HF_DATASETS_CACHE": cache / "datasets",
+        "HF_HUB_OFFLINE": "1",
+        "HF_DATASETS_OFFLINE": "1",
+    }.items():
         monkeypatch.setenv(name, str(value))
     monkeypatch.setattr(datasets.config, "HF_DATASETS_CACHE", cache / "datasets")
     monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True)
@@ -85,6 +99,7 @@ def files_corpus(path, text_field: str = "text"):
 
 # --- packing --------------------------------------------------------------------------------
 
+
 def test_epoch_order_is_a_pinned_permutation_per_seed_and_epoch():
     corpus = hand_corpus({"a": "", "b": "", "c": ""})
     order = lambda epoch, seed: [doc.key for doc in corpus.documents(epoch, seed)]  # noqa: E731
@@ -112,6 +127,7 @@ def test_next_batch_is_a_long_tensor_of_n_rows():
 
 
 # --- splits and shards ----------------------------------------------------------------------
+
 
 @pytest.mark.parametrize("seed", [0, 1])
 def test_shards_are_disjoint_and_with_heldout_cover_the_corpus(seed):
@@ -160,6 +176,7 @@ def test_a_shard_without_training_documents_is_an_error_naming_the_fix():
 
 # --- resume ---------------------------------------------------------------------------------
 
+
 def test_resume_on_a_small_corpus_is_bit_exact_at_every_batch_across_epochs(tmp_path):
     write_jsonl(tmp_path / "docs.jsonl", [{"text": f"doc {i} " * (i % 5 + 1)} for i in range(30)])
     corpus = files_corpus(tmp_path / "docs.jsonl")
@@ -176,10 +193,18 @@ def test_load_state_dict_rejects_garbage_and_keeps_its_position():
     stream.next_batch(2)
     before = stream.state_dict()
     good = dict(before)
-    bad_states = [None, [], {}, {**good, "extra": 0}, {k: v for k, v in good.items() if k != "offset"},
-                  {**good, "epoch": "0"}, {**good, "index": -1}, {**good, "offset": True},
-                  {**good, "offset": 5},  # past the end of a 4-byte document + eos
-                  {**good, "index": 10_000}]  # no such document
+    bad_states = [
+        None,
+        [],
+        {},
+        {**good, "extra": 0},
+        {k: v for k, v in good.items() if k != "offset"},
+        {**good, "epoch": "0"},
+        {**good, "index": -1},
+        {**good, "offset": True},
+        {**good, "offset": 5},  # past the end of a 4-byte document + eos
+        {**good, "index": 10_000},
+    ]  # no such document
     for state in bad_states:
         with pytest.raises(DataError, match="data state"):
             stream.load_state_dict(state)
@@ -195,13 +220,16 @@ def test_load_state_dict_rejects_garbage_and_keeps_its_position():
 
 # --- sources --------------------------------------------------------------------------------
 
+
 def test_stdlib_corpus_lists_python_files_in_a_deterministic_order():
     corpus = open_corpus(DataSection(source="stdlib"))
     assert corpus.finite
     first = [doc.key for _, doc in zip(range(5), corpus.documents(0, 0))]
     assert first == [doc.key for _, doc in zip(range(5), open_corpus(DataSection()).documents(0, 0))]
     assert first != [doc.key for _, doc in zip(range(5), corpus.documents(1, 0))]
-    count = int(re.search(r"stdlib of Python 3\.\d+ \(([\d,]+) files, [\d.]+ MB\)", corpus.description)[1].replace(",", ""))
+    count = int(
+        re.search(r"stdlib of Python 3\.\d+ \(([\d,]+) files, [\d.]+ MB\)", corpus.description)[1].replace(",", "")
+    )
     keys = [doc.key for doc in corpus.documents(0, 0)]  # reads every file: ~0.4 s
     assert count == len(keys) > 500
     assert "os.py" in keys and all(k.endswith(".py") for k in keys)
@@ -232,15 +260,18 @@ def test_files_parquet_and_globs_load(tmp_path):
     assert sorted(doc.text for doc in corpus.documents(0, 0)) == ["p0", "p1", "p2"]
 
 
-@pytest.mark.parametrize("setup, path, text_field, message", [
-    (None, "missing", "text", r"missing does not exist"),
-    (None, "*.jsonl", "text", r"glob .*\*\.jsonl matches no file"),
-    ({"d.jsonl": '{"body": "x"}\n'}, "d.jsonl", "text", r"no column 'text' \(it has body\); set data.text_field"),
-    ({"d.csv": "text\nx\n"}, "d.csv", "text", r"d\.csv has an unsupported extension"),
-    ({"a.txt": "x", "b.jsonl": '{"text": "y"}\n'}, ".", "text", r"mixes file kinds \(json, text\)"),
-    ({"e.jsonl": ""}, "e.jsonl", "text", r"cannot load .*e\.jsonl.*non-empty"),
-    ({"notes.md": "x"}, ".", "text", r"has no \.txt/\.jsonl/\.json/\.parquet files"),
-])
+@pytest.mark.parametrize(
+    "setup, path, text_field, message",
+    [
+        (None, "missing", "text", r"missing does not exist"),
+        (None, "*.jsonl", "text", r"glob .*\*\.jsonl matches no file"),
+        ({"d.jsonl": '{"body": "x"}\n'}, "d.jsonl", "text", r"no column 'text' \(it has body\); set data.text_field"),
+        ({"d.csv": "text\nx\n"}, "d.csv", "text", r"d\.csv has an unsupported extension"),
+        ({"a.txt": "x", "b.jsonl": '{"text": "y"}\n'}, ".", "text", r"mixes file kinds \(json, text\)"),
+        ({"e.jsonl": ""}, "e.jsonl", "text", r"cannot load .*e\.jsonl.*non-empty"),
+        ({"notes.md": "x"}, ".", "text", r"has no \.txt/\.jsonl/\.json/\.parquet files"),
+    ],
+)
 def test_files_errors_name_the_problem(tmp_path, setup, path, text_field, message):
     for name, text in (setup or {}).items():
         (tmp_path / name).write_text(text)

@@ -6,15 +6,17 @@ import pytest
 
 from p2p_diloco import config, dataparallel
 from p2p_diloco.errors import ConfigError
-
 from tests.conftest import TINY
 
 
-@pytest.mark.parametrize("workers, extra, fragment", [
-    (0, {}, "--workers must be >= 1, got 0"),
-    (8, {}, "--workers 8 needs at least that many shards, data.num_shards is 4"),
-    (2, {"data.shard": "1"}, "data.shard names one shard"),
-])
+@pytest.mark.parametrize(
+    "workers, extra, fragment",
+    [
+        (0, {}, "--workers must be >= 1, got 0"),
+        (8, {}, "--workers 8 needs at least that many shards, data.num_shards is 4"),
+        (2, {"data.shard": "1"}, "data.shard names one shard"),
+    ],
+)
 def test_refusals_name_the_problem(tmp_path, workers, extra, fragment):
     overrides = {**TINY, "run.dir": str(tmp_path / "run"), **extra}
     if "data.shard" not in extra:

@@ -47,7 +47,9 @@ def test_accumulation_matches_one_big_batch():
     results = []
     for micro in (8, 2):
         model = TinyLM()
-        trainer = InnerTrainer(model, inner_cfg(batch_size=8, micro_batch_size=micro, warmup_steps=0), 10, torch.device("cpu"))
+        trainer = InnerTrainer(
+            model, inner_cfg(batch_size=8, micro_batch_size=micro, warmup_steps=0), 10, torch.device("cpu")
+        )
         loss = trainer.train_step(batch())
         results.append((float(loss), [p.detach().clone() for p in model.parameters()]))
     assert results[0][0] == pytest.approx(results[1][0], rel=1e-6)
@@ -56,19 +58,27 @@ def test_accumulation_matches_one_big_batch():
 
 
 def test_phase_counts_steps_tokens_and_stops_early():
-    trainer = InnerTrainer(TinyLM(), inner_cfg(batch_size=8, micro_batch_size=4, warmup_steps=2), 10, torch.device("cpu"))
+    trainer = InnerTrainer(
+        TinyLM(), inner_cfg(batch_size=8, micro_batch_size=4, warmup_steps=2), 10, torch.device("cpu")
+    )
     seen = []
-    result = trainer.run_phase(batch, steps=5, should_stop=lambda: len(seen) >= 3, on_step=lambda s, l, t: seen.append((s, t)))
+    result = trainer.run_phase(
+        batch, steps=5, should_stop=lambda: len(seen) >= 3, on_step=lambda s, _loss, t: seen.append((s, t))
+    )
     assert result.stopped and result.steps == 3 and result.tokens == 3 * 8 * 6
     assert seen == [(1, 48), (2, 96), (3, 144)]
-    assert result.lr_sum == pytest.approx(lr_at(0, trainer.cfg, 10) + lr_at(1, trainer.cfg, 10) + lr_at(2, trainer.cfg, 10))
+    assert result.lr_sum == pytest.approx(
+        lr_at(0, trainer.cfg, 10) + lr_at(1, trainer.cfg, 10) + lr_at(2, trainer.cfg, 10)
+    )
     assert trainer.step == 3
     full = trainer.run_phase(batch, steps=2)
     assert not full.stopped and full.steps == 2 and trainer.step == 5
 
 
 def test_a_phase_ends_early_when_the_swarm_says_the_round_is_done():
-    trainer = InnerTrainer(TinyLM(), inner_cfg(batch_size=8, micro_batch_size=4, warmup_steps=2), 10, torch.device("cpu"))
+    trainer = InnerTrainer(
+        TinyLM(), inner_cfg(batch_size=8, micro_batch_size=4, warmup_steps=2), 10, torch.device("cpu")
+    )
     asked = []
 
     def should_end(steps, tokens):
@@ -83,7 +93,9 @@ def test_a_phase_ends_early_when_the_swarm_says_the_round_is_done():
 
 
 def test_training_lowers_the_loss_on_a_fixed_batch():
-    trainer = InnerTrainer(TinyLM(), inner_cfg(batch_size=8, micro_batch_size=8, warmup_steps=0, lr=1e-2), 50, torch.device("cpu"))
+    trainer = InnerTrainer(
+        TinyLM(), inner_cfg(batch_size=8, micro_batch_size=8, warmup_steps=0, lr=1e-2), 50, torch.device("cpu")
+    )
     before = trainer.evaluate(batch())
     trainer.run_phase(batch, steps=30)
     assert trainer.evaluate(batch()) < before - 0.5

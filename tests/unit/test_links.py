@@ -17,8 +17,15 @@ def test_two_peers_a_liar_gets_at_most_cap_shares():
 
 
 def test_garbage_claims_count_as_none_and_zero_stays_zero():
-    assert links.fair_bandwidths([10.0, float("nan"), "fast", -3.0, True, 0.0, math.inf]) == \
-        [10.0, None, None, None, None, 0.0, None]
+    assert links.fair_bandwidths([10.0, float("nan"), "fast", -3.0, True, 0.0, math.inf]) == [
+        10.0,
+        None,
+        None,
+        None,
+        None,
+        0.0,
+        None,
+    ]
     assert links.fair_bandwidths([None, None]) == [None, None]
 
 

@@ -50,8 +50,9 @@ def fixed_batch(vocab_size: int = 259) -> torch.Tensor:
 
 
 def write_gpt2_config(path, vocab_size=300, n_positions=64):
-    GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=vocab_size, n_positions=n_positions, bos_token_id=0,
-               eos_token_id=0).to_json_file(path)
+    GPT2Config(
+        n_embd=32, n_layer=1, n_head=2, vocab_size=vocab_size, n_positions=n_positions, bos_token_id=0, eos_token_id=0
+    ).to_json_file(path)
     return path
 
 

@@ -12,8 +12,15 @@ def rec(peer, round_, digest):
 def test_parse_keeps_good_records_and_drops_malformed_ones():
     good = {"peer": "12D3x", "round": 3, "digest": D1, "tokens": 5, "loss": 2.5, "addrs": ["/ip4/1.2.3.4/tcp/1"]}
     assert RoundRecord.parse(good) == RoundRecord("12D3x", 3, D1, 5, 2.5, ("/ip4/1.2.3.4/tcp/1",))
-    for bad in [None, "text", {**good, "round": -1}, {**good, "digest": "zz"}, {**good, "tokens": "many"},
-                {k: v for k, v in good.items() if k != "peer"}, {**good, "peer": "x" * 500}]:
+    for bad in [
+        None,
+        "text",
+        {**good, "round": -1},
+        {**good, "digest": "zz"},
+        {**good, "tokens": "many"},
+        {k: v for k, v in good.items() if k != "peer"},
+        {**good, "peer": "x" * 500},
+    ]:
         assert RoundRecord.parse(bad) is None, bad
 
 

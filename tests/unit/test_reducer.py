@@ -12,19 +12,25 @@ from p2p_diloco.swarm.allreduce import ZeroWeightReducer
 
 def reduce(parts, weights):
     """Run one reducer over one part per sender, all senders concurrently; every sender's result."""
+
     async def main():
         reducer = TensorPartReducer([parts[0].shape], len(parts))
         reducer.__class__ = ZeroWeightReducer  # as ConsistentAllReduceRunner does
-        return await asyncio.gather(*(reducer.accumulate_part(i, 0, p, weight=w)
-                                      for i, (p, w) in enumerate(zip(parts, weights))))
+        return await asyncio.gather(
+            *(reducer.accumulate_part(i, 0, p, weight=w) for i, (p, w) in enumerate(zip(parts, weights)))
+        )
+
     return asyncio.run(main())
 
 
-@pytest.mark.parametrize("weights, expected", [
-    ([1.0, 3.0, 0.0], [2.5, 5.0]),  # (1·[1, 2] + 3·[3, 6]) / 4; the dropped [100, 100] adds nothing
-    ([0.0, 2.0, 0.0], [3.0, 6.0]),  # one contributor: its own values
-    ([0.0, 0.0, 0.0], [0.0, 0.0]),  # everyone dropped: zeros, not 0/0 = NaN
-])
+@pytest.mark.parametrize(
+    "weights, expected",
+    [
+        ([1.0, 3.0, 0.0], [2.5, 5.0]),  # (1·[1, 2] + 3·[3, 6]) / 4; the dropped [100, 100] adds nothing
+        ([0.0, 2.0, 0.0], [3.0, 6.0]),  # one contributor: its own values
+        ([0.0, 0.0, 0.0], [0.0, 0.0]),  # everyone dropped: zeros, not 0/0 = NaN
+    ],
+)
 def test_weighted_mean_with_dropped_senders(weights, expected):
     parts = [torch.tensor([1.0, 2.0]), torch.tensor([3.0, 6.0]), torch.tensor([100.0, 100.0])]
     results = reduce(parts, weights)

@@ -41,7 +41,16 @@ def test_a_lone_peer_ends_its_round_at_exactly_its_budget():
 def test_progress_reports_from_the_dht_are_untrusted():
     good = {"peer": "12D3x", "round": 2, "tokens": 4096, "tokens_per_s": 812.5, "time": 1.7e9}
     assert parse_progress(good) == Progress("12D3x", 2, 4096, 812.5, 1.7e9)
-    for bad in [None, [], {**good, "round": -1}, {**good, "tokens": -5}, {**good, "tokens_per_s": float("inf")},
-                {**good, "tokens_per_s": -1.0}, {**good, "time": float("nan")}, {**good, "time": "soon"},
-                {k: v for k, v in good.items() if k != "tokens"}, {**good, "peer": "x" * 500}]:
+    for bad in [
+        None,
+        [],
+        {**good, "round": -1},
+        {**good, "tokens": -5},
+        {**good, "tokens_per_s": float("inf")},
+        {**good, "tokens_per_s": -1.0},
+        {**good, "time": float("nan")},
+        {**good, "time": "soon"},
+        {k: v for k, v in good.items() if k != "tokens"},
+        {**good, "peer": "x" * 500},
+    ]:
         assert parse_progress(bad) is None, bad
