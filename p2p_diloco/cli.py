@@ -31,6 +31,8 @@ def _add_config_options(parser: argparse.ArgumentParser) -> None:
 def _metavar(typ: type) -> str:
     if typ is bool:
         return "BOOL"
+    if config_mod.choices(typ):
+        return "|".join(config_mod.choices(typ))
     return "A,B,..." if typ not in (int, float, str) else typ.__name__.upper()
 
 
@@ -40,7 +42,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
-    peer = sub.add_parser("peer", help="train: alone, or (soon) as one peer of a swarm", epilog=EPILOG)
+    peer = sub.add_parser("peer", help="train: alone, or as one peer of a swarm (--initial-peers)", epilog=EPILOG)
     peer.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run.dir")
     peer.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="same as --swarm.initial_peers")
     _add_config_options(peer)

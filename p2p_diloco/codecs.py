@@ -26,12 +26,15 @@ told and raises ValueError on anything malformed; the caller checks the values a
 from __future__ import annotations
 
 import math
+import typing
 import warnings
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
-CODECS = ("fp32", "bf16", "scaled-fp16", "int8", "int4")
+CodecName = Literal["fp32", "bf16", "scaled-fp16", "int8", "int4"]
+CODECS: tuple[CodecName, ...] = typing.get_args(CodecName)
 DEFAULT = "scaled-fp16"
 LOSSY = frozenset(CODECS) - {"fp32"}
 

@@ -19,9 +19,10 @@ import json
 import math
 import sys
 import typing
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Mapping
+from typing import Any, Literal
 
 import tomli_w
 
@@ -32,6 +33,13 @@ else:  # Python 3.10
 
 from p2p_diloco import codecs
 from p2p_diloco.errors import ConfigError
+
+# The fields that take one of a fixed set of values; validate() names the choices on a bad value.
+Source = Literal["stdlib", "files", "hub"]
+ShardBy = Literal["document", "folder"]
+Precision = Literal["auto", "fp32", "bf16"]
+Overlap = Literal["off", "delayed", "eager"]
+LogLevel = Literal["debug", "info", "warning", "error"]
 
 
 def shared(default: Any, doc: str) -> Any:
@@ -65,7 +73,7 @@ class ModelSection:
 
 @dataclass(frozen=True)
 class DataSection:
-    source: str = shared("stdlib", "stdlib (embedded default corpus), files (local text/jsonl/parquet) or hub")
+    source: Source = shared("stdlib", "stdlib (embedded default corpus), files (local text/jsonl/parquet) or hub")
     path: str = local("", "source=files: a file, a folder or a glob of .txt, .jsonl/.json or .parquet files")
     name: str = shared("", "source=hub: dataset name, e.g. allenai/c4 (streamed, never fully downloaded)")
     subset: str = shared("", "source=hub: dataset configuration, e.g. en")
@@ -73,8 +81,11 @@ class DataSection:
     heldout_fraction: float = shared(0.05, "share of documents held out for evaluation (by document)")
     num_shards: int = shared(64, "the training documents are split into this many disjoint shards")
     shard: int = local(-1, "this peer's shard; -1 picks one from the peer id and seed")
-    shard_by: str = shared("document", "document (each document to a random shard: i.i.d. shards) or folder (whole "
-                                       "top-level folders per shard: non-i.i.d.; source = stdlib only)")
+    shard_by: ShardBy = shared(
+        "document",
+        "document (each document to a random shard: i.i.d. shards) or folder (whole "
+        "top-level folders per shard: non-i.i.d.; source = stdlib only)",
+    )
 
 
 @dataclass(frozen=True)
@@ -89,7 +100,7 @@ class InnerSection:
     min_lr_ratio: float = shared(0.1, "the cosine schedule ends at this fraction of lr")
     grad_clip: float = shared(1.0, "clip the gradient norm of each inner step to this (0 = off)")
     micro_batch_size: int = local(8, "sequences per forward pass; lower it if you run out of memory")
-    precision: str = local("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
+    precision: Precision = local("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
 
 
 @dataclass(frozen=True)
@@ -97,8 +108,11 @@ class OuterSection:
     lr: float = shared(0.7, "outer SGD learning rate")
     momentum: float = shared(0.9, "outer SGD momentum")
     nesterov: bool = shared(True, "Nesterov momentum (the paper's choice)")
-    drop_rate: float = shared(0.0, "experiments: chance that a peer's pseudo-gradient is left out of a round's "
-                                   "average (it joins with weight 0 and still applies the average)")
+    drop_rate: float = shared(
+        0.0,
+        "experiments: chance that a peer's pseudo-gradient is left out of a round's "
+        "average (it joins with weight 0 and still applies the average)",
+    )
 
 
 @dataclass(frozen=True)
@@ -108,21 +122,38 @@ class SwarmSection:
     port: int = local(0, "TCP port to listen on; 0 picks a free one")
     announce_host: str = local("", "public IP address to announce, when it differs from host (port forwarding)")
     identity_path: str = local("", "private key file fixing this peer's id; empty = identity.key in run.dir")
-    probe_links: bool = local(True, "probe the group's peers' links every few rounds (1-8 MiB each, while training) "
-                                    "and announce the figure, so that faster peers reduce larger spans")
+    probe_links: bool = local(
+        True,
+        "probe the group's peers' links every few rounds (1-8 MiB each, while training) "
+        "and announce the figure, so that faster peers reduce larger spans",
+    )
     client_mode: bool = local(False, "for peers others cannot reach (behind NAT): send and receive, never reduce")
     nat_traversal: bool = local(False, "UPnP/NAT-PMP port mapping, AutoNAT and relays (they probe the LAN)")
-    compression: str = shared(codecs.DEFAULT, "pseudo-gradient codec on the wire: fp32 (exact), bf16, scaled-fp16, "
-                                              "int8 or int4 (blockwise); norms and biases always travel exact")
+    compression: codecs.CodecName = shared(
+        codecs.DEFAULT,
+        "pseudo-gradient codec on the wire: fp32 (exact), bf16, scaled-fp16, "
+        "int8 or int4 (blockwise); norms and biases always travel exact",
+    )
     error_feedback: bool = shared(True, "add what the codec failed to send to the next round's pseudo-gradient")
-    overlap: str = shared("off", "off: blocking rounds; delayed or eager: the all-reduce of round r runs during "
-                                 "the inner phase of round r + 1 and its outer update is applied one round late")
-    speed_aware: bool = shared(True, "a round ends when the live peers together trained H x batch tokens each; "
-                                     "off: every peer runs exactly H steps (the paper's setting)")
-    matchmaking_time_s: float = shared(5.0, "the slack: how long peers that finished a round wait for the rest of "
-                                            "the group (a complete group starts at once)")
+    overlap: Overlap = shared(
+        "off",
+        "off: blocking rounds; delayed or eager: the all-reduce of round r runs during "
+        "the inner phase of round r + 1 and its outer update is applied one round late",
+    )
+    speed_aware: bool = shared(
+        True,
+        "a round ends when the live peers together trained H x batch tokens each; "
+        "off: every peer runs exactly H steps (the paper's setting)",
+    )
+    matchmaking_time_s: float = shared(
+        5.0,
+        "the slack: how long peers that finished a round wait for the rest of "
+        "the group (a complete group starts at once)",
+    )
     averaging_timeout_s: float = shared(60.0, "deadline of one all-reduce; a dead or hung peer costs at most this")
-    averaging_retries: int = shared(1, "after a failed all-reduce, the survivors retry this many times with their kept pseudo-gradients")
+    averaging_retries: int = shared(
+        1, "after a failed all-reduce, the survivors retry this many times with their kept pseudo-gradients"
+    )
     agreement_timeout_s: float = shared(15.0, "how long to wait for the group's digests after the outer step")
     join_timeout_s: float = local(30.0, "deadline to start, reach the initial peers, or download a state")
 
@@ -134,7 +165,7 @@ class CheckpointSection:
 
 @dataclass(frozen=True)
 class LogSection:
-    level: str = local("info", "debug, info, warning or error")
+    level: LogLevel = local("info", "debug, info, warning or error")
     progress: bool = local(True, "show a live progress bar on the terminal")
 
 
@@ -164,7 +195,7 @@ class Config:
         blob = json.dumps(self.shared_dict(), sort_keys=True, separators=(",", ":"))
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def replace(self, section: str, **values: Any) -> "Config":
+    def replace(self, section: str, **values: Any) -> Config:
         """A copy with some fields of one section changed, validated."""
         new = dataclasses.replace(self, **{section: dataclasses.replace(getattr(self, section), **values)})
         validate(new)
@@ -188,7 +219,8 @@ def field_specs() -> list[tuple[str, str, type, Any, dict]]:
     for section, cls in SECTIONS.items():
         hints = typing.get_type_hints(cls)
         for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()
+            factory = f.default_factory
+            default = factory() if factory is not dataclasses.MISSING else f.default
             specs.append((section, f.name, hints[f.name], default, dict(f.metadata)))
     return specs
 
@@ -223,6 +255,8 @@ def parse_value(text: str, typ: type, where: str) -> Any:
         raise ConfigError(f"{where} must be true or false, got {text!r}")
     if _is_str_tuple(typ):
         return tuple(part.strip() for part in text.split(",") if part.strip())
+    if _is_choice(typ):  # the value is checked against the choices by validate()
+        return text
     try:
         return typ(text)
     except ValueError:
@@ -233,6 +267,15 @@ def _is_str_tuple(typ: Any) -> bool:
     return typing.get_origin(typ) is tuple
 
 
+def _is_choice(typ: Any) -> bool:
+    return typing.get_origin(typ) is Literal
+
+
+def choices(typ: Any) -> tuple[str, ...]:
+    """The values a Literal field takes, or () for any other type."""
+    return typing.get_args(typ) if _is_choice(typ) else ()
+
+
 def _coerce(value: Any, typ: type, where: str) -> Any:
     """Check a TOML value against a field's type (ints are accepted for floats)."""
     if _is_str_tuple(typ):
@@ -241,6 +284,8 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
         if not isinstance(value, (list, tuple)) or not all(isinstance(v, str) for v in value):
             raise ConfigError(f"{where} must be a list of strings, got {value!r}")
         return tuple(value)
+    if _is_choice(typ):
+        typ = str  # which string: validate() checks it against the choices
     if typ is float and isinstance(value, int) and not isinstance(value, bool):
         return float(value)
     if typ is int and isinstance(value, bool) or not isinstance(value, typ):
@@ -309,8 +354,8 @@ def save(config: Config, path: str | Path) -> None:
 # --- validation ------------------------------------------------------------------------------
 
 PRESETS = ("tiny", "small", "150m", "1b")
-OVERLAP = ("off", "delayed", "eager")
-SHARD_BY = ("document", "folder")
+OVERLAP = typing.get_args(Overlap)
+SHARD_BY = typing.get_args(ShardBy)
 
 
 def _require(ok: bool, where: str, problem: str, fix: str) -> None:
@@ -324,59 +369,149 @@ def validate(c: Config) -> None:
     _require(bool(c.run.run_id.strip()), "run.run_id", "must not be empty", "any name")
     _require(c.run.rounds >= 1, "run.rounds", f"must be >= 1, got {c.run.rounds}", "e.g. 100")
     _require(bool(c.run.dir.strip()), "run.dir", "must not be empty", "a folder path")
-    _require(_valid_device(c.run.device), "run.device", f"must be auto, cpu, cuda or cuda:N, got {c.run.device!r}", "e.g. auto")
-    _require(c.run.eval_every_rounds >= 0, "run.eval_every_rounds", f"must be >= 0, got {c.run.eval_every_rounds}", "0 = never")
+    _require(
+        _valid_device(c.run.device),
+        "run.device",
+        f"must be auto, cpu, cuda or cuda:N, got {c.run.device!r}",
+        "e.g. auto",
+    )
+    _require(
+        c.run.eval_every_rounds >= 0,
+        "run.eval_every_rounds",
+        f"must be >= 0, got {c.run.eval_every_rounds}",
+        "0 = never",
+    )
     _require(c.run.eval_sequences >= 1, "run.eval_sequences", f"must be >= 1, got {c.run.eval_sequences}", "e.g. 64")
-    _require(c.model.preset in PRESETS or bool(c.model.config_path), "model.preset",
-             f"is unknown: {c.model.preset!r}", f"one of {', '.join(PRESETS)}, or set model.config_path")
+    _require(
+        c.model.preset in PRESETS or bool(c.model.config_path),
+        "model.preset",
+        f"is unknown: {c.model.preset!r}",
+        f"one of {', '.join(PRESETS)}, or set model.config_path",
+    )
     _require(c.model.seq_len >= 2, "model.seq_len", f"must be >= 2, got {c.model.seq_len}", "e.g. 1024")
-    _require(c.data.source in ("stdlib", "files", "hub"), "data.source",
-             f"must be stdlib, files or hub, got {c.data.source!r}", "stdlib needs nothing")
-    _require(c.data.source != "files" or bool(c.data.path), "data.path", "is required when data.source = files", "a file, folder or glob")
-    _require(c.data.source != "hub" or bool(c.data.name), "data.name", "is required when data.source = hub", "e.g. allenai/c4")
-    _require(0.0 < c.data.heldout_fraction < 1.0, "data.heldout_fraction", f"must be in (0, 1), got {c.data.heldout_fraction}", "e.g. 0.05")
+    _require(
+        c.data.source in typing.get_args(Source),
+        "data.source",
+        f"must be stdlib, files or hub, got {c.data.source!r}",
+        "stdlib needs nothing",
+    )
+    _require(
+        c.data.source != "files" or bool(c.data.path),
+        "data.path",
+        "is required when data.source = files",
+        "a file, folder or glob",
+    )
+    _require(
+        c.data.source != "hub" or bool(c.data.name),
+        "data.name",
+        "is required when data.source = hub",
+        "e.g. allenai/c4",
+    )
+    _require(
+        0.0 < c.data.heldout_fraction < 1.0,
+        "data.heldout_fraction",
+        f"must be in (0, 1), got {c.data.heldout_fraction}",
+        "e.g. 0.05",
+    )
     _require(c.data.num_shards >= 1, "data.num_shards", f"must be >= 1, got {c.data.num_shards}", "e.g. 64")
-    _require(-1 <= c.data.shard < c.data.num_shards, "data.shard",
-             f"must be -1 or in [0, {c.data.num_shards}), got {c.data.shard}", "-1 picks one for you")
+    _require(
+        -1 <= c.data.shard < c.data.num_shards,
+        "data.shard",
+        f"must be -1 or in [0, {c.data.num_shards}), got {c.data.shard}",
+        "-1 picks one for you",
+    )
     _require(bool(c.data.text_field), "data.text_field", "must not be empty", "e.g. text")
     _validate_inner(c.inner)
-    _require(c.data.shard_by in SHARD_BY, "data.shard_by", f"must be one of {', '.join(SHARD_BY)}, got {c.data.shard_by!r}",
-             "document is the default")
-    _require(c.data.shard_by == "document" or c.data.source == "stdlib", "data.shard_by",
-             f"= folder needs a corpus with folders (source = stdlib), got source = {c.data.source}", "use document")
-    _require(0.0 <= c.outer.drop_rate < 1.0, "outer.drop_rate", f"must be in [0, 1), got {c.outer.drop_rate}",
-             "0 = never; the paper tries 0.1 to 0.5")
+    _require(
+        c.data.shard_by in SHARD_BY,
+        "data.shard_by",
+        f"must be one of {', '.join(SHARD_BY)}, got {c.data.shard_by!r}",
+        "document is the default",
+    )
+    _require(
+        c.data.shard_by == "document" or c.data.source == "stdlib",
+        "data.shard_by",
+        f"= folder needs a corpus with folders (source = stdlib), got source = {c.data.source}",
+        "use document",
+    )
+    _require(
+        0.0 <= c.outer.drop_rate < 1.0,
+        "outer.drop_rate",
+        f"must be in [0, 1), got {c.outer.drop_rate}",
+        "0 = never; the paper tries 0.1 to 0.5",
+    )
     _require(_pos(c.outer.lr), "outer.lr", f"must be > 0, got {c.outer.lr}", "the paper uses 0.7")
-    _require(0.0 <= c.outer.momentum < 1.0, "outer.momentum", f"must be in [0, 1), got {c.outer.momentum}", "the paper uses 0.9")
+    _require(
+        0.0 <= c.outer.momentum < 1.0,
+        "outer.momentum",
+        f"must be in [0, 1), got {c.outer.momentum}",
+        "the paper uses 0.9",
+    )
     _validate_swarm(c.swarm)
     _require(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.checkpoint.keep}", "e.g. 3")
-    _require(c.log.level in ("debug", "info", "warning", "error"), "log.level",
-             f"must be debug, info, warning or error, got {c.log.level!r}", "e.g. info")
+    _require(
+        c.log.level in typing.get_args(LogLevel),
+        "log.level",
+        f"must be debug, info, warning or error, got {c.log.level!r}",
+        "e.g. info",
+    )
 
 
 def _validate_inner(i: InnerSection) -> None:
     _require(i.steps >= 1, "inner.steps", f"must be >= 1, got {i.steps}", "the paper uses H = 500")
     _require(i.batch_size >= 1, "inner.batch_size", f"must be >= 1, got {i.batch_size}", "e.g. 512")
     _require(_pos(i.lr), "inner.lr", f"must be > 0, got {i.lr}", "the paper uses 4e-4")
-    _require(i.weight_decay >= 0 and math.isfinite(i.weight_decay), "inner.weight_decay", f"must be >= 0, got {i.weight_decay}", "e.g. 0.1")
+    _require(
+        i.weight_decay >= 0 and math.isfinite(i.weight_decay),
+        "inner.weight_decay",
+        f"must be >= 0, got {i.weight_decay}",
+        "e.g. 0.1",
+    )
     _require(0.0 <= i.beta1 < 1.0, "inner.beta1", f"must be in [0, 1), got {i.beta1}", "e.g. 0.9")
     _require(0.0 <= i.beta2 < 1.0, "inner.beta2", f"must be in [0, 1), got {i.beta2}", "e.g. 0.95")
     _require(i.warmup_steps >= 0, "inner.warmup_steps", f"must be >= 0, got {i.warmup_steps}", "e.g. 1000")
     _require(0.0 <= i.min_lr_ratio <= 1.0, "inner.min_lr_ratio", f"must be in [0, 1], got {i.min_lr_ratio}", "e.g. 0.1")
-    _require(i.grad_clip >= 0 and math.isfinite(i.grad_clip), "inner.grad_clip", f"must be >= 0, got {i.grad_clip}", "0 = off")
+    _require(
+        i.grad_clip >= 0 and math.isfinite(i.grad_clip),
+        "inner.grad_clip",
+        f"must be >= 0, got {i.grad_clip}",
+        "0 = off",
+    )
     _require(i.micro_batch_size >= 1, "inner.micro_batch_size", f"must be >= 1, got {i.micro_batch_size}", "e.g. 8")
-    _require(i.batch_size % i.micro_batch_size == 0, "inner.micro_batch_size",
-             f"({i.micro_batch_size}) must divide inner.batch_size ({i.batch_size})", "e.g. a power of two")
-    _require(i.precision in ("auto", "fp32", "bf16"), "inner.precision", f"must be auto, fp32 or bf16, got {i.precision!r}", "auto")
+    _require(
+        i.batch_size % i.micro_batch_size == 0,
+        "inner.micro_batch_size",
+        f"({i.micro_batch_size}) must divide inner.batch_size ({i.batch_size})",
+        "e.g. a power of two",
+    )
+    _require(
+        i.precision in typing.get_args(Precision),
+        "inner.precision",
+        f"must be auto, fp32 or bf16, got {i.precision!r}",
+        "auto",
+    )
 
 
 def _validate_swarm(s: SwarmSection) -> None:
     _require(0 <= s.port <= 65535, "swarm.port", f"must be in [0, 65535], got {s.port}", "0 picks a free port")
-    _require(s.compression in codecs.CODECS, "swarm.compression",
-             f"must be one of {', '.join(codecs.CODECS)}, got {s.compression!r}", f"{codecs.DEFAULT} is the default")
-    _require(s.overlap in OVERLAP, "swarm.overlap", f"must be one of {', '.join(OVERLAP)}, got {s.overlap!r}",
-             "off blocks each round on its all-reduce")
-    _require(0 <= s.averaging_retries <= 10, "swarm.averaging_retries", f"must be in [0, 10], got {s.averaging_retries}", "e.g. 1")
+    _require(
+        s.compression in codecs.CODECS,
+        "swarm.compression",
+        f"must be one of {', '.join(codecs.CODECS)}, got {s.compression!r}",
+        f"{codecs.DEFAULT} is the default",
+    )
+    _require(
+        s.overlap in OVERLAP,
+        "swarm.overlap",
+        f"must be one of {', '.join(OVERLAP)}, got {s.overlap!r}",
+        "off blocks each round on its all-reduce",
+    )
+    _require(
+        0 <= s.averaging_retries <= 10,
+        "swarm.averaging_retries",
+        f"must be in [0, 10], got {s.averaging_retries}",
+        "e.g. 1",
+    )
     for name in ("matchmaking_time_s", "averaging_timeout_s", "agreement_timeout_s", "join_timeout_s"):
         value = getattr(s, name)
         _require(_pos(value), f"swarm.{name}", f"must be > 0 seconds, got {value}", "every network wait has a deadline")

@@ -54,7 +54,9 @@ class PeerLogger(logging.LoggerAdapter):
 
     def __init__(self, logger: logging.Logger, peer: str):
         super().__init__(logger, {})
-        self.peer, self.round, self.step, self.steps = peer, 0, None, None
+        self.peer, self.round = peer, 0
+        self.step: int | None = None  # inside an inner phase: the step, of `steps`
+        self.steps: int | None = None
 
     def process(self, msg: str, kwargs: Any) -> tuple[str, Any]:
         where = f"peer {self.peer} round {self.round}"

@@ -15,8 +15,8 @@ nor its share of the budget, so the others simply train on and lose nothing to i
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
-from typing import Iterable
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,9 @@ def estimate(report: Progress, now: float) -> float:
     return report.tokens + max(0.0, report.tokens_per_s) * elapsed
 
 
-def swarm_progress(me: str, round_: int, my_tokens: int, reports: Iterable[Progress], now: float,
-                   tokens_per_peer: int, stale_s: float) -> SwarmProgress:
+def swarm_progress(
+    me: str, round_: int, my_tokens: int, reports: Iterable[Progress], now: float, tokens_per_peer: int, stale_s: float
+) -> SwarmProgress:
     """The round's progress from this peer's tokens and the other peers' reports.
 
     Only reports of the same round that are younger than `stale_s` count. A live peer that has not

@@ -44,7 +44,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco import codecs, links
+from p2p_diloco import codecs, faults, links
 
 logger = get_logger(__name__)
 
@@ -213,6 +213,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         self, messages: AsyncIterator[averaging_pb2.AveragingData], peer_index: int
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         async for msg in messages:
+            faults.reached(faults.FaultPoint.ALLREDUCE_PART)
             yield msg
             self.bytes_sent += len(msg.tensor_part.buffer)
 
@@ -263,6 +264,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                     stream,
                     max_prefetch=self.tensor_part_container.prefetch,
                 ):
+                    faults.reached(faults.FaultPoint.ALLREDUCE_PART)
                     _check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
                     if not (weight >= 0 and weight < float("inf")):
                         raise AllreduceException(f"sender {sender_index} sent weight {weight}")
@@ -557,6 +559,7 @@ class DiLoCoAverager(DecentralizedAverager):
         }
         self.last_updated = time.time()
         self._state_updated.set()
+        faults.reached(faults.FaultPoint.ALLREDUCE_DONE)
 
 
 def _fair(group_info: GroupInfo, serializer: Any) -> GroupInfo:

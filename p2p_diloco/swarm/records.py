@@ -2,24 +2,24 @@
 
 Every record lives under a subkey that holds its owner's RSA public key, so hivemind's
 RSASignatureValidator lets only the owner write it. What a record *says* is still untrusted:
-`RoundRecord.parse` drops anything malformed, and majorities decide, never a single record.
+`RoundRecord.parse` (network.py) drops anything malformed, and majorities decide, never a single
+record (agreement.py).
 """
 
 from __future__ import annotations
 
 import re
-from collections import Counter
-from dataclasses import asdict, dataclass
-from typing import Any, Iterable
+from dataclasses import asdict
+from typing import Any
 
 from hivemind.utils import get_dht_time
 
+from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress
 
 RECORD_TTL_S = 90.0  # a peer that stops refreshing its record drops out of the swarm's view after this
 REFRESH_S = 30.0  # live peers re-publish their latest record this often (a heartbeat)
 PROGRESS_TTL_S = 30.0  # progress reports are stale after seconds anyway (rounds.py); they need not live long
-_DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
 
 def run_prefix(run_id: str, fingerprint: str) -> str:
@@ -33,39 +33,18 @@ def round_bits(round_: int) -> str:
     return format(round_, "032b")
 
 
-@dataclass(frozen=True)
-class RoundRecord:
-    peer: str
-    round: int
-    digest: str
-    tokens: int
-    loss: float
-    addrs: tuple[str, ...] = ()  # where the peer listens (its multiaddrs), for operators and dashboards
-    serves: bool = True  # False for client-mode peers: nobody can connect to them to download a state
-
-    @classmethod
-    def parse(cls, value: Any) -> "RoundRecord | None":
-        """A record from the DHT, or None if it is malformed (it came from another peer: trust nothing)."""
-        if not isinstance(value, dict):
-            return None
-        try:
-            addrs = tuple(str(a) for a in value.get("addrs", ())[:8])
-            record = cls(str(value["peer"]), int(value["round"]), str(value["digest"]), int(value["tokens"]),
-                         float(value["loss"]), addrs, bool(value.get("serves", True)))
-        except (KeyError, TypeError, ValueError):
-            return None
-        if record.round < 0 or record.tokens < 0 or not _DIGEST.match(record.digest) or len(record.peer) > 128:
-            return None
-        return record
-
-
 def parse_progress(value: Any) -> Progress | None:
     """A progress report from the DHT, or None if it is malformed (untrusted, like every record)."""
     if not isinstance(value, dict):
         return None
     try:
-        report = Progress(str(value["peer"]), int(value["round"]), int(value["tokens"]),
-                          float(value["tokens_per_s"]), float(value["time"]))
+        report = Progress(
+            str(value["peer"]),
+            int(value["round"]),
+            int(value["tokens"]),
+            float(value["tokens_per_s"]),
+            float(value["time"]),
+        )
     except (KeyError, TypeError, ValueError):
         return None
     numbers_ok = report.tokens >= 0 and 0.0 <= report.tokens_per_s < float("inf") and report.time == report.time
@@ -115,26 +94,6 @@ def read_progress(dht: Any, prefix: str) -> list[Progress]:
     return list(out.values())
 
 
-def latest_majority(recs: Iterable[RoundRecord]) -> tuple[int, str, list[str]] | None:
-    """(round, digest, peers) of the highest round, with the digest most peers hold (ties: smallest digest).
-
-    Only peers that serve their state count: a client-mode peer's state cannot be downloaded, so
-    it cannot be the swarm's reference; it follows the reachable peers instead."""
-    recs = [r for r in recs if r.serves]
-    if not recs:
-        return None
-    top = max(r.round for r in recs)
-    digests = Counter(r.digest for r in recs if r.round == top)
-    digest = min(digests, key=lambda d: (-digests[d], d))
-    return top, digest, sorted(r.peer for r in recs if r.round == top and r.digest == digest)
-
-
-def majority(digests: dict[str, str]) -> str:
-    """The digest most peers hold; ties go to the smallest digest so every peer picks the same one."""
-    counts = Counter(digests.values())
-    return min(counts, key=lambda d: (-counts[d], d))
-
-
 def publish_config(dht: Any, validator: Any, run_id: str, fingerprint: str, shared: dict) -> None:
     _store(dht, validator, f"{run_prefix(run_id, 'configs')}", {"fingerprint": fingerprint, "shared": shared})
 
@@ -143,6 +102,10 @@ def read_configs(dht: Any, run_id: str) -> dict[str, tuple[str, dict]]:
     """Configs that peers of this run id published: {fingerprint: (fingerprint, shared fields)}."""
     out = {}
     for value in _read(dht, run_prefix(run_id, "configs")):
-        if isinstance(value, dict) and isinstance(value.get("fingerprint"), str) and isinstance(value.get("shared"), dict):
+        if (
+            isinstance(value, dict)
+            and isinstance(value.get("fingerprint"), str)
+            and isinstance(value.get("shared"), dict)
+        ):
             out[value["fingerprint"]] = (value["fingerprint"], value["shared"])
     return out

@@ -1,19 +1,21 @@
-"""A peer that fails on purpose at a chosen phase and round: the fault-injection tests' subject.
+"""A peer that fails on purpose at a chosen fault point and count: the fault-injection tests' subject.
 
     FAULT=<phase>:<n>:<KILL|STOP|INT> python -m tests.swarm.faulty_peer peer ...   (same arguments as p2p-diloco peer)
 
-phase `inner`: at the start of the n-th inner phase this peer runs, the main process signals its
-whole process group (itself, its DHT and averager processes and their p2pd): SIGKILL is a crash,
-SIGSTOP a laptop that went to sleep, SIGINT a Ctrl+C in the peer's terminal (which also signals
-the whole foreground process group). phase `allreduce`: the averager process does the same in the
-first all-reduce it starts after n-1 all-reduces completed (failed attempts, which a loaded
-machine sees now and then, do not count), at the first part it sends (as a sender) or receives (as
-a reducer, before it answered anything). phase `matchmaking`: the n-th time this peer looks for its round's
-group, half a matchmaking window after it declared itself (others have seen it and may be
-waiting for it). phase `serve`: when another peer downloads this peer's state for the n-th time,
-before a byte was sent. Counting from this peer's start makes the fault land after it took part in
-the swarm, however many rounds it skipped by catching up.
-The tests start this process in a session of its own, so the group is exactly this peer.
+The phases are the peer's own fault points (p2p_diloco.faults.FaultPoint); at the n-th time the
+peer reaches one, it signals its whole process group (itself, its DHT and averager processes and
+their p2pd): SIGKILL is a crash, SIGSTOP a laptop that went to sleep, SIGINT a Ctrl+C in the peer's
+terminal (which also signals the whole foreground process group).
+- `inner`: at the start of the n-th inner phase this peer runs.
+- `allreduce`: in the first all-reduce the averager process starts after n-1 all-reduces completed
+  (failed attempts, which a loaded machine sees now and then, do not count), at the first part it
+  sends (as a sender) or receives (as a reducer, before it answered anything).
+- `matchmaking`: the n-th time this peer looks for its round's group, half a matchmaking window
+  after it declared itself (others have seen it and may be waiting for it).
+- `serve`: when another peer downloads this peer's state for the n-th time, before a byte was sent.
+Counting from this peer's start makes the fault land after it took part in the swarm, however many
+rounds it skipped by catching up. The tests start this process in a session of its own, so the
+group is exactly this peer.
 """
 
 import os
@@ -21,15 +23,12 @@ import signal
 import sys
 import threading
 
-from p2p_diloco import cli, peer
-from p2p_diloco.swarm import Swarm
-from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner, DiLoCoAverager
+from p2p_diloco import cli
+from p2p_diloco.faults import FaultPoint, install
 
 PHASE, NTH, SIGNAL = os.environ["FAULT"].split(":")
 NTH = int(NTH)
 SIGNUM = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "INT": signal.SIGINT}[SIGNAL]
-
-
 FIRED = threading.Event()
 
 
@@ -40,83 +39,46 @@ def fail() -> None:
         os.killpg(os.getpgid(0), SIGNUM)
 
 
-def patch_inner() -> None:
-    original = peer.Peer._inner_phase
-    state = {"phases": 0}
+def on_nth(point: FaultPoint, act=lambda **context: fail()) -> None:
+    """`act` when the peer reaches `point` for the n-th time."""
+    count = {"n": 0}
 
-    def inner_phase(self, stop, lead=0):
-        state["phases"] += 1
-        if state["phases"] == NTH:
-            fail()
-        return original(self, stop, lead)
+    def hook(**context) -> None:
+        count["n"] += 1
+        if count["n"] == NTH:
+            act(**context)
 
-    peer.Peer._inner_phase = inner_phase
+    install(point, hook)
 
 
-def patch_allreduce() -> None:
-    """The averager process counts its completed all-reduces; in the next one after n-1 it fails on
-    the first part it sends or receives, whichever role (sender, reducer) comes first. hivemind's
+def in_allreduce_after_completed() -> None:
+    """The averager process counts its completed all-reduces; in the next one after n-1 it fails at
+    the first part it sends or receives, whichever role (sender, reducer) comes first: hivemind's
     load balancer may give a peer no span to reduce, so the fault does not wait for that role."""
-    original_run = DiLoCoAverager._run_allreduce_inplace_
-    original_reduce = ConsistentAllReduceRunner._accumulate_parts_streaming
-    original_counted = ConsistentAllReduceRunner._counted
-    state = {"completed": 0}
+    completed = {"n": 0}
 
-    async def run(self, *args, **kwargs):
-        await original_run(self, *args, **kwargs)
-        state["completed"] += 1
+    def done(**context) -> None:
+        completed["n"] += 1
 
-    def armed() -> bool:
-        return state["completed"] == NTH - 1
-
-    async def reduce(self, stream, sender_index):
-        async def parts():
-            async for message in stream:
-                if armed():
-                    fail()
-                yield message
-
-        async for reply in original_reduce(self, parts(), sender_index):
-            yield reply
-
-    async def counted(self, messages, peer_index):
-        async for message in original_counted(self, messages, peer_index):
-            if armed():
-                fail()
-            yield message
-
-    DiLoCoAverager._run_allreduce_inplace_ = run
-    ConsistentAllReduceRunner._accumulate_parts_streaming = reduce
-    ConsistentAllReduceRunner._counted = counted
-
-
-def patch_matchmaking() -> None:
-    original = Swarm.average
-    state = {"steps": 0}
-
-    def average(self, *args, **kwargs):
-        state["steps"] += 1
-        if state["steps"] == NTH:  # the fault's timing, not a synchronisation: it lands mid-matchmaking
-            threading.Timer(self.config.swarm.matchmaking_time_s / 2, fail).start()
-        return original(self, *args, **kwargs)
-
-    Swarm.average = average
-
-
-def patch_serve() -> None:
-    original = peer.Peer._serve_state
-    state = {"served": 0}
-
-    def serve_state(self):
-        state["served"] += 1
-        if state["served"] == NTH:
+    def part(**context) -> None:
+        if completed["n"] == NTH - 1:
             fail()
-        return original(self)
 
-    peer.Peer._serve_state = serve_state
+    install(FaultPoint.ALLREDUCE_DONE, done)
+    install(FaultPoint.ALLREDUCE_PART, part)
 
 
-{"inner": patch_inner, "allreduce": patch_allreduce, "matchmaking": patch_matchmaking, "serve": patch_serve}[PHASE]()
+def mid_matchmaking(window_s: float, **context) -> None:
+    # the fault's timing, not a synchronisation: it lands half-way through the matchmaking window
+    threading.Timer(window_s / 2, fail).start()
+
+
+if PHASE == "allreduce":
+    in_allreduce_after_completed()
+elif PHASE == "matchmaking":
+    on_nth(FaultPoint.MATCHMAKING, mid_matchmaking)
+else:
+    on_nth(FaultPoint(PHASE))
 
 if __name__ == "__main__":
     sys.exit(cli.main())

@@ -13,8 +13,8 @@ def _serve_tampered(self):
     return metadata, [theta + 1e-3, momentum]
 
 
-_honest = peer.Peer._serve_state
-peer.Peer._serve_state = _serve_tampered
+_honest = peer.Peer.serve_state
+peer.Peer.serve_state = _serve_tampered
 
 if __name__ == "__main__":
     sys.exit(cli.main())

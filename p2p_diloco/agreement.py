@@ -1,0 +1,129 @@
+"""Agreement and catch-up: the decisions, as pure functions of what the swarm published.
+
+After a round's outer step every peer publishes the digest of its new state and compares it with
+the digests of the peers that should hold the same state; if the majority holds another, the peer
+downloads the majority's state (I1). A peer that finds the swarm at a later round downloads that
+round's state instead of training a round nobody else is in. This module decides:
+- whom to wait for (`whom_to_wait_for`, `still_waiting`);
+- what the majority is, with the tie-break every peer computes the same way (`majority`, `reference`);
+- adopt or keep (`should_adopt`, `catch_up_target`);
+- which holders to download from (`download_sources`).
+sync.py carries the decisions out; the `Swarm` (network.py) only reads and writes.
+
+Client-mode peers (behind NAT) cannot serve a state, so they never count as a reference while a
+reachable peer's digest is in: they follow the reachable peers.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+
+from p2p_diloco.network import RoundRecord
+
+
+@dataclass(frozen=True)
+class Reference:
+    """A state some peers hold: its round, its digest, and the peers that can serve it (sorted)."""
+
+    round: int
+    digest: str
+    holders: tuple[str, ...]
+
+
+def majority(digests: Mapping[str, str]) -> str:
+    """The digest most peers hold; ties go to the smallest digest so every peer picks the same one."""
+    counts = Counter(digests.values())
+    return min(counts, key=lambda d: (-counts[d], d))
+
+
+def live_at(records: Mapping[str, RoundRecord], stale: set[str], *rounds: int) -> set[str]:
+    """Peers whose latest record is at one of `rounds` and whose heartbeat is fresh."""
+    return {p for p, r in records.items() if r.round in rounds} - stale
+
+
+def whom_to_wait_for(me: str, group: Iterable[str], seen_at_round: Iterable[str]) -> tuple[str, ...]:
+    """The peers whose digests decide a round's agreement: its group, every live peer seen at the
+    round (one that missed the group and averaged alone rejoins the majority in the same round),
+    and this peer. Sorted, so every peer forms the same tuple."""
+    return tuple(sorted(set(group) | set(seen_at_round) | {me}))
+
+
+def still_waiting(expected: Iterable[str], published: Iterable[str], stale: set[str]) -> set[str]:
+    """Expected peers whose digest is not in yet and who are still alive (a dead one is not waited for)."""
+    return set(expected) - set(published) - stale
+
+
+def tally(
+    expected: tuple[str, ...], published: Mapping[str, str], me: str, mine: str
+) -> tuple[dict[str, str], list[str]]:
+    """(digests that count, expected peers missing). This peer's own record may not be readable
+    yet, but it knows its digest."""
+    digests = {**published, me: mine}
+    return digests, [p for p in expected if p not in digests]
+
+
+def clients(records: Mapping[str, RoundRecord], me: str, me_client: bool) -> set[str]:
+    """Peers that cannot serve their state (client mode), this one included if it is one."""
+    out = {p for p, r in records.items() if not r.serves}
+    return out | {me} if me_client else out
+
+
+def reference(digests: Mapping[str, str], cannot_serve: set[str]) -> tuple[str, list[str]]:
+    """(majority digest, peers that hold it and can serve it) among `digests`. Client-mode peers'
+    digests count only if nobody else's is in."""
+    counted = {p: d for p, d in digests.items() if p not in cannot_serve} or dict(digests)
+    winner = majority(counted)
+    return winner, sorted(p for p, d in digests.items() if d == winner and p not in cannot_serve)
+
+
+def should_adopt(mine: str, majority_digest: str) -> bool:
+    """A peer whose state differs from the majority's reloads the majority's state."""
+    return majority_digest != mine
+
+
+def latest(records: Iterable[RoundRecord]) -> Reference | None:
+    """The swarm's latest state: the highest round published by a peer that serves its state, with
+    the digest most of them hold there (ties: the smallest). None if no such peer is known."""
+    serving = [r for r in records if r.serves]
+    if not serving:
+        return None
+    top = max(r.round for r in serving)
+    digest = majority({r.peer: r.digest for r in serving if r.round == top})
+    return Reference(top, digest, tuple(sorted(r.peer for r in serving if r.round == top and r.digest == digest)))
+
+
+def catch_up_target(swarm_latest: Reference | None, my_round: int, my_digest: str, me_client: bool) -> Reference | None:
+    """The state to download before the next round, or None to keep this peer's own.
+
+    A later round, or the same round with another majority digest, is downloaded. An earlier
+    one is not, except by a client-mode peer: it follows the reachable peers even when it ran
+    ahead of them alone.
+    """
+    if swarm_latest is None:
+        return None
+    if swarm_latest.round == my_round and swarm_latest.digest == my_digest:
+        return None
+    if swarm_latest.round < my_round and not me_client:
+        return None
+    return swarm_latest
+
+
+def download_sources(holders: Iterable[str], me: str) -> list[str]:
+    """The holders to ask, in order (sorted by peer id, so every joiner asks in the same order);
+    never this peer itself."""
+    return [p for p in holders if p != me]
+
+
+def expected_group(peers_in_round: int, at_rounds: set[str]) -> int:
+    """The group to expect: every peer training this round (the swarm's progress), or finishing
+    the one before (a peer that died lingers in the records for a while; then the matchmaking
+    window runs out instead)."""
+    return max(peers_in_round, len(at_rounds))
+
+
+def still_finishing(records: Mapping[str, RoundRecord], stale: set[str], final: int, mine: str) -> list[str]:
+    """Live peers of the last two rounds that do not hold this peer's final state yet: whom a peer
+    that finished the run lingers for, so they can download it."""
+    return [p for p, r in records.items() if r.round in (final - 1, final) and r.digest != mine and p not in stale]

@@ -1,0 +1,36 @@
+"""Named points in a peer's life where a test can inject a fault (tests/swarm/faulty_peer.py).
+
+The peer calls `reached(point)` at each; nothing happens unless a hook was installed for it, which
+only the fault-injection tests do. Hooks installed before the swarm starts also run in the
+averager process (it is forked from the peer), which is where the all-reduce's points are.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+Hook = Callable[..., None]
+
+
+class FaultPoint(enum.Enum):
+    INNER = "inner"  # an inner phase starts (the peer's main process)
+    MATCHMAKING = "matchmaking"  # the peer starts looking for its round's group (context: window_s)
+    ALLREDUCE_PART = "allreduce"  # the averager process sends or receives a part of an all-reduce
+    ALLREDUCE_DONE = "allreduce-done"  # the averager process completed an all-reduce
+    SERVE = "serve"  # another peer asks for this peer's state, before a byte is sent
+
+
+_hooks: dict[FaultPoint, Hook] = {}
+
+
+def install(point: FaultPoint, hook: Hook) -> None:
+    """Call `hook(**context)` whenever the peer reaches `point` (tests only)."""
+    _hooks[point] = hook
+
+
+def reached(point: FaultPoint, **context: Any) -> None:
+    hook = _hooks.get(point)
+    if hook is not None:
+        hook(**context)

@@ -1,0 +1,214 @@
+"""The seam between a peer and its swarm: the `Swarm` protocol, what crosses it, and `Solo`.
+
+The peer's round logic (round.py, averaging.py, sync.py) talks to the network only through a
+`Swarm`. Three things implement it:
+- `p2p_diloco.swarm.Swarm`: real hivemind peers (the only package that imports hivemind);
+- `Solo`: a peer with no initial peers, a swarm of one, so the round logic has no solo branches;
+- the fake in `tests/unit/fake_swarm.py`, which scripts the other peers for in-process round tests.
+
+A `Swarm` does I/O only. What to make of what it reads (whom to wait for, which digest is the
+majority, whether to adopt or catch up) is decided by the pure functions of agreement.py.
+"""
+
+from __future__ import annotations
+
+import re
+import secrets
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+
+from p2p_diloco.rounds import SwarmProgress
+
+_DIGEST = re.compile(r"^[0-9a-f]{32}$")
+
+# What a peer serves to another that downloads its state: ({"round", "digest"}, [θ, momentum]).
+ServedState = tuple[dict[str, Any], list[torch.Tensor]]
+# Checks a downloaded state: returns the digest of what arrived (or "malformed").
+StateCheck = Callable[[dict[str, Any], list[torch.Tensor]], str]
+
+
+@dataclass(frozen=True)
+class RoundRecord:
+    """A peer's latest round as it published it in the DHT: untrusted until checked (I4)."""
+
+    peer: str
+    round: int
+    digest: str
+    tokens: int
+    loss: float
+    addrs: tuple[str, ...] = ()  # where the peer listens (its multiaddrs), for operators and dashboards
+    serves: bool = True  # False for client-mode peers: nobody can connect to them to download a state
+
+    @classmethod
+    def parse(cls, value: Any) -> RoundRecord | None:
+        """A record from the DHT, or None if it is malformed (it came from another peer: trust nothing)."""
+        if not isinstance(value, dict):
+            return None
+        try:
+            addrs = tuple(str(a) for a in value.get("addrs", ())[:8])
+            record = cls(
+                str(value["peer"]),
+                int(value["round"]),
+                str(value["digest"]),
+                int(value["tokens"]),
+                float(value["loss"]),
+                addrs,
+                bool(value.get("serves", True)),
+            )
+        except (KeyError, TypeError, ValueError):
+            return None
+        if record.round < 0 or record.tokens < 0 or not _DIGEST.match(record.digest) or len(record.peer) > 128:
+            return None
+        return record
+
+
+@dataclass(frozen=True)
+class AllReduced:
+    """One all-reduce of a round's group: the average and what it cost."""
+
+    delta: torch.Tensor  # flat fp32, identical bytes on every member of the group
+    exact: torch.Tensor | None  # the exact part (norms, biases), if the swarm has one
+    group: tuple[str, ...]  # peer ids of the group, this peer included
+    allreduce_s: float
+    bytes_sent: int
+    bytes_received: int
+    link_bps: float | None = None  # the link figure this peer announced (bytes/s, links.LinkMeter), if any
+
+
+class Swarm(Protocol):
+    """One peer's membership of a run's swarm: the only way the round logic reaches other peers.
+
+    Every wait has a deadline from the config (I3). Everything read from other peers is
+    validated before it is returned (I4).
+    """
+
+    peer_id: str
+    solo: bool  # True only for `Solo`: there is nobody to average with
+
+    def check_config(self) -> None:
+        """Publish this peer's shared config; raise RunConfigMismatch if the run's peers hold another (I5)."""
+
+    def wait_for_reachable_peer(self) -> None:
+        """Client mode: block until a peer others can reach is in the run, or raise SwarmError."""
+
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float) -> None:
+        """Publish this peer's latest round record (kept fresh until the next one)."""
+
+    def peers(self) -> dict[str, RoundRecord]:
+        """The latest round record of every live peer of the run, by peer id."""
+        ...
+
+    def stale_peers(self) -> set[str]:
+        """Peers whose heartbeat stopped: dead, hung or asleep. Nobody waits for them."""
+        ...
+
+    def wait_for_round(self, round_: int, timeout: float) -> bool:
+        """Whether a peer that serves its state publishes round `round_` (or later) within `timeout` s."""
+        ...
+
+    def wait_for_digests(self, round_: int, expected: tuple[str, ...]) -> dict[str, str]:
+        """Digests of round `round_` published by `expected`, waiting until all live ones are in or
+        swarm.agreement_timeout_s ran out."""
+        ...
+
+    def report_progress(self, round_: int, tokens: int, tokens_per_s: float) -> None:
+        """This peer's progress in its round (speed-aware rounds)."""
+
+    def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int) -> SwarmProgress:
+        """The swarm's progress in `round_` as last heard (speed-aware rounds); reads memory only."""
+        ...
+
+    def swarm_round(self) -> int | None:
+        """The latest round a peer that serves its state has published, as last heard."""
+        ...
+
+    def average(
+        self,
+        delta: torch.Tensor,
+        weight: float,
+        round_: int,
+        retry: bool = False,
+        expected_group: int = 0,
+        exact: torch.Tensor | None = None,
+    ) -> AllReduced | None:
+        """All-reduce this round's flat Δ with the peers at the same round. None: nobody else came
+        within the matchmaking window. Raises AveragingError if the group's all-reduce failed:
+        nothing of it was applied (I2)."""
+        ...
+
+    def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
+        """A state of round `round_` whose digest (by `verify`) is `digest`, from one of `from_peers`;
+        raises StateDownloadError if none serves it."""
+        ...
+
+    def close(self) -> None:
+        """Leave the swarm (also on errors)."""
+
+
+class Solo:
+    """The swarm of a peer that trains alone (no initial peers): DiLoCo with k = 1.
+
+    Nobody else publishes, so agreement is with itself and catch-up finds nothing; its id is made
+    on first start and kept in the run dir, so a resumed peer keeps its data shard.
+    """
+
+    solo = True
+
+    def __init__(self, run_dir: Path):
+        path = run_dir / "peer_id"
+        if not path.exists():
+            path.write_text(secrets.token_hex(8) + "\n")
+        self.peer_id = path.read_text().strip()
+
+    def check_config(self) -> None:
+        return None
+
+    def wait_for_reachable_peer(self) -> None:
+        return None
+
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float) -> None:
+        return None
+
+    def peers(self) -> dict[str, RoundRecord]:
+        return {}
+
+    def stale_peers(self) -> set[str]:
+        return set()
+
+    def wait_for_round(self, round_: int, timeout: float) -> bool:
+        return False
+
+    def wait_for_digests(self, round_: int, expected: tuple[str, ...]) -> dict[str, str]:
+        return {}
+
+    def report_progress(self, round_: int, tokens: int, tokens_per_s: float) -> None:
+        return None
+
+    def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int) -> SwarmProgress:
+        return SwarmProgress(float(my_tokens), tokens_per_peer, 1)
+
+    def swarm_round(self) -> int | None:
+        return None
+
+    def average(
+        self,
+        delta: torch.Tensor,
+        weight: float,
+        round_: int,
+        retry: bool = False,
+        expected_group: int = 0,
+        exact: torch.Tensor | None = None,
+    ) -> AllReduced | None:
+        return None
+
+    def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
+        from p2p_diloco.errors import StateDownloadError
+
+        raise StateDownloadError("a peer that trains alone has nobody to download a state from")
+
+    def close(self) -> None:
+        return None

@@ -1,0 +1,94 @@
+"""The swarm's heartbeat: one background thread that keeps this peer's records fresh in the DHT and
+everyone else's in memory, so that the training loop only ever reads memory.
+
+Every PROGRESS_INTERVAL_S it publishes this peer's progress in its round and reads everyone's;
+every REFRESH_S it re-publishes this peer's round record, which expires after RECORD_TTL_S, so a
+peer that died drops out of everyone's view within a minute and a half.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from dataclasses import replace
+from typing import Any
+
+from p2p_diloco.network import RoundRecord
+from p2p_diloco.rounds import Progress, SwarmProgress, swarm_progress
+from p2p_diloco.swarm import records
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_INTERVAL_S = 1.0  # how often a peer publishes its progress and reads everyone's
+STALE_S = 10.0  # a peer whose progress report is older than this no longer counts in the round
+
+
+class Heartbeat:
+    """This peer's published round and progress, and the latest view of everyone's."""
+
+    def __init__(self, dht: Any, validator: Any, prefix: str, peer_id: str, dht_lock: threading.Lock):
+        self.dht, self.validator, self.prefix, self.peer_id = dht, validator, prefix, peer_id
+        self._dht_lock = dht_lock  # hivemind's DHT handle is one pipe: this thread and the peer's take turns
+        self._last_record: RoundRecord | None = None
+        self._last_refresh = 0.0
+        self._my_progress: Progress | None = None
+        self._reports: list[Progress] = []
+        self._rounds_seen: dict[str, RoundRecord] = {}
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="swarm-heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread.is_alive():
+            self._thread.join(timeout=10)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(PROGRESS_INTERVAL_S):
+            try:
+                self._beat()
+            except Exception as e:  # a failed beat is retried at the next one; never kill the peer
+                logger.debug("heartbeat failed: %s", e)
+
+    def _beat(self) -> None:
+        now = time.time()
+        mine = self._my_progress
+        with self._dht_lock:
+            if self._last_record is not None and now - self._last_refresh >= records.REFRESH_S:
+                records.publish_round(self.dht, self.validator, self.prefix, self._last_record)
+                self._last_refresh = now
+            if mine is not None:
+                records.publish_progress(self.dht, self.validator, self.prefix, replace(mine, time=now))
+            reports = records.read_progress(self.dht, self.prefix)
+            rounds_seen = records.read_rounds(self.dht, self.prefix)
+        self._reports, self._rounds_seen = reports, rounds_seen
+
+    def published(self, record: RoundRecord) -> None:
+        """This peer just published `record`: refresh it from now on; a new round has no tokens yet."""
+        self._last_record, self._last_refresh = record, time.time()
+        mine = self._my_progress
+        if mine is None or mine.round < record.round:
+            self._my_progress = Progress(self.peer_id, record.round, 0, 0.0, time.time())
+
+    def report_progress(self, round_: int, tokens: int, tokens_per_s: float) -> None:
+        """This peer's progress in its round; the next beat publishes it (with rate 0 once the inner
+        phase ended, so nobody extrapolates tokens that will never come)."""
+        self._my_progress = Progress(self.peer_id, round_, tokens, tokens_per_s, time.time())
+
+    def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int) -> SwarmProgress:
+        """The swarm's progress in `round_` as of the last beat; reads memory only."""
+        return swarm_progress(self.peer_id, round_, my_tokens, self._reports, time.time(), tokens_per_peer, STALE_S)
+
+    def stale_peers(self) -> set[str]:
+        """Peers whose heartbeat stopped more than STALE_S ago: dead, hung, or asleep. Nobody waits
+        for them. (A peer not heard of at all is not stale: it may have just started.)"""
+        now = time.time()
+        return {r.peer for r in self._reports if now - r.time > STALE_S}
+
+    def swarm_round(self) -> int | None:
+        """The latest round a peer that serves its state has published, as of the last beat."""
+        served = [r.round for r in self._rounds_seen.values() if r.serves]
+        return max(served) if served else None

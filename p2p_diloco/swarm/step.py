@@ -1,0 +1,184 @@
+"""One averaging step of the real swarm: matchmaking for the round's group, then the consistent
+all-reduce (allreduce.py) in the averager process, each bounded by a deadline (I3).
+
+After a successful all-reduce the members probe each other's links in the background (links.py),
+while the next inner phase trains and the link is idle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from concurrent.futures import TimeoutError as FuturesTimeout
+from typing import Any
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.averaging.matchmaking import MatchmakingException
+from hivemind.p2p import P2PDaemonError, P2PHandlerError
+
+from p2p_diloco import faults, links
+from p2p_diloco.config import SwarmSection
+from p2p_diloco.errors import AveragingError, SwarmError
+from p2p_diloco.network import AllReduced
+from p2p_diloco.swarm import records
+from p2p_diloco.swarm.allreduce import DiLoCoAverager
+
+# What a failed averaging step raises from inside hivemind; anything else is a bug and propagates.
+HIVEMIND_ERRORS = (
+    AllreduceException,
+    MatchmakingException,
+    P2PDaemonError,
+    P2PHandlerError,
+    TimeoutError,
+    asyncio.TimeoutError,
+    ConnectionError,
+    asyncio.CancelledError,
+)
+STEP_MARGIN_S = 30.0  # the averager process's hand-over and wrap-up, beyond the step's own deadlines
+
+
+class AveragingStep:
+    """Runs averaging steps on this peer's averager process."""
+
+    def __init__(
+        self,
+        averager: DiLoCoAverager,
+        sc: SwarmSection,
+        peer_id: str,
+        residual: torch.Tensor | None,
+        payload_bytes: int,
+    ):
+        self.averager, self.sc, self.peer_id, self.residual = averager, sc, peer_id, residual
+        self._payload_bytes = payload_bytes
+        self._probed_round: int | None = None  # the round after whose all-reduce this peer last probed
+        self.probes: Any = None  # the latest probe sweep (an MPFuture of {peer: rate}); benchmarks wait on it
+
+    def run(
+        self,
+        delta: torch.Tensor,
+        weight: float,
+        round_: int,
+        retry: bool,
+        expected_group: int,
+        exact: torch.Tensor | None,
+    ) -> AllReduced | None:
+        """See `Swarm.average`."""
+        faults.reached(faults.FaultPoint.MATCHMAKING, window_s=self.sc.matchmaking_time_s)
+        self.check_averager()
+        self._load(delta, exact, round_, expected_group)
+        timeout = self._matchmaking_timeout(retry)
+        # The whole step, matchmaking and all-reduce, is bounded (I3); hivemind's own step() would
+        # wait forever on an averager process that died or hung.
+        deadline = timeout + self.sc.averaging_timeout_s + STEP_MARGIN_S
+        link_bps, seen = self._link_report()
+        self.averager.bandwidth = link_bps  # announced in the group's all-gather; None = no claim
+        try:
+            control = self.averager.start_step(
+                float(weight), timeout, {"round": round_, "seen": seen}, init_timeout=STEP_MARGIN_S
+            )
+        except TimeoutError as e:
+            self.check_averager()
+            raise AveragingError(f"round {round_}: {e}") from None
+        result = self._outcome(control, round_, timeout, deadline)
+        return None if result is None else self._collect(result, round_, link_bps)
+
+    def _load(self, delta: torch.Tensor, exact: torch.Tensor | None, round_: int, expected_group: int) -> None:
+        """This round's Δ (plus what the codec lost of the last one: error feedback) into the
+        averager's shared buffers, and the round's matchmaking key."""
+        with self.averager.get_tensors() as buffers:
+            buffers[0].copy_(delta if self.residual is None else delta + self.residual)
+            if exact is not None:
+                buffers[1].copy_(exact)
+        self.averager.set_group_bits(records.round_bits(round_))
+        if expected_group >= 2:
+            self.averager.set_target_group_size(expected_group)
+
+    def _matchmaking_timeout(self, retry: bool) -> float:
+        timeout = self.sc.matchmaking_time_s * 3
+        if retry:
+            # Survivors notice a failed all-reduce at different moments: a reducer that drops a
+            # sender at once, a sender only when its reducer's timeout (half the averaging
+            # deadline) runs out. Wait that much longer so they still meet.
+            timeout += self.sc.averaging_timeout_s / 2
+        return timeout
+
+    def _outcome(self, control: Any, round_: int, timeout: float, deadline: float) -> Any:
+        """hivemind's result of the step; None if no group formed; AveragingError if it failed."""
+        try:
+            return self._wait_for(control, deadline)
+        except HIVEMIND_ERRORS as e:
+            if not control.done():  # this method's deadline, not hivemind's
+                control.cancel()
+                raise AveragingError(
+                    f"round {round_}: the averaging step did not end within {deadline:g} s "
+                    f"(matchmaking {timeout:g} s + all-reduce {self.sc.averaging_timeout_s:g} s); "
+                    f"nothing applied"
+                ) from None
+            if "could not find a group" in str(e).lower() or isinstance(e, TimeoutError):
+                return None
+            raise AveragingError(f"round {round_} all-reduce failed: {type(e).__name__}: {str(e)[:200]}") from None
+
+    def _collect(self, result: Any, round_: int, link_bps: float | None) -> AllReduced:
+        """The averaged buffers, once every member is known to have averaged this same round."""
+        gathered = result["gathered"]
+        bad = [str(p) for p, g in gathered.items() if not isinstance(g, dict) or g.get("round") != round_]
+        if bad:
+            raise AveragingError(f"round {round_}: group members {bad} averaged another round; result dropped")
+        with self.averager.get_tensors() as buffers:
+            averaged = [b.clone() for b in buffers]
+        members = sorted(str(p) for p in gathered)
+        at = members.index(self.peer_id) if self.peer_id in members else 0
+        # Each member starts with the one after it: while they all probe at once, no receiver gets two.
+        self._probe_links(round_, members[at + 1 :] + members[:at])
+        return AllReduced(
+            averaged[0],
+            averaged[1] if len(averaged) > 1 else None,
+            tuple(members),
+            result["allreduce_s"],
+            result.get("bytes_sent", 0),
+            result.get("bytes_received", 0),
+            link_bps,
+        )
+
+    def _link_report(self) -> tuple[float | None, dict[str, float]]:
+        """This peer's link figure and what it measured of others' probes (links.py), or nothing
+        (no claim, no vouches) if probing is off or the averager process does not answer in time."""
+        if not self.sc.probe_links:
+            return None, {}
+        try:
+            return self.averager.link_report(timeout=STEP_MARGIN_S)
+        except FuturesTimeout:
+            self.check_averager()
+            return None, {}
+
+    def _probe_links(self, round_: int, others: list[str]) -> None:
+        """After an all-reduce, every links.PROBE_EVERY rounds: probe the group's other members in the
+        background (the averager process), while the next inner phase trains and the link is idle."""
+        if not self.sc.probe_links or not others:
+            return
+        if self._probed_round is not None and round_ - self._probed_round < links.PROBE_EVERY:
+            return
+        self._probed_round = round_
+        self.probes = self.averager.probe(
+            others, links.probe_size(self._payload_bytes), timeout=self.sc.averaging_timeout_s
+        )
+
+    def _wait_for(self, control: Any, deadline: float) -> Any:
+        """The step's result within `deadline` s, checking every second that the averager lives."""
+        end = time.monotonic() + deadline
+        while True:
+            try:
+                return control.result(timeout=min(1.0, max(0.0, end - time.monotonic())))
+            except FuturesTimeout:
+                if control.done() or time.monotonic() >= end:
+                    raise
+                self.check_averager()
+
+    def check_averager(self) -> None:
+        """The averager runs in a child process; if it died, no round can be averaged again."""
+        if not self.averager.is_alive():
+            raise SwarmError(
+                f"this peer's averaging process died (exit code {self.averager.exitcode}); "
+                f"the last round's checkpoint is on disk: restart the peer with --resume"
+            )

@@ -1,0 +1,151 @@
+"""Agreement and catch-up, carried out: publish, wait, compare, download, adopt.
+
+agreement.py decides (whom to wait for, the majority, adopt or keep, whom to download from);
+this module does what it says through the peer's `Swarm` and changes the peer's state only by
+adopting a whole verified state (`Peer.adopt`), never part of one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from p2p_diloco import agreement, outer
+from p2p_diloco.errors import StateDownloadError
+from p2p_diloco.inner import PhaseResult
+from p2p_diloco.pending import Pending
+
+if TYPE_CHECKING:
+    from p2p_diloco.peer import Peer
+
+
+@dataclass(frozen=True)
+class Unsettled:
+    """An overlapped round's agreement, collected in the background while the next phase trains,
+    and settled before the next outer step is applied."""
+
+    round: int
+    collecting: Pending[tuple[str, list[str]]]  # (majority digest, holders)
+    phase: PhaseResult
+    record: dict[str, Any]  # the round's metrics record, rewritten if the peer adopts another state
+
+
+class StateSync:
+    """One peer's agreement with its group and catch-up with the swarm."""
+
+    def __init__(self, peer: Peer):
+        self.peer = peer
+        self.failed_catch_up = -1  # the latest round a catch-up failed to download
+
+    # --- agreement after the outer step ----------------------------------------------------
+
+    def agree(self, expected: tuple[str, ...], phase: PhaseResult) -> bool:
+        """Publish this round's digest; if the majority of `expected` holds another, reload the
+        majority's state. Waiting is bounded by swarm.agreement_timeout_s (I3); a peer that died is
+        simply not counted. Returns whether this peer adopted the majority's state."""
+        peer = self.peer
+        mine = peer.state.digest()
+        peer.swarm.publish_round(peer.state.round, mine, phase.tokens, phase.mean_loss)
+        majority, holders = self.collect(peer.state.round, expected, mine)
+        return agreement.should_adopt(mine, majority) and self._adopt_majority(majority, holders, phase)
+
+    def agree_later(self, expected: tuple[str, ...], phase: PhaseResult) -> Pending[tuple[str, list[str]]]:
+        """Publish this round's digest now and collect the others' in the background (overlapped
+        rounds): the next phase need not wait for the round's slowest peer to publish."""
+        peer = self.peer
+        round_, mine = peer.state.round, peer.state.digest()
+        peer.swarm.publish_round(round_, mine, phase.tokens, phase.mean_loss)
+        return Pending.background(lambda: self.collect(round_, expected, mine))
+
+    def settle(self, unsettled: Unsettled | None) -> None:
+        """The deferred agreement of the last committed round, before the next outer step is applied
+        to it: if the majority holds another state, adopt it now, so the next update lands on the
+        same θ everywhere. Its record and checkpoint are rewritten."""
+        peer = self.peer
+        if unsettled is None or unsettled.round != peer.state.round:  # the peer caught up meanwhile
+            return
+        majority, holders = unsettled.collecting.join()
+        if agreement.should_adopt(peer.state.digest(), majority) and self._adopt_majority(
+            majority, holders, unsettled.phase
+        ):
+            peer.metrics.append({**unsettled.record, "digest": peer.state.digest(), "adopted": True})
+            peer.save()
+
+    def collect(self, round_: int, expected: tuple[str, ...], mine: str) -> tuple[str, list[str]]:
+        """(majority digest, peers serving it) of round `round_` among `expected`, waiting for their
+        digests at most swarm.agreement_timeout_s. Reads the swarm only: any thread."""
+        peer = self.peer
+        if expected == (peer.peer_id,):
+            return mine, [peer.peer_id]
+        digests, missing = agreement.tally(expected, peer.swarm.wait_for_digests(round_, expected), peer.peer_id, mine)
+        if missing:
+            peer.log.info(
+                "agreement: %d of %d peers published round %d within %g s (missing %s)",
+                len(digests),
+                len(expected),
+                round_,
+                peer.config.swarm.agreement_timeout_s,
+                ", ".join(p[-4:] for p in missing),
+            )
+        cannot_serve = agreement.clients(peer.swarm.peers(), peer.peer_id, peer.config.swarm.client_mode)
+        return agreement.reference(digests, cannot_serve)
+
+    def _adopt_majority(self, majority: str, holders: list[str], phase: PhaseResult) -> bool:
+        peer = self.peer
+        peer.log.warning(
+            "digest %s differs from the group's majority %s: reloading its state",
+            peer.state.digest()[:12],
+            majority[:12],
+        )
+        if not self.try_adopt(peer.state.round, majority, holders):
+            return False
+        peer.swarm.publish_round(peer.state.round, peer.state.digest(), phase.tokens, phase.mean_loss)
+        return True
+
+    # --- catch-up ------------------------------------------------------------------------------
+
+    def catch_up(self) -> bool:
+        """If the swarm is at a later round (or the same round with another majority digest),
+        download its state. Returns whether this peer adopted one."""
+        peer = self.peer
+        latest = agreement.latest(peer.swarm.peers().values())
+        target = agreement.catch_up_target(latest, peer.state.round, peer.state.digest(), peer.config.swarm.client_mode)
+        if target is None:
+            return False
+        if not self.try_adopt(target.round, target.digest, list(target.holders)):
+            self.failed_catch_up = max(self.failed_catch_up, target.round)
+            return False
+        # The inner lr schedule follows the swarm's round, not this peer's own step count.
+        peer.trainer.step = max(peer.trainer.step, target.round * peer.config.inner.steps)
+        peer.log.info("caught up with the swarm at round %d (digest %s)", target.round, target.digest[:12])
+        return True
+
+    def try_adopt(self, round_: int, digest: str, holders: list[str]) -> bool:
+        """Download and adopt a verified state; on failure keep this peer's own and say so.
+
+        The holders may all be gone (their records outlive them for a while): the peer then
+        carries on with its own state, and the next round's catch-up or agreement tries again.
+        """
+        peer = self.peer
+        try:
+            sources = agreement.download_sources(holders, peer.peer_id)
+            _, (theta, momentum) = peer.swarm.download_state(round_, digest, sources, self.verify_state)
+        except StateDownloadError as e:
+            peer.log.warning("%s; keeping this peer's own state (round %d)", e, peer.state.round)
+            return False
+        like = peer.state.params
+        peer.adopt(outer.GlobalState(round_, outer.unflatten(theta, like), outer.unflatten(momentum, like)))
+        return True
+
+    def verify_state(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:
+        """The digest of a downloaded state, or "malformed" if it does not even have this model's shape."""
+        try:
+            theta, momentum = tensors
+            like = self.peer.state.params
+            return outer.digest(
+                int(metadata["round"]), outer.unflatten(theta.float(), like), outer.unflatten(momentum.float(), like)
+            )
+        except (ValueError, KeyError, TypeError):
+            return "malformed"

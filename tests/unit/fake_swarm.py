@@ -1,0 +1,144 @@
+"""A fake of network.Swarm for in-process round tests: one real peer, the other peers scripted.
+
+The test writes what the other peers published (`records`), what they serve (`states`), whose
+heartbeat stopped (`stale`) and what each averaging attempt gives (`script`: one entry per call of
+`average`, a function of the call that returns an AllReduced, returns None for "nobody came", or
+raises AveragingError). Peers in `agreeing` move in lockstep with this peer: their records mirror
+the last one it published. Everything the peer did is kept for the test to check.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from p2p_diloco import outer
+from p2p_diloco.errors import StateDownloadError
+from p2p_diloco.network import AllReduced, RoundRecord, ServedState, StateCheck
+from p2p_diloco.rounds import SwarmProgress
+
+ME = "12D3KooWfakeme"
+
+
+@dataclass
+class Call:
+    """One call of `average`: what the peer sent."""
+
+    delta: torch.Tensor
+    exact: torch.Tensor | None
+    weight: float
+    round: int
+    retry: bool
+    expected_group: int
+
+
+Step = Callable[[Call], "AllReduced | None"]
+
+
+@dataclass
+class FakeSwarm:
+    peer_id: str = ME
+    solo: bool = False
+    script: list[Step] = field(default_factory=list)
+    records: dict[str, RoundRecord] = field(default_factory=dict)
+    states: dict[str, ServedState] = field(default_factory=dict)
+    stale: set[str] = field(default_factory=set)
+    agreeing: set[str] = field(default_factory=set)
+    ahead: int | None = None  # what swarm_round() says while a phase trains (a swarm that went on)
+    on_progress: Callable[[int, int], None] | None = None  # called with (round, tokens) as the peer reports
+    calls: list[Call] = field(default_factory=list)
+    results: list[AllReduced | None] = field(default_factory=list)
+    published: list[RoundRecord] = field(default_factory=list)
+    downloads: list[tuple[int, str, list[str]]] = field(default_factory=list)
+    closed: bool = False
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    # --- what the test scripts -------------------------------------------------------------------
+
+    def publish_other(self, peer: str, state: outer.GlobalState, serves: bool = True) -> None:
+        """Another peer publishes `state` as its latest round and serves it."""
+        with self._lock:
+            self.records[peer] = RoundRecord(peer, state.round, state.digest(), 10, 1.0, serves=serves)
+            self.states[peer] = (
+                {"round": state.round, "digest": state.digest()},
+                [outer.flatten(state.params), outer.flatten(state.momentum)],
+            )
+
+    def group(self, *others: str) -> Step:
+        """A group of this peer and `others` whose other members sent Δ = 0 with the same weight:
+        the average is this peer's Δ / (1 + len(others)). Unless `others` published records of
+        their own, they move in lockstep with this peer (`agreeing`)."""
+
+        def step(call: Call) -> AllReduced:
+            k = 1 + len(others)
+            exact = call.exact / k if call.exact is not None else None
+            members = tuple(sorted((self.peer_id, *others)))
+            self.agreeing.update(p for p in others if p not in self.records)
+            return AllReduced(call.delta / k, exact, members, 0.25, 1000 * k, 2000 * k)
+
+        return step
+
+    # --- network.Swarm ---------------------------------------------------------------------------
+
+    def check_config(self) -> None:
+        return None
+
+    def wait_for_reachable_peer(self) -> None:
+        return None
+
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float) -> None:
+        with self._lock:
+            self.published.append(RoundRecord(self.peer_id, round_, digest, tokens, loss))
+
+    def peers(self) -> dict[str, RoundRecord]:
+        with self._lock:
+            if not self.published:
+                return dict(self.records)
+            last = self.published[-1]
+            mirrors = {
+                p: RoundRecord(p, last.round, last.digest, last.tokens, 1.0)
+                for p in self.agreeing
+                if p not in self.records
+            }
+            return {**self.records, **mirrors, self.peer_id: last}
+
+    def stale_peers(self) -> set[str]:
+        return set(self.stale)
+
+    def wait_for_round(self, round_: int, timeout: float) -> bool:
+        return any(r.serves and r.round >= round_ for r in self.records.values())
+
+    def wait_for_digests(self, round_: int, expected: tuple[str, ...]) -> dict[str, str]:
+        return {p: r.digest for p, r in self.peers().items() if p in expected and r.round == round_}
+
+    def report_progress(self, round_: int, tokens: int, tokens_per_s: float) -> None:
+        if self.on_progress is not None:
+            self.on_progress(round_, tokens)
+
+    def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int) -> SwarmProgress:
+        return SwarmProgress(float(my_tokens), tokens_per_peer, 1)
+
+    def swarm_round(self) -> int | None:
+        return self.ahead
+
+    def average(self, delta, weight, round_, retry=False, expected_group=0, exact=None) -> AllReduced | None:
+        call = Call(delta.clone(), None if exact is None else exact.clone(), weight, round_, retry, expected_group)
+        self.calls.append(call)
+        step = self.script.pop(0) if self.script else (lambda call: None)
+        result = step(call)
+        self.results.append(result)
+        return result
+
+    def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
+        self.downloads.append((round_, digest, list(from_peers)))
+        for peer in from_peers:
+            served = self.states.get(peer)
+            if served is not None and served[0]["round"] == round_ and verify(*served) == digest:
+                return served
+        raise StateDownloadError(f"no peer served round {round_} with digest {digest[:12]}")
+
+    def close(self) -> None:
+        self.closed = True

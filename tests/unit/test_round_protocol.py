@@ -1,0 +1,268 @@
+"""The round protocol in-process: one real peer (real model, data and training), a fake swarm.
+
+Each test scripts what the other peers do (tests/unit/fake_swarm.py) and checks what the peer
+did: the outer step it applied (computed by hand for a first round: θ(1) = θ(0) − lr·(1 + μ)·Δ̄
+with zero momentum and Nesterov), the averaging attempts it made, the state it adopted, its
+metrics records and checkpoints. The real-process tests in tests/swarm check the same paths with
+hivemind in between.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+
+import pytest
+import torch
+
+from p2p_diloco import checkpoint, config, outer
+from p2p_diloco.errors import AveragingError
+from p2p_diloco.peer import Peer
+from tests.conftest import TINY
+from tests.unit.fake_swarm import ME, FakeSwarm
+
+LR, MU = 0.7, 0.9  # the paper's outer step, the config's default
+TOKENS = 2 * 4 * 32  # H x batch x seq_len of the tiny run
+
+
+def make_peer(tmp_path, fake: FakeSwarm | None, **overrides: str) -> Peer:
+    options = {**TINY, "run.dir": str(tmp_path / "run"), "swarm.speed_aware": "false", **overrides}
+    cfg = config.load(None, options)
+    return Peer(cfg) if fake is None else Peer(cfg, join=lambda *args: fake)
+
+
+def run(peer: Peer, stop: threading.Event | None = None) -> Peer:
+    try:
+        peer.run(stop)
+    finally:
+        peer.close()
+    return peer
+
+
+def records(peer: Peer) -> list[dict]:
+    return list(peer.metrics.records())
+
+
+def first_step(theta0: outer.Tensors, average: outer.Tensors) -> outer.Tensors:
+    """θ(1) by hand: momentum buffer = Δ̄ (it starts at zero), Nesterov step = Δ̄ + μ·Δ̄."""
+    return {name: theta0[name] - LR * (average[name] + MU * average[name]) for name in theta0}
+
+
+def sent_delta(fake: FakeSwarm, like: outer.Tensors, call: int = 0) -> outer.Tensors:
+    """The Δ the peer sent in `call`, by name (lossy part and exact part)."""
+    lossy, exact = outer.split_exact(like)
+    sent = fake.calls[call]
+    parts = {**outer.unflatten(sent.delta, lossy), **outer.unflatten(sent.exact, exact)}
+    return {name: parts[name] for name in like}
+
+
+def moved(state: outer.GlobalState, by: float, round_: int) -> outer.GlobalState:
+    """Another state, of round `round_`: what other peers hold when they disagree with this one."""
+    params = {name: t + by for name, t in state.params.items()}
+    return outer.GlobalState(round_, params, {name: torch.full_like(t, by) for name, t in state.params.items()})
+
+
+class StopAfter(threading.Event):
+    """A stop flag that turns on by itself after `n` checks: a Ctrl+C at a chosen inner step."""
+
+    def __init__(self, n: int):
+        super().__init__()
+        self.left = n
+
+    def is_set(self) -> bool:
+        self.left -= 1
+        return self.left < 0 or super().is_set()
+
+
+def test_a_peer_alone_is_a_swarm_where_nobody_else_comes(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    solo = run(make_peer(tmp_path / "solo", None))
+    assert "within the matchmaking window" not in caplog.text
+    fake = FakeSwarm()  # nobody else ever comes: every attempt finds no group
+    nobody = run(make_peer(tmp_path / "fake", fake))
+    assert [r["digest"] for r in records(solo)] == [r["digest"] for r in records(nobody)]
+    assert [r.get("group_size") for r in records(solo)] == [None, 1, 1, 1]
+    assert [(c.round, c.weight) for c in fake.calls] == [(0, TOKENS), (1, TOKENS), (2, TOKENS)]
+    assert caplog.text.count("no other peer reached round") == 3
+    assert fake.closed
+
+
+def test_a_full_group_applies_its_average(tmp_path):
+    fake = FakeSwarm()
+    fake.script = [fake.group("p1", "p2")]
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
+    theta0 = peer.state.params
+    run(peer)
+    delta = sent_delta(fake, theta0)
+    assert fake.calls[0].weight == TOKENS and not fake.calls[0].retry
+    expected = first_step(theta0, {name: d / 3 for name, d in delta.items()})
+    assert all(torch.equal(peer.state.params[name], expected[name]) for name in theta0)
+    last = records(peer)[-1]
+    assert (last["round"], last["group_size"], last["bytes_sent"], last["bytes_received"]) == (1, 3, 3000, 6000)
+    assert last["allreduce_s"] == 0.25 and "link_mbit_s" in last and last["dropped"] is False
+    assert last["digest"] == peer.state.digest() == fake.published[-1].digest
+    assert fake.downloads == []  # the group agreed: nothing to download
+
+
+def test_a_failed_allreduce_is_retried_with_the_same_delta(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+
+    def fail(call):
+        raise AveragingError("round 0 all-reduce failed: a reducer died")
+
+    fake.script = [fail, fake.group("p1")]
+    peer = run(make_peer(tmp_path, fake, **{"run.rounds": "1"}))
+    first, retry = fake.calls
+    assert torch.equal(first.delta, retry.delta) and torch.equal(first.exact, retry.exact)
+    assert (first.retry, retry.retry, retry.expected_group) == (False, True, 0)
+    assert records(peer)[-1]["group_size"] == 2
+    assert "(attempt 1 of 2); retrying among the survivors" in caplog.text
+
+
+def test_every_attempt_failing_applies_the_own_delta(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+
+    def fail(call):
+        raise AveragingError("round 0 all-reduce failed")
+
+    fake.script = [fail, fail]
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
+    theta0 = peer.state.params
+    run(peer)
+    assert len(fake.calls) == 2 and "using this peer's own pseudo-gradient" in caplog.text
+    expected = first_step(theta0, sent_delta(fake, theta0))
+    assert all(torch.equal(peer.state.params[name], expected[name]) for name in theta0)
+    assert records(peer)[-1]["group_size"] == 1
+
+
+def test_a_failed_allreduce_whose_result_a_member_published_is_adopted(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
+    theirs = moved(peer.state, 0.01, 1)
+
+    def completed_elsewhere(call):  # a reducer answered p1, then died before answering this peer
+        fake.publish_other("p1", theirs)
+        raise AveragingError("round 0 all-reduce failed: sent 6 parts, expected 7")
+
+    fake.script = [completed_elsewhere]
+    run(peer)
+    assert len(fake.calls) == 1, "no retry: the round's result was already published"
+    assert "peers already finished round 0: adopting their result" in caplog.text
+    assert peer.state.digest() == theirs.digest() and fake.downloads == [(1, theirs.digest(), ["p1"])]
+    assert records(peer)[-1] == {**records(peer)[-1], "round": 1, "tokens": 0, "digest": theirs.digest()}
+    assert checkpoint.load(checkpoint.latest(peer.run_dir))["digest"] == theirs.digest()
+
+
+def test_a_peer_overtaken_while_training_abandons_the_phase_and_catches_up(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1", "swarm.speed_aware": "true"})
+    theirs = moved(peer.state, 0.01, 1)
+
+    def went_on(round_, tokens):  # while this peer trains round 0, the swarm finishes it
+        fake.publish_other("p1", theirs)
+        fake.ahead = 1
+
+    fake.on_progress = went_on
+    run(peer)
+    assert fake.calls == [], "the abandoned phase is never averaged"
+    assert "the swarm finished round 0 without this peer (it is at round 1)" in caplog.text
+    assert "caught up with the swarm at round 1" in caplog.text
+    assert peer.state.digest() == theirs.digest() == records(peer)[-1]["digest"]
+
+
+def test_a_peer_with_no_group_while_the_swarm_is_past_its_round_catches_up(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
+    theirs = moved(peer.state, 0.01, 1)
+
+    def nobody_came(call):
+        fake.publish_other("p1", theirs)
+
+    fake.script = [nobody_came]
+    run(peer)
+    assert "the swarm is already past round 0: catching up instead of averaging alone" in caplog.text
+    assert peer.state.digest() == theirs.digest()
+
+
+def test_a_minority_digest_adopts_the_majority_state(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
+    majority = moved(peer.state, 0.01, 1)
+
+    def group_then_they_disagree(call):
+        result = fake.group("p1", "p2")(call)
+        for other in ("p1", "p2"):
+            fake.publish_other(other, majority)
+        return result
+
+    fake.script = [group_then_they_disagree]
+    run(peer)
+    assert "differs from the group's majority" in caplog.text
+    assert fake.downloads == [(1, majority.digest(), ["p1", "p2"])]
+    assert peer.state.digest() == majority.digest() == records(peer)[-1]["digest"] == fake.published[-1].digest
+
+
+def test_an_overlapped_round_settles_its_agreement_before_the_next_outer_step(tmp_path):
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "3", "swarm.overlap": "delayed"})
+    like = peer.state.params
+    holder: dict[str, outer.GlobalState] = {}
+
+    def group_then_they_disagree(call):  # round 0: p1 and p2 end it with another state
+        result = fake.group("p1", "p2")(call)
+        holder["majority"] = moved(outer.GlobalState(0, like, like), 0.01, 1)
+        for other in ("p1", "p2"):
+            fake.publish_other(other, holder["majority"])
+        return result
+
+    fake.script = [group_then_they_disagree, fake.group("p1", "p2"), fake.group("p1", "p2")]
+    run(peer)
+    majority = holder["majority"]
+    by_round = [(r["round"], r["digest"], r.get("adopted")) for r in records(peer)]
+    # round 1 was recorded with this peer's own state, then (settled one phase later) with the majority's
+    assert [entry for entry in by_round if entry[0] == 1][-1] == (1, majority.digest(), True)
+    assert len([entry for entry in by_round if entry[0] == 1]) == 2
+    # the outer step of round 1 landed on the majority's θ(1), with round 1's group average
+    average = {name: d / 3 for name, d in sent_delta(fake, like, call=1).items()}
+    expected = outer.outer_step(majority, average, LR, MU, True)
+    assert [d for r, d, _ in by_round if r == 2] == [expected.digest()]
+    assert all(r.get("blocked_s") is not None for r in records(peer) if "group_size" in r)
+
+
+def test_ctrl_c_during_a_phase_discards_the_partial_round(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+    fake.script = [fake.group("p1")] * 3
+    # checks of the flag: before round 0, its 2 steps; before round 1, its first step; then Ctrl+C
+    peer = run(make_peer(tmp_path, fake), StopAfter(5))
+    assert peer.state.round == 1 and len(fake.calls) == 1
+    assert "stopped: the partial round was discarded; the checkpoint of round 1 is on disk" in caplog.text
+    assert checkpoint.load(checkpoint.latest(peer.run_dir))["round"] == 1
+    assert [r["round"] for r in records(peer)] == [0, 1]
+
+
+def test_ctrl_c_while_an_overlapped_allreduce_is_in_flight_applies_nothing(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+    fake.script = [fake.group("p1")] * 3
+    # before round 0 and its 2 steps; then Ctrl+C as the next phase starts, round 0's average in flight
+    peer = run(make_peer(tmp_path, fake, **{"swarm.overlap": "eager"}), StopAfter(3))
+    assert len(fake.calls) == 1 and peer.state.round == 0
+    assert "the checkpoint of round 0 is on disk" in caplog.text
+    assert [r["round"] for r in records(peer)] == [0]
+
+
+@pytest.mark.parametrize("overlap", ["off", "delayed", "eager"])
+def test_peers_in_lockstep_end_every_round_on_the_states_they_published(tmp_path, overlap):
+    fake = FakeSwarm()
+    fake.script = [fake.group("p1", "p2")] * 3
+    peer = run(make_peer(tmp_path, fake, **{"swarm.overlap": overlap}))
+    assert [r["round"] for r in records(peer)] == [0, 1, 2, 3] and peer.peer_id == ME
+    assert [r.round for r in fake.published] == [0, 1, 2, 3]
+    assert [r["digest"] for r in records(peer)] == [r.digest for r in fake.published]
