@@ -2,7 +2,7 @@
 
 A round's state is `GlobalState(round, params, momentum)`: θ(r) and the outer Nesterov momentum,
 each an ordered {name: fp32 CPU tensor}. Every function returns new tensors and never changes its
-inputs, so a round either produces a whole new state or raises (STYLE rule 3).
+inputs, so a round either produces a whole new state or raises.
 """
 
 from __future__ import annotations

@@ -61,8 +61,8 @@ class LastRound:
 
 
 class RoundDriver:
-    """Runs one peer's rounds. Every change to the peer's state is a whole new state, committed
-    with its metrics record and checkpoint, or nothing (STYLE rule: a round commits or changes nothing)."""
+    """Runs one peer's rounds. A round commits a whole new state with its metrics record and
+    checkpoint, or changes nothing."""
 
     def __init__(self, peer: Peer):
         self.peer = peer

@@ -96,9 +96,13 @@ class Swarm:
             raise SwarmError(f"could not start the averager: {e}") from None
 
     @property
-    def probes(self) -> object:
+    def probes(self) -> Any:
         """The latest link-probe sweep (an MPFuture of {peer: rate}); benchmarks wait on it."""
         return self.step.probes
+
+    @probes.setter
+    def probes(self, value: Any) -> None:
+        self.step.probes = value
 
     # --- progress of the round (memory, kept fresh by the heartbeat) ---------------------------
 

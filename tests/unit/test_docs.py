@@ -23,3 +23,27 @@ def test_ci_runs_the_readme_test_command():
 def test_readme_main_command_uses_a_shipped_profile():
     for profile in re.findall(r"--config (peers/[\w.-]+\.toml)", README):
         assert (ROOT / profile).is_file(), profile
+
+
+DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
+
+
+def test_every_link_and_path_in_the_docs_exists_in_the_repo():
+    missing = []
+    for doc in DOCS:
+        text = doc.read_text()
+        links = [m.split("#")[0] for m in re.findall(r"\]\(([^)\s]+)\)", text) if "://" not in m]
+        for link in filter(None, links):
+            if not (doc.parent / link).exists():
+                missing.append(f"{doc.name}: ({link})")
+        for path in re.findall(r"`((?:p2p_diloco|tests|bench|peers|docs)/[\w./-]+)`", text):
+            if not (ROOT / path).exists():
+                missing.append(f"{doc.name}: `{path}`")
+    assert not missing, missing
+
+
+def test_the_project_points_to_nothing_outside_itself():
+    sources = [*DOCS, *ROOT.glob("p2p_diloco/**/*.py"), *ROOT.glob("tests/**/*.py"), *ROOT.glob("bench/*.py")]
+    outside = re.compile(r"\.\./shared|shared/(DESIGN|STYLE)\.md|\b(DESIGN|STYLE)\.md|STYLE rule")
+    offenders = [str(p.relative_to(ROOT)) for p in sources if p != Path(__file__) and outside.search(p.read_text())]
+    assert not offenders, offenders
