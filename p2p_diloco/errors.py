@@ -45,7 +45,3 @@ class AveragingError(P2PDilocoError):
 
 class StateDownloadError(P2PDilocoError):
     """No peer served a state that matches the digest the swarm published."""
-
-
-class RoundOvertaken(P2PDilocoError):
-    """The swarm published the result of the round this peer is still averaging: it catches up instead."""

@@ -3,7 +3,9 @@
 The peer's round logic (round.py, averaging.py, sync.py) talks to the network only through a
 `Swarm`. Three things implement it:
 - `p2p_diloco.swarm.Swarm`: real hivemind peers (the only package that imports hivemind);
-- `Solo`: a peer with no initial peers, a swarm of one, so the round logic has no solo branches;
+- `Solo`: a peer with no initial peers, a swarm of one: nobody publishes, nobody to wait for or
+  download from. The round logic asks it one question (`solo`: is there anybody to average with?)
+  and otherwise runs the same path as with a real swarm;
 - the fake in `tests/unit/fake_swarm.py`, which scripts the other peers for in-process round tests.
 
 A `Swarm` does I/O only. What to make of what it reads (whom to wait for, which digest is the
