@@ -36,17 +36,32 @@ def _metavar(typ: type) -> str:
     return "A,B,..." if typ not in (int, float, str) else typ.__name__.upper()
 
 
+_Commands = argparse._SubParsersAction  # what add_subparsers returns; add_parser adds one command
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="p2p-diloco", description="Peer-to-peer, serverless DiLoCo training of language models."
     )
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    # the order of the commands is the order `p2p-diloco --help` lists them in
+    _add_peer_command(sub)
+    _add_bootstrap_command(sub)
+    _add_demo_command(sub)
+    _add_baseline_command(sub)
+    _add_config_command(sub)
+    _add_export_command(sub)
+    return parser
 
+
+def _add_peer_command(sub: _Commands) -> None:
     peer = sub.add_parser("peer", help="train: alone, or as one peer of a swarm (--initial-peers)", epilog=EPILOG)
     peer.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run.dir")
     peer.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="same as --swarm.initial_peers")
     _add_config_options(peer)
 
+
+def _add_bootstrap_command(sub: _Commands) -> None:
     boot = sub.add_parser("bootstrap", help="run a bootstrap node: a stable entry point into the swarm")
     boot.add_argument(
         "--identity",
@@ -63,11 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
         "--report-every", type=float, default=30.0, metavar="SECONDS", help="log the swarm status this often"
     )
 
+
+def _add_demo_command(sub: _Commands) -> None:
     demo = sub.add_parser("demo", help="a bootstrap node and N peers on 127.0.0.1, one combined view")
     demo.add_argument("--peers", type=int, default=3, help="number of peer processes")
     demo.add_argument("--rounds", type=int, default=10, help="rounds to train")
     demo.add_argument("--dir", default="runs/demo", help="folder for the peers' run dirs and logs (emptied first)")
 
+
+def _add_baseline_command(sub: _Commands) -> None:
     base = sub.add_parser(
         "baseline", help="the synchronous reference: K local workers averaging gradients every step", epilog=EPILOG
     )
@@ -79,15 +98,18 @@ def build_parser() -> argparse.ArgumentParser:
     )
     _add_config_options(base)
 
+
+def _add_config_command(sub: _Commands) -> None:
     show = sub.add_parser("config", help="print the resolved config and its fingerprint", epilog=EPILOG)
     show.add_argument("--reference", action="store_true", help="print every field as a Markdown table instead")
     _add_config_options(show)
 
+
+def _add_export_command(sub: _Commands) -> None:
     export = sub.add_parser("export", help="write a run's theta as a transformers model folder")
     export.add_argument("run_dir", help="the run dir of a peer (holds checkpoints/)")
     export.add_argument("out", help="new folder for the model (must not exist or be empty)")
     export.add_argument("--round", type=int, help="export this round's checkpoint instead of the latest")
-    return parser
 
 
 def config_from_args(args: argparse.Namespace) -> config_mod.Config:

@@ -366,87 +366,14 @@ def _require(ok: bool, where: str, problem: str, fix: str) -> None:
 
 def validate(c: Config) -> None:
     """Raise ConfigError on the first invalid field, naming it and the fix."""
-    _require(bool(c.run.run_id.strip()), "run.run_id", "must not be empty", "any name")
-    _require(c.run.rounds >= 1, "run.rounds", f"must be >= 1, got {c.run.rounds}", "e.g. 100")
-    _require(bool(c.run.dir.strip()), "run.dir", "must not be empty", "a folder path")
-    _require(
-        _valid_device(c.run.device),
-        "run.device",
-        f"must be auto, cpu, cuda or cuda:N, got {c.run.device!r}",
-        "e.g. auto",
-    )
-    _require(
-        c.run.eval_every_rounds >= 0,
-        "run.eval_every_rounds",
-        f"must be >= 0, got {c.run.eval_every_rounds}",
-        "0 = never",
-    )
-    _require(c.run.eval_sequences >= 1, "run.eval_sequences", f"must be >= 1, got {c.run.eval_sequences}", "e.g. 64")
-    _require(
-        c.model.preset in PRESETS or bool(c.model.config_path),
-        "model.preset",
-        f"is unknown: {c.model.preset!r}",
-        f"one of {', '.join(PRESETS)}, or set model.config_path",
-    )
-    _require(c.model.seq_len >= 2, "model.seq_len", f"must be >= 2, got {c.model.seq_len}", "e.g. 1024")
-    _require(
-        c.data.source in typing.get_args(Source),
-        "data.source",
-        f"must be stdlib, files or hub, got {c.data.source!r}",
-        "stdlib needs nothing",
-    )
-    _require(
-        c.data.source != "files" or bool(c.data.path),
-        "data.path",
-        "is required when data.source = files",
-        "a file, folder or glob",
-    )
-    _require(
-        c.data.source != "hub" or bool(c.data.name),
-        "data.name",
-        "is required when data.source = hub",
-        "e.g. allenai/c4",
-    )
-    _require(
-        0.0 < c.data.heldout_fraction < 1.0,
-        "data.heldout_fraction",
-        f"must be in (0, 1), got {c.data.heldout_fraction}",
-        "e.g. 0.05",
-    )
-    _require(c.data.num_shards >= 1, "data.num_shards", f"must be >= 1, got {c.data.num_shards}", "e.g. 64")
-    _require(
-        -1 <= c.data.shard < c.data.num_shards,
-        "data.shard",
-        f"must be -1 or in [0, {c.data.num_shards}), got {c.data.shard}",
-        "-1 picks one for you",
-    )
-    _require(bool(c.data.text_field), "data.text_field", "must not be empty", "e.g. text")
+    # One section at a time. data.shard_by comes after [inner], where it has always been checked, so
+    # a config with several problems keeps reporting the same one first.
+    _validate_run(c.run)
+    _validate_model(c.model)
+    _validate_data(c.data)
     _validate_inner(c.inner)
-    _require(
-        c.data.shard_by in SHARD_BY,
-        "data.shard_by",
-        f"must be one of {', '.join(SHARD_BY)}, got {c.data.shard_by!r}",
-        "document is the default",
-    )
-    _require(
-        c.data.shard_by == "document" or c.data.source == "stdlib",
-        "data.shard_by",
-        f"= folder needs a corpus with folders (source = stdlib), got source = {c.data.source}",
-        "use document",
-    )
-    _require(
-        0.0 <= c.outer.drop_rate < 1.0,
-        "outer.drop_rate",
-        f"must be in [0, 1), got {c.outer.drop_rate}",
-        "0 = never; the paper tries 0.1 to 0.5",
-    )
-    _require(_pos(c.outer.lr), "outer.lr", f"must be > 0, got {c.outer.lr}", "the paper uses 0.7")
-    _require(
-        0.0 <= c.outer.momentum < 1.0,
-        "outer.momentum",
-        f"must be in [0, 1), got {c.outer.momentum}",
-        "the paper uses 0.9",
-    )
+    _validate_sharding(c.data)
+    _validate_outer(c.outer)
     _validate_swarm(c.swarm)
     _require(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.checkpoint.keep}", "e.g. 3")
     _require(
@@ -454,6 +381,101 @@ def validate(c: Config) -> None:
         "log.level",
         f"must be debug, info, warning or error, got {c.log.level!r}",
         "e.g. info",
+    )
+
+
+def _validate_run(r: RunSection) -> None:
+    _require(bool(r.run_id.strip()), "run.run_id", "must not be empty", "any name")
+    _require(r.rounds >= 1, "run.rounds", f"must be >= 1, got {r.rounds}", "e.g. 100")
+    _require(bool(r.dir.strip()), "run.dir", "must not be empty", "a folder path")
+    _require(
+        _valid_device(r.device),
+        "run.device",
+        f"must be auto, cpu, cuda or cuda:N, got {r.device!r}",
+        "e.g. auto",
+    )
+    _require(
+        r.eval_every_rounds >= 0,
+        "run.eval_every_rounds",
+        f"must be >= 0, got {r.eval_every_rounds}",
+        "0 = never",
+    )
+    _require(r.eval_sequences >= 1, "run.eval_sequences", f"must be >= 1, got {r.eval_sequences}", "e.g. 64")
+
+
+def _validate_model(m: ModelSection) -> None:
+    _require(
+        m.preset in PRESETS or bool(m.config_path),
+        "model.preset",
+        f"is unknown: {m.preset!r}",
+        f"one of {', '.join(PRESETS)}, or set model.config_path",
+    )
+    _require(m.seq_len >= 2, "model.seq_len", f"must be >= 2, got {m.seq_len}", "e.g. 1024")
+
+
+def _validate_data(d: DataSection) -> None:
+    _require(
+        d.source in typing.get_args(Source),
+        "data.source",
+        f"must be stdlib, files or hub, got {d.source!r}",
+        "stdlib needs nothing",
+    )
+    _require(
+        d.source != "files" or bool(d.path),
+        "data.path",
+        "is required when data.source = files",
+        "a file, folder or glob",
+    )
+    _require(
+        d.source != "hub" or bool(d.name),
+        "data.name",
+        "is required when data.source = hub",
+        "e.g. allenai/c4",
+    )
+    _require(
+        0.0 < d.heldout_fraction < 1.0,
+        "data.heldout_fraction",
+        f"must be in (0, 1), got {d.heldout_fraction}",
+        "e.g. 0.05",
+    )
+    _require(d.num_shards >= 1, "data.num_shards", f"must be >= 1, got {d.num_shards}", "e.g. 64")
+    _require(
+        -1 <= d.shard < d.num_shards,
+        "data.shard",
+        f"must be -1 or in [0, {d.num_shards}), got {d.shard}",
+        "-1 picks one for you",
+    )
+    _require(bool(d.text_field), "data.text_field", "must not be empty", "e.g. text")
+
+
+def _validate_sharding(d: DataSection) -> None:
+    _require(
+        d.shard_by in SHARD_BY,
+        "data.shard_by",
+        f"must be one of {', '.join(SHARD_BY)}, got {d.shard_by!r}",
+        "document is the default",
+    )
+    _require(
+        d.shard_by == "document" or d.source == "stdlib",
+        "data.shard_by",
+        f"= folder needs a corpus with folders (source = stdlib), got source = {d.source}",
+        "use document",
+    )
+
+
+def _validate_outer(o: OuterSection) -> None:
+    _require(
+        0.0 <= o.drop_rate < 1.0,
+        "outer.drop_rate",
+        f"must be in [0, 1), got {o.drop_rate}",
+        "0 = never; the paper tries 0.1 to 0.5",
+    )
+    _require(_pos(o.lr), "outer.lr", f"must be > 0, got {o.lr}", "the paper uses 0.7")
+    _require(
+        0.0 <= o.momentum < 1.0,
+        "outer.momentum",
+        f"must be in [0, 1), got {o.momentum}",
+        "the paper uses 0.9",
     )
 
 

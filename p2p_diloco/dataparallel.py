@@ -23,6 +23,7 @@ import math
 import os
 import time
 import warnings
+from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -98,27 +99,11 @@ def _train(rank: int, config: Config, workers: int) -> None:
     tokenizer = model_mod.load_tokenizer(config.model.tokenizer)
     model = model_mod.init_model(model_mod.model_config(config.model, tokenizer.vocab_size), config.run.seed)
     corpus = data.open_corpus(config.data)
-    shard = config.data.shard if config.data.shard >= 0 else rank
-    stream = data.TrainStream(
-        corpus,
-        tokenizer,
-        config.model.seq_len,
-        shard,
-        config.data.num_shards,
-        config.run.seed,
-        config.data.heldout_fraction,
-        data.sharding(corpus, config.data, config.run.seed),
-    )
+    stream = _train_stream(config, corpus, tokenizer, rank)
     steps_per_eval = config.inner.steps * max(config.run.eval_every_rounds, 1)
     total_steps = config.run.rounds * config.inner.steps
     comm = Communication(workers)
-    trained = model
-    if workers > 1:
-        # Buffers (rotary frequencies) are the same everywhere: no need to broadcast them every step.
-        with warnings.catch_warnings():  # newer torch renames the option; the old name still works
-            warnings.simplefilter("ignore", FutureWarning)
-            trained = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
-        trained.register_comm_hook(comm, Communication.hook)
+    trained = _distributed(model, comm) if workers > 1 else model
     trainer = InnerTrainer(trained, config.inner, total_steps, torch.device("cpu"))
     log = MetricsLog(Path(config.run.dir) / "metrics.jsonl") if rank == 0 else None
     heldout = None
@@ -129,52 +114,97 @@ def _train(rank: int, config: Config, workers: int) -> None:
             corpus, tokenizer, config.model.seq_len, config.run.eval_sequences, config.data.heldout_fraction
         )
     if rank == 0:
-        logger.info(
-            "data-parallel baseline: %d worker(s), %s parameters, %d steps of %d x %d tokens each, %s",
-            workers,
-            f"{model_mod.count_parameters(model):,}",
-            total_steps,
-            config.inner.batch_size * workers,
-            config.model.seq_len,
-            corpus.description,
-        )
-    started, compute_s = time.perf_counter(), 0.0
-    losses: list[float] = []
+        _log_start(config, workers, model, total_steps, corpus)
+    progress = _Progress(config, workers, total_steps, comm, log, evaluator, heldout)
+    progress.record(0)
+    for step in range(1, total_steps + 1):
+        t = time.perf_counter()
+        progress.losses.append(float(trainer.train_step(stream.next_batch(config.inner.batch_size))))
+        progress.compute_s += time.perf_counter() - t
+        if step % steps_per_eval == 0 or step == total_steps:
+            progress.record(step)
 
-    def record(step: int) -> None:
-        if log is None:
+
+def _train_stream(config: Config, corpus: data.Corpus, tokenizer: Any, rank: int) -> data.TrainStream:
+    """This worker's training batches: shard `rank` of the run's shards, unless data.shard names one."""
+    shard = config.data.shard if config.data.shard >= 0 else rank
+    return data.TrainStream(
+        corpus,
+        tokenizer,
+        config.model.seq_len,
+        shard,
+        config.data.num_shards,
+        config.run.seed,
+        config.data.heldout_fraction,
+        data.sharding(corpus, config.data, config.run.seed),
+    )
+
+
+def _distributed(model: torch.nn.Module, comm: Communication) -> torch.nn.Module:
+    """`model` wrapped in DDP, its gradient buckets all-reduced (and counted) by `comm`."""
+    # Buffers (rotary frequencies) are the same everywhere: no need to broadcast them every step.
+    with warnings.catch_warnings():  # newer torch renames the option; the old name still works
+        warnings.simplefilter("ignore", FutureWarning)
+        trained = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    trained.register_comm_hook(comm, Communication.hook)
+    return trained
+
+
+def _log_start(config: Config, workers: int, model: torch.nn.Module, total_steps: int, corpus: data.Corpus) -> None:
+    logger.info(
+        "data-parallel baseline: %d worker(s), %s parameters, %d steps of %d x %d tokens each, %s",
+        workers,
+        f"{model_mod.count_parameters(model):,}",
+        total_steps,
+        config.inner.batch_size * workers,
+        config.model.seq_len,
+        corpus.description,
+    )
+
+
+@dataclass
+class _Progress:
+    """What rank 0 records at each evaluation: the mean train loss since the last one, the tokens and
+    bytes so far, the compute and wall time since the start (made just before the first step)."""
+
+    config: Config
+    workers: int
+    total_steps: int
+    comm: Communication
+    log: MetricsLog | None  # None on ranks other than 0: they record nothing
+    evaluator: InnerTrainer
+    heldout: torch.Tensor | None
+    started: float = field(default_factory=time.perf_counter)
+    compute_s: float = 0.0
+    losses: list[float] = field(default_factory=list)  # train losses since the last record
+
+    def record(self, step: int) -> None:
+        if self.log is None:
             return
+        config = self.config
         entry: dict[str, Any] = {
             "round": step // config.inner.steps,
             "step": step,
-            "workers": workers,
-            "total_tokens": step * config.inner.batch_size * config.model.seq_len * workers,
-            "train_loss": sum(losses) / len(losses) if losses else None,
-            "bytes_sent": comm.bytes_sent(),
-            "compute_s": compute_s,
-            "wall_s": time.perf_counter() - started,
+            "workers": self.workers,
+            "total_tokens": step * config.inner.batch_size * config.model.seq_len * self.workers,
+            "train_loss": sum(self.losses) / len(self.losses) if self.losses else None,
+            "bytes_sent": self.comm.bytes_sent(),
+            "compute_s": self.compute_s,
+            "wall_s": time.perf_counter() - self.started,
         }
-        if heldout is not None:
-            loss = evaluator.evaluate(heldout)
+        if self.heldout is not None:
+            loss = self.evaluator.evaluate(self.heldout)
             entry.update(eval_loss=loss, eval_ppl=math.exp(min(loss, 50.0)))
-        log.append(entry)
-        losses.clear()
+        self.log.append(entry)
+        self.losses.clear()
         if step:
             logger.info(
                 "step %d/%d: train loss %.4f, held-out loss %s",
                 step,
-                total_steps,
+                self.total_steps,
                 entry["train_loss"],
                 f"{entry['eval_loss']:.4f}" if "eval_loss" in entry else "-",
             )
-
-    record(0)
-    for step in range(1, total_steps + 1):
-        t = time.perf_counter()
-        losses.append(float(trainer.train_step(stream.next_batch(config.inner.batch_size))))
-        compute_s += time.perf_counter() - t
-        if step % steps_per_eval == 0 or step == total_steps:
-            record(step)
 
 
 class Communication:

@@ -254,42 +254,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         Once any sender was dropped, every later answer is an error: no member gets a partial average (I2)."""
         answers: asyncio.Queue = asyncio.Queue()
         done = object()
-
-        async def accumulate() -> None:
-            part_index = 0
-            expected_parts = self.parts_for_local_averaging
-            try:
-                async for part, weight, size in amap_in_executor(
-                    lambda msg: (self.codec.extract(msg.tensor_part), msg.weight, len(msg.tensor_part.buffer)),
-                    stream,
-                    max_prefetch=self.tensor_part_container.prefetch,
-                ):
-                    faults.reached(faults.FaultPoint.ALLREDUCE_PART)
-                    _check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
-                    if not (weight >= 0 and weight < float("inf")):
-                        raise AllreduceException(f"sender {sender_index} sent weight {weight}")
-                    self.bytes_received += size
-                    averaged = await self.tensor_part_reducer.accumulate_part(
-                        sender_index, part_index, part, weight=weight
-                    )
-                    if self.banned_senders:
-                        # hivemind completes a part without a sender that dropped out; that average
-                        # is partial. Sending it would let this sender apply it while the others fail.
-                        answers.put_nowait(averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR))
-                        return
-                    encoded = await asyncio.get_event_loop().run_in_executor(
-                        None, self._encode_average, part_index, averaged
-                    )
-                    part_index += 1
-                    answers.put_nowait(
-                        averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded)
-                    )
-            finally:
-                if part_index != self.tensor_part_reducer.num_parts:
-                    await self._ban_sender(self.sender_peer_ids[sender_index])
-                answers.put_nowait(done)
-
-        task = asyncio.create_task(accumulate())
+        task = asyncio.create_task(self._accumulate_parts(stream, sender_index, answers, done))
         try:
             while (answer := await answers.get()) is not done:
                 yield answer
@@ -299,6 +264,44 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         finally:
             if not task.done():
                 task.cancel()
+
+    async def _accumulate_parts(
+        self,
+        stream: AsyncIterator[averaging_pb2.AveragingData],
+        sender_index: int,
+        answers: asyncio.Queue,
+        done: object,
+    ) -> None:
+        """The adding half of `_accumulate_parts_streaming`: each part of `stream` into the sum, its
+        answer (or an error) into `answers`, then `done`; bans the sender unless all its parts came."""
+        part_index = 0
+        expected_parts = self.parts_for_local_averaging
+        try:
+            async for part, weight, size in amap_in_executor(
+                lambda msg: (self.codec.extract(msg.tensor_part), msg.weight, len(msg.tensor_part.buffer)),
+                stream,
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                faults.reached(faults.FaultPoint.ALLREDUCE_PART)
+                _check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
+                if not (weight >= 0 and weight < float("inf")):
+                    raise AllreduceException(f"sender {sender_index} sent weight {weight}")
+                self.bytes_received += size
+                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
+                if self.banned_senders:
+                    # hivemind completes a part without a sender that dropped out; that average
+                    # is partial. Sending it would let this sender apply it while the others fail.
+                    answers.put_nowait(averaging_pb2.AveragingData(code=averaging_pb2.INTERNAL_ERROR))
+                    return
+                encoded = await asyncio.get_event_loop().run_in_executor(
+                    None, self._encode_average, part_index, averaged
+                )
+                part_index += 1
+                answers.put_nowait(averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded))
+        finally:
+            if part_index != self.tensor_part_reducer.num_parts:
+                await self._ban_sender(self.sender_peer_ids[sender_index])
+            answers.put_nowait(done)
 
 
 async def _end_after(messages: AsyncIterator[Any], event: asyncio.Event) -> AsyncIterator[Any]:

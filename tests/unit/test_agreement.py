@@ -1,0 +1,240 @@
+"""Agreement and catch-up decisions (agreement.py): pure functions, every expected value worked out by hand."""
+
+from p2p_diloco import agreement
+from p2p_diloco.agreement import Reference
+from p2p_diloco.network import RoundRecord
+
+A, B, C = "a" * 32, "b" * 32, "c" * 32
+
+
+def rec(peer, round_, digest, serves=True):
+    return RoundRecord(peer, round_, digest, tokens=0, loss=0.0, serves=serves)
+
+
+def records(*rs):
+    return {r.peer: r for r in rs}
+
+
+# majority
+
+
+def test_the_digest_most_peers_hold_is_the_majority():
+    assert agreement.majority({"p1": B, "p2": A, "p3": B}) == B
+
+
+def test_a_tie_goes_to_the_smallest_digest_so_every_peer_picks_the_same():
+    assert agreement.majority({"p1": B, "p2": A}) == A
+    assert agreement.majority({"p1": C, "p2": B, "p3": C, "p4": B}) == B
+
+
+def test_a_single_digest_is_its_own_majority():
+    assert agreement.majority({"p1": C}) == C
+
+
+# live_at
+
+
+def test_live_at_keeps_peers_at_the_given_rounds_only():
+    rs = records(rec("p1", 3, A), rec("p2", 4, A), rec("p3", 5, A))
+    assert agreement.live_at(rs, set(), 3, 4) == {"p1", "p2"}
+    assert agreement.live_at(rs, set(), 5) == {"p3"}
+    assert agreement.live_at(rs, set(), 6) == set()
+
+
+def test_live_at_drops_stale_peers():
+    rs = records(rec("p1", 3, A), rec("p2", 3, A))
+    assert agreement.live_at(rs, {"p2", "p9"}, 3) == {"p1"}
+
+
+# whom_to_wait_for / still_waiting
+
+
+def test_wait_for_the_group_the_peers_seen_at_the_round_and_me_sorted():
+    assert agreement.whom_to_wait_for("p2", ["p3", "p1"], ["p4"]) == ("p1", "p2", "p3", "p4")
+
+
+def test_wait_for_lists_a_peer_once_even_if_in_group_seen_and_me():
+    assert agreement.whom_to_wait_for("p1", ["p1", "p2"], ["p2", "p1"]) == ("p1", "p2")
+
+
+def test_wait_for_me_alone_when_no_group_and_nobody_seen():
+    assert agreement.whom_to_wait_for("p1", [], []) == ("p1",)
+
+
+def test_still_waiting_for_expected_peers_that_have_not_published():
+    assert agreement.still_waiting(("p1", "p2", "p3"), ["p1"], set()) == {"p2", "p3"}
+
+
+def test_a_stale_peer_is_not_waited_for():
+    assert agreement.still_waiting(("p1", "p2", "p3"), ["p1"], {"p3"}) == {"p2"}
+
+
+def test_nobody_waited_for_once_every_expected_peer_published():
+    assert agreement.still_waiting(("p1", "p2"), ["p2", "p1", "p5"], set()) == set()
+
+
+# tally
+
+
+def test_tally_counts_my_own_digest_even_if_my_record_is_not_readable_yet():
+    digests, missing = agreement.tally(("p1", "p2"), {"p2": A}, "p1", B)
+    assert digests == {"p1": B, "p2": A}
+    assert missing == []
+
+
+def test_tally_my_known_digest_overrides_what_was_read_for_me():
+    digests, _ = agreement.tally(("p1",), {"p1": A}, "p1", B)
+    assert digests == {"p1": B}
+
+
+def test_tally_lists_missing_peers_in_expected_order():
+    digests, missing = agreement.tally(("p4", "p1", "p3", "p2"), {"p3": A}, "p1", A)
+    assert digests == {"p1": A, "p3": A}
+    assert missing == ["p4", "p2"]
+
+
+# clients
+
+
+def test_clients_are_the_peers_whose_records_do_not_serve():
+    rs = records(rec("p1", 1, A), rec("p2", 1, A, serves=False), rec("p3", 1, A, serves=False))
+    assert agreement.clients(rs, "p1", False) == {"p2", "p3"}
+
+
+def test_clients_include_me_when_i_am_a_client():
+    rs = records(rec("p1", 1, A), rec("p2", 1, A, serves=False))
+    assert agreement.clients(rs, "p9", True) == {"p2", "p9"}
+    assert agreement.clients(records(rec("p1", 1, A)), "p1", True) == {"p1"}
+
+
+# reference
+
+
+def test_reference_is_the_majority_and_its_holders_sorted():
+    digest, holders = agreement.reference({"p3": A, "p1": A, "p2": B}, set())
+    assert digest == A
+    assert holders == ["p1", "p3"]
+
+
+def test_client_digests_do_not_count_while_a_reachable_peers_digest_is_in():
+    # two clients hold B, one reachable peer holds A: A wins, the clients follow the reachable peer
+    digest, holders = agreement.reference({"p1": A, "p2": B, "p3": B}, {"p2", "p3"})
+    assert digest == A
+    assert holders == ["p1"]
+
+
+def test_client_digests_count_when_only_clients_published():
+    digest, holders = agreement.reference({"p1": B, "p2": A, "p3": B}, {"p1", "p2", "p3"})
+    assert digest == B
+    assert holders == []
+
+
+def test_holders_exclude_clients_that_hold_the_majority_digest():
+    digest, holders = agreement.reference({"p1": A, "p2": A, "p3": A}, {"p2"})
+    assert digest == A
+    assert holders == ["p1", "p3"]
+
+
+def test_reference_tie_among_reachable_peers_goes_to_the_smallest_digest():
+    digest, holders = agreement.reference({"p1": B, "p2": A, "p3": B}, {"p3"})
+    assert digest == A
+    assert holders == ["p2"]
+
+
+# should_adopt
+
+
+def test_a_peer_that_differs_from_the_majority_adopts_it():
+    assert agreement.should_adopt(A, B) is True
+
+
+def test_a_peer_that_holds_the_majority_keeps_its_state():
+    assert agreement.should_adopt(A, A) is False
+
+
+# latest
+
+
+def test_latest_is_the_highest_serving_round_with_its_majority_digest_and_sorted_holders():
+    rs = [rec("p3", 5, B), rec("p1", 5, B), rec("p2", 5, A), rec("p4", 4, C)]
+    assert agreement.latest(rs) == Reference(5, B, ("p1", "p3"))
+
+
+def test_latest_tie_at_the_top_round_goes_to_the_smallest_digest():
+    rs = [rec("p1", 7, B), rec("p2", 7, A), rec("p3", 6, A), rec("p4", 6, A)]
+    assert agreement.latest(rs) == Reference(7, A, ("p2",))
+
+
+def test_latest_ignores_client_mode_records():
+    # the client is at a later round, and its digest would win round 5 too: neither counts
+    rs = [rec("p1", 5, A), rec("p2", 9, C, serves=False), rec("p3", 5, C, serves=False), rec("p4", 5, C, serves=False)]
+    assert agreement.latest(rs) == Reference(5, A, ("p1",))
+
+
+def test_latest_is_none_when_no_peer_serves():
+    assert agreement.latest([]) is None
+    assert agreement.latest([rec("p1", 3, A, serves=False)]) is None
+
+
+# catch_up_target
+
+
+def test_a_later_round_is_the_target():
+    ref = Reference(6, A, ("p1",))
+    assert agreement.catch_up_target(ref, 5, A, False) is ref
+
+
+def test_the_same_round_with_the_same_digest_needs_no_download():
+    assert agreement.catch_up_target(Reference(5, A, ("p1",)), 5, A, False) is None
+
+
+def test_the_same_round_with_another_digest_is_the_target():
+    ref = Reference(5, B, ("p1",))
+    assert agreement.catch_up_target(ref, 5, A, False) is ref
+
+
+def test_an_earlier_round_is_not_downloaded_by_a_reachable_peer():
+    assert agreement.catch_up_target(Reference(4, B, ("p1",)), 5, A, False) is None
+
+
+def test_a_client_follows_the_reachable_peers_even_to_an_earlier_round():
+    ref = Reference(4, B, ("p1",))
+    assert agreement.catch_up_target(ref, 5, A, True) is ref
+
+
+def test_no_target_when_the_swarm_has_no_latest_state():
+    assert agreement.catch_up_target(None, 5, A, False) is None
+    assert agreement.catch_up_target(None, 5, A, True) is None
+
+
+# download_sources
+
+
+def test_download_sources_never_include_me_and_keep_the_order():
+    assert agreement.download_sources(("p1", "p2", "p3", "p4"), "p3") == ["p1", "p2", "p4"]
+    assert agreement.download_sources(["p4", "p2"], "p9") == ["p4", "p2"]
+    assert agreement.download_sources(["p1"], "p1") == []
+
+
+# expected_group
+
+
+def test_expected_group_is_the_larger_of_the_swarms_progress_and_the_peers_at_the_rounds():
+    assert agreement.expected_group(4, {"p1", "p2"}) == 4
+    assert agreement.expected_group(2, {"p1", "p2", "p3"}) == 3
+    assert agreement.expected_group(0, set()) == 0
+
+
+# still_finishing
+
+
+def test_still_finishing_lists_live_peers_of_the_last_two_rounds_without_my_final_state():
+    rs = records(
+        rec("p1", 10, A),  # holds my final state: done
+        rec("p2", 10, B),  # final round, other state
+        rec("p3", 9, A),  # round before, already holds my state (same digest)
+        rec("p4", 9, B),  # round before, other state
+        rec("p5", 8, B),  # too far behind
+        rec("p6", 10, C),  # stale
+    )
+    assert agreement.still_finishing(rs, {"p6"}, 10, A) == ["p2", "p4"]
