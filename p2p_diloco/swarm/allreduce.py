@@ -25,9 +25,9 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
-from typing import Any
+from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
 import torch
 from hivemind.averaging import DecentralizedAverager
