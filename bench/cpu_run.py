@@ -1,4 +1,4 @@
-"""The README's CPU figure: the embedded default run (peers/cpu.toml), DiLoCo k = 1 against plain AdamW.
+"""The CPU figure of docs/benchmarks.md: the embedded default run (peers/cpu.toml), DiLoCo k = 1 against plain AdamW.
 
 Plain AdamW is the same run with the outer step made a no-op: outer lr 1, momentum 0, no Nesterov
 gives θ(r+1) = θ(r) − Δ = θ_i, so the inner model just keeps training. Same seed, same data, same

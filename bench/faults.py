@@ -1,4 +1,4 @@
-"""The README's fault table: one real swarm per fault, 3 peers of which one fails on purpose.
+"""The fault table of docs/benchmarks.md: one real swarm per fault, 3 peers of which one fails on purpose.
 
 Each run: peers a and b survive, peer c is started with a fault (tests/swarm/faulty_peer.py) in one
 phase of a round: the inner phase, matchmaking, the all-reduce, or serving its state to a joiner
