@@ -6,7 +6,7 @@ downloads the majority's state (I1). A peer that finds the swarm at a later roun
 round's state instead of training a round nobody else is in. This module decides:
 - whom to wait for (`whom_to_wait_for`, `still_waiting`);
 - what the majority is, with the tie-break every peer computes the same way (`majority`, `reference`);
-- adopt or keep (`should_adopt`, `catch_up_target`);
+- adopt or keep (`should_adopt`, `catch_up_target`, `moved_on`);
 - which holders to download from (`download_sources`).
 sync.py carries the decisions out; the `Swarm` (network.py) only reads and writes.
 
@@ -108,6 +108,12 @@ def catch_up_target(swarm_latest: Reference | None, my_round: int, my_digest: st
     if swarm_latest.round < my_round and not me_client:
         return None
     return swarm_latest
+
+
+def moved_on(failed: Reference, now: Reference | None) -> bool:
+    """Whether the swarm published a later round than the one a catch-up failed to download: its
+    holders moved on while this peer asked them, so asking again for the new round can succeed."""
+    return now is not None and now.round > failed.round
 
 
 def download_sources(holders: Iterable[str], me: str) -> list[str]:

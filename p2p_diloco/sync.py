@@ -20,6 +20,8 @@ from p2p_diloco.pending import Pending
 if TYPE_CHECKING:
     from p2p_diloco.peer import Peer
 
+CATCH_UP_ATTEMPTS = 3  # downloads of a catch-up whose holders moved on to a later round meanwhile
+
 
 @dataclass(frozen=True)
 class Unsettled:
@@ -108,19 +110,31 @@ class StateSync:
 
     def catch_up(self) -> bool:
         """If the swarm is at a later round (or the same round with another majority digest),
-        download its state. Returns whether this peer adopted one."""
+        download its state. Returns whether this peer adopted one.
+
+        In a swarm whose rounds are short, the holders may have moved on while this peer asked
+        them: they serve a later round than the one it asked for. It then asks again for the round
+        they published since, at most CATCH_UP_ATTEMPTS times."""
+        peer = self.peer
+        target = self._target()
+        for _ in range(CATCH_UP_ATTEMPTS):
+            if target is None:
+                return False
+            if self.try_adopt(target.round, target.digest, list(target.holders)):
+                # The inner lr schedule follows the swarm's round, not this peer's own step count.
+                peer.trainer.step = max(peer.trainer.step, target.round * peer.config.inner.steps)
+                peer.log.info("caught up with the swarm at round %d (digest %s)", target.round, target.digest[:12])
+                return True
+            self.failed_catch_up = max(self.failed_catch_up, target.round)
+            failed, target = target, self._target()
+            if not agreement.moved_on(failed, target):
+                return False
+        return False
+
+    def _target(self) -> agreement.Reference | None:
         peer = self.peer
         latest = agreement.latest(peer.swarm.peers().values())
-        target = agreement.catch_up_target(latest, peer.state.round, peer.state.digest(), peer.config.swarm.client_mode)
-        if target is None:
-            return False
-        if not self.try_adopt(target.round, target.digest, list(target.holders)):
-            self.failed_catch_up = max(self.failed_catch_up, target.round)
-            return False
-        # The inner lr schedule follows the swarm's round, not this peer's own step count.
-        peer.trainer.step = max(peer.trainer.step, target.round * peer.config.inner.steps)
-        peer.log.info("caught up with the swarm at round %d (digest %s)", target.round, target.digest[:12])
-        return True
+        return agreement.catch_up_target(latest, peer.state.round, peer.state.digest(), peer.config.swarm.client_mode)
 
     def try_adopt(self, round_: int, digest: str, holders: list[str]) -> bool:
         """Download and adopt a verified state; on failure keep this peer's own and say so.

@@ -49,6 +49,7 @@ class FakeSwarm:
     agreeing: set[str] = field(default_factory=set)
     ahead: int | None = None  # what swarm_round() says while a phase trains (a swarm that went on)
     on_progress: Callable[[int, int], None] | None = None  # called with (round, tokens) as the peer reports
+    on_download: Callable[[int], None] | None = None  # called with the round the peer asks for
     calls: list[Call] = field(default_factory=list)
     results: list[AllReduced | None] = field(default_factory=list)
     published: list[RoundRecord] = field(default_factory=list)
@@ -134,6 +135,8 @@ class FakeSwarm:
 
     def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
         self.downloads.append((round_, digest, list(from_peers)))
+        if self.on_download is not None:
+            self.on_download(round_)
         for peer in from_peers:
             served = self.states.get(peer)
             if served is not None and served[0]["round"] == round_ and verify(*served) == digest:

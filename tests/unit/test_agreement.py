@@ -238,3 +238,10 @@ def test_still_finishing_lists_live_peers_of_the_last_two_rounds_without_my_fina
         rec("p6", 10, C),  # stale
     )
     assert agreement.still_finishing(rs, {"p6"}, 10, A) == ["p2", "p4"]
+
+
+def test_a_failed_catch_up_is_retried_only_if_the_swarm_moved_on():
+    failed = Reference(5, "a" * 32, ("p1",))
+    assert agreement.moved_on(failed, Reference(6, "b" * 32, ("p1",)))
+    assert not agreement.moved_on(failed, Reference(5, "b" * 32, ("p2",)))
+    assert not agreement.moved_on(failed, None)

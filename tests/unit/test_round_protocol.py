@@ -189,6 +189,25 @@ def test_a_peer_with_no_group_while_the_swarm_is_past_its_round_catches_up(tmp_p
     assert peer.state.digest() == theirs.digest()
 
 
+def test_a_joiner_whose_holders_moved_on_during_its_download_asks_for_their_new_round(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    first = make_peer(tmp_path / "first", FakeSwarm())
+    round5, round6 = moved(first.state, 0.01, 5), moved(first.state, 0.02, 6)
+    first.close()
+    fake = FakeSwarm()
+    fake.publish_other("p1", round5)
+
+    def moved_on(round_):  # rounds are short: p1 finished round 6 while the joiner asked for 5
+        fake.publish_other("p1", round6)
+
+    fake.on_download = moved_on
+    joiner = run(make_peer(tmp_path / "joiner", fake, **{"run.rounds": "6"}))
+    assert [(r, d) for r, d, _ in fake.downloads] == [(5, round5.digest()), (6, round6.digest())]
+    assert joiner.state.digest() == round6.digest()
+    assert [r["round"] for r in records(joiner)] == [6], "the joiner's first state is the swarm's"
+    assert "caught up with the swarm at round 6" in caplog.text
+
+
 def test_a_minority_digest_adopts_the_majority_state(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     fake = FakeSwarm()
