@@ -32,7 +32,8 @@ from p2p_diloco.rounds import SwarmProgress
 from p2p_diloco.swarm import records
 from p2p_diloco.swarm.allreduce import DiLoCoAverager, WireCodec
 from p2p_diloco.swarm.heartbeat import Heartbeat
-from p2p_diloco.swarm.node import make_validator, start_dht
+from p2p_diloco.swarm.identity import make_validator
+from p2p_diloco.swarm.node import start_dht
 from p2p_diloco.swarm.step import AveragingStep
 
 logger = logging.getLogger(__name__)
@@ -54,7 +55,7 @@ class Swarm:
         self.config = config
         self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
         identity = Path(sc.identity_path) if sc.identity_path else run_dir / "identity.key"
-        self.validator = make_validator()
+        self.validator = make_validator(identity)  # the peer id signs its records: one key, one id
         self.dht = start_dht(sc, identity, sc.initial_peers, sc.client_mode, [self.validator])
         self.peer_id = str(self.dht.peer_id)
         self.buffer = torch.zeros(numel, dtype=torch.float32)

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING
 
 from p2p_diloco.config import Config
 from p2p_diloco.swarm import records
-from p2p_diloco.swarm.node import make_validator, start_dht
+from p2p_diloco.swarm.identity import make_validator
+from p2p_diloco.swarm.node import start_dht
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -27,7 +28,9 @@ class Bootstrap:
     def __init__(self, config: Config, identity_path: Path, watch_run: bool = True):
         identity_path.parent.mkdir(parents=True, exist_ok=True)
         self.config, self.watch_run = config, watch_run
-        self.dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, False, [make_validator()])
+        self.dht = start_dht(
+            config.swarm, identity_path, config.swarm.initial_peers, False, [make_validator(identity_path)]
+        )
         self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
 
     def initial_peers(self) -> list[str]:

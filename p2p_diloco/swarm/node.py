@@ -14,7 +14,6 @@ from pathlib import Path
 from typing import Any
 
 import hivemind
-from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import SwarmSection
@@ -130,8 +129,3 @@ def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) 
             f"the bootstrap node is running"
         )
     return f"could not start the DHT node: {text}"
-
-
-def make_validator() -> RSASignatureValidator:
-    """Signs this peer's DHT records and checks everyone's: only a record's owner can write it (I4)."""
-    return RSASignatureValidator()

@@ -1,21 +1,38 @@
 """Signed DHT records of a run: configs and each peer's latest round. Values are validated on read (I4).
 
 Every record lives under a subkey that holds its owner's RSA public key, so hivemind's
-RSASignatureValidator lets only the owner write it. What a record *says* is still untrusted:
+RSASignatureValidator lets only the owner write it; that key is the owner's libp2p identity
+(identity.py), so a round or progress record that claims another peer id than its signer's is
+dropped (`signed_by_their_peer`). What a record *says* is still untrusted:
 `RoundRecord.parse` (network.py) drops anything malformed, and majorities decide, never a single
 record (agreement.py).
 """
 
 from __future__ import annotations
 
+import logging
 import re
+from collections.abc import Callable
 from dataclasses import asdict
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress
+from p2p_diloco.swarm.identity import owner_peer_id
+
+logger = logging.getLogger(__name__)
+
+
+class _Claimed(Protocol):
+    """A record that names the peer it speaks for."""
+
+    @property
+    def peer(self) -> str: ...
+
+
+T = TypeVar("T", bound=_Claimed)
 
 RECORD_TTL_S = 90.0  # a peer that stops refreshing its record drops out of the swarm's view after this
 REFRESH_S = 30.0  # live peers re-publish their latest record this often (a heartbeat)
@@ -57,13 +74,45 @@ def _store(dht: Any, validator: Any, key: str, value: Any, ttl: float = RECORD_T
     dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=validator.local_public_key)
 
 
-def _read(dht: Any, key: str) -> list[Any]:
-    """The values under `key`, freshest first (by expiration: each is stored with the same TTL)."""
+def _read(dht: Any, key: str) -> list[tuple[Any, Any]]:
+    """(subkey, value) of the entries under `key`, freshest first (by expiration: each is stored
+    with the same TTL). hivemind's validator has checked that each value was signed by the owner
+    of its subkey."""
     found = dht.get(key, latest=True)
     if found is None or not isinstance(found.value, dict):
         return []
-    entries = [entry for entry in found.value.values() if hasattr(entry, "value")]
-    return [entry.value for entry in sorted(entries, key=lambda e: -e.expiration_time)]
+    entries = [(subkey, entry) for subkey, entry in found.value.items() if hasattr(entry, "value")]
+    return [(subkey, entry.value) for subkey, entry in sorted(entries, key=lambda e: -e[1].expiration_time)]
+
+
+def signed_by_their_peer(entries: list[tuple[Any, Any]], parse: Callable[[Any], T | None]) -> list[T]:
+    """The parsed records whose claimed peer id is the id of the key that signed them (I4). Any
+    other is dropped and logged once: one key speaks for one peer id, never for another's."""
+    out = []
+    for subkey, value in entries:
+        record = parse(value)
+        if record is None:
+            continue
+        signer = owner_peer_id(subkey)
+        if signer is not None and record.peer == signer:
+            out.append(record)
+        else:
+            _log_forged_once(signer, record.peer)
+    return out
+
+
+_forged_seen: set[tuple[str | None, str]] = set()
+
+
+def _log_forged_once(signer: str | None, claimed: str) -> None:
+    if (signer, claimed) in _forged_seen or len(_forged_seen) >= 1024:
+        return
+    _forged_seen.add((signer, claimed))
+    logger.warning(
+        "dropped a record that claims peer %s but was signed by %s: a record speaks only for its signer's peer id",
+        claimed[-12:],
+        (signer or "no peer key")[-12:],
+    )
 
 
 def publish_round(dht: Any, validator: Any, prefix: str, record: RoundRecord) -> None:
@@ -71,12 +120,11 @@ def publish_round(dht: Any, validator: Any, prefix: str, record: RoundRecord) ->
 
 
 def read_rounds(dht: Any, prefix: str) -> dict[str, RoundRecord]:
-    """Each peer's latest round record. A peer id under two owner keys (a restarted peer signs with
-    a new key; its old record lives until it expires) counts once: the freshest record wins.
+    """Each peer's latest round record, only from the peer itself (its id is its signing key).
     Nothing here is trusted further: digests are checked on every download."""
     out: dict[str, RoundRecord] = {}
-    for record in map(RoundRecord.parse, _read(dht, f"{prefix}_rounds")):
-        if record is not None and record.peer not in out:
+    for record in signed_by_their_peer(_read(dht, f"{prefix}_rounds"), RoundRecord.parse):
+        if record.peer not in out:
             out[record.peer] = record
     return out
 
@@ -88,8 +136,8 @@ def publish_progress(dht: Any, validator: Any, prefix: str, report: Progress) ->
 def read_progress(dht: Any, prefix: str) -> list[Progress]:
     """Every peer's latest progress report (one per peer id, the freshest)."""
     out: dict[str, Progress] = {}
-    for report in map(parse_progress, _read(dht, f"{prefix}_progress")):
-        if report is not None and (report.peer not in out or report.time > out[report.peer].time):
+    for report in signed_by_their_peer(_read(dht, f"{prefix}_progress"), parse_progress):
+        if report.peer not in out or report.time > out[report.peer].time:
             out[report.peer] = report
     return list(out.values())
 
@@ -101,7 +149,7 @@ def publish_config(dht: Any, validator: Any, run_id: str, fingerprint: str, shar
 def read_configs(dht: Any, run_id: str) -> dict[str, tuple[str, dict]]:
     """Configs that peers of this run id published: {fingerprint: (fingerprint, shared fields)}."""
     out = {}
-    for value in _read(dht, run_prefix(run_id, "configs")):
+    for _, value in _read(dht, run_prefix(run_id, "configs")):
         if (
             isinstance(value, dict)
             and isinstance(value.get("fingerprint"), str)

@@ -1,0 +1,79 @@
+"""A peer's identity is its libp2p key, and the same key signs its DHT records (I4).
+
+hivemind's `RSASignatureValidator` lets only the owner of an `[owner:<ssh-rsa public key>]` subkey
+write under it, but by default it signs with a key of its own, unrelated to the peer id: anyone
+could publish a record that *claims* any peer id. Here the validator signs with the peer's libp2p
+identity key (RSA, as hivemind makes it), so the peer id a record may claim is a function of the
+key that signed it (`owner_peer_id`), and records whose claim does not match are dropped
+(records.py). One key, one id: a process that wants more ids must make more keys.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import re
+from pathlib import Path
+
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric import rsa
+from hivemind.dht.crypto import RSASignatureValidator
+from hivemind.p2p import P2P, PeerID
+from hivemind.proto import crypto_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+from p2p_diloco.errors import SwarmError
+
+_OWNER = re.compile(rb"^\[owner:(.+)\]$", re.S)
+_SHA2_256 = bytes([0x12, 0x20])  # multihash prefix: sha2-256, 32 bytes (libp2p peer ids of RSA keys)
+
+
+def load_identity(path: Path) -> RSAPrivateKey:
+    """The peer's libp2p private key from `path`, made there on first start (the peer's id for good)."""
+    if not path.exists():
+        path.parent.mkdir(parents=True, exist_ok=True)
+        P2P.generate_identity(str(path))
+    try:
+        key = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+    except Exception:  # protobuf raises DecodeError and others on foreign bytes
+        key = crypto_pb2.PrivateKey()
+    if key.data and key.key_type != crypto_pb2.KeyType.RSA:
+        raise SwarmError(
+            f"identity file {path} holds a {crypto_pb2.KeyType.Name(key.key_type)} key; p2p-diloco signs its "
+            f"records with the peer's key and needs an RSA one: delete the file to make one"
+        )
+    try:
+        loaded = serialization.load_der_private_key(key.data, password=None)
+    except (ValueError, TypeError):
+        loaded = None
+    if not isinstance(loaded, rsa.RSAPrivateKey):
+        raise SwarmError(
+            f"identity file {path} is not a private key; delete it to make a new one (this peer then "
+            f"gets a new peer id), or point swarm.identity_path at the right file"
+        )
+    private = RSAPrivateKey.__new__(RSAPrivateKey)
+    private.__setstate__({"_private_key": key.data})  # hivemind's own way back from DER bytes
+    return private
+
+
+def make_validator(identity_path: Path) -> RSASignatureValidator:
+    """Signs this peer's DHT records with its identity key and checks everyone's signatures."""
+    return RSASignatureValidator(load_identity(identity_path))
+
+
+@functools.lru_cache(maxsize=4096)
+def owner_peer_id(subkey: bytes) -> str | None:
+    """The libp2p peer id of the key that owns (signed) a record's subkey, or None if the subkey
+    holds no RSA key. Every peer computes the same id from the same subkey."""
+    match = _OWNER.match(subkey) if isinstance(subkey, bytes) else None
+    if match is None:
+        return None
+    try:
+        public = serialization.load_ssh_public_key(match.group(1))
+    except (ValueError, TypeError):
+        return None
+    if not isinstance(public, rsa.RSAPublicKey):
+        return None
+    der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
+    encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
+    return PeerID(_SHA2_256 + hashlib.sha256(encoded).digest()).to_base58()
