@@ -51,7 +51,36 @@ def build_parser() -> argparse.ArgumentParser:
     _add_baseline_command(sub)
     _add_config_command(sub)
     _add_export_command(sub)
+    _add_id_command(sub)
+    _add_admission_command(sub)
     return parser
+
+
+def _add_id_command(sub: _Commands) -> None:
+    ident = sub.add_parser("id", help="print this peer's id (what a volunteer sends the organiser of a certified run)")
+    ident.add_argument(
+        "--run.dir", dest="run_dir", default="runs/default", help="the peer's run dir (default: %(default)s)"
+    )
+    ident.add_argument("--identity", help="the peer's identity key file (default: identity.key in the run dir)")
+
+
+def _add_admission_command(sub: _Commands) -> None:
+    adm = sub.add_parser("admission", help="the organiser's run key and certificates (certified runs)")
+    what = adm.add_subparsers(dest="action", required=True, metavar="ACTION")
+    keygen = what.add_parser("keygen", help="make the run key; prints the line for run.toml")
+    keygen.add_argument(
+        "--out", default="run.key", help="the private run key file (never overwritten; keep it private)"
+    )
+    admit = what.add_parser("admit", help="certify a volunteer's peer id for this run")
+    admit.add_argument("--key", default="run.key", help="the run key file")
+    admit.add_argument("--config", required=True, metavar="RUN_TOML", help="the run's config (its run id and key)")
+    admit.add_argument("--peer-id", required=True, help="the id the volunteer sent (p2p-diloco id)")
+    admit.add_argument("--name", required=True, help="who this is, for the organiser's own records")
+    admit.add_argument("--days", type=float, default=30.0, help="how long the certificate is valid")
+    admit.add_argument("--out", help="certificate file to write (default: certs/NAME.cert)")
+    listing = what.add_parser("list", help="list the certificates in a folder, checked against the run config")
+    listing.add_argument("folder", nargs="?", default="certs")
+    listing.add_argument("--config", required=True, metavar="RUN_TOML", help="the run's config")
 
 
 def _add_peer_command(sub: _Commands) -> None:
@@ -221,6 +250,42 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_id(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from p2p_diloco.swarm.identity import peer_id_of
+
+    path = Path(args.identity) if args.identity else Path(args.run_dir) / "identity.key"
+    print(peer_id_of(path))
+    return 0
+
+
+def cmd_admission(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from p2p_diloco import admission
+
+    if args.action == "keygen":
+        public = admission.make_run_key(Path(args.out))
+        print(f"run key written to {args.out} (keep it private); put this in the run's run.toml:")
+        print(f'[admission]\nmode = "certified"\norganiser_key = "{public}"')
+        return 0
+    cfg = config_mod.load(args.config)
+    if args.action == "admit":
+        out = Path(args.out) if args.out else Path("certs") / f"{args.name}.cert"
+        cert = admission.admit(
+            Path(args.key), cfg.run.run_id, cfg.admission.organiser_key, args.peer_id, args.name, args.days, out
+        )
+        print(
+            f"certificate for {cert.name} ({cert.peer_id}) written to {out}; send it to them: they pass it as "
+            f"--admission.certificate {out.name}"
+        )
+        return 0
+    for line in admission.listing(Path(args.folder), cfg.run.run_id, cfg.admission.organiser_key):
+        print(line)
+    return 0
+
+
 COMMANDS = {
     "peer": cmd_peer,
     "bootstrap": cmd_bootstrap,
@@ -228,6 +293,8 @@ COMMANDS = {
     "baseline": cmd_baseline,
     "config": cmd_config,
     "export": cmd_export,
+    "id": cmd_id,
+    "admission": cmd_admission,
 }
 
 

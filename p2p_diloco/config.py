@@ -32,7 +32,7 @@ else:  # Python 3.10
     import tomli as tomllib
 
 from p2p_diloco import codecs
-from p2p_diloco.errors import ConfigError
+from p2p_diloco.errors import ConfigError, P2PDilocoError
 
 # The fields that take one of a fixed set of values; validate() names the choices on a bad value.
 Source = Literal["stdlib", "files", "hub"]
@@ -40,6 +40,7 @@ ShardBy = Literal["document", "folder"]
 Precision = Literal["auto", "fp32", "bf16"]
 Overlap = Literal["off", "delayed", "eager"]
 LogLevel = Literal["debug", "info", "warning", "error"]
+AdmissionMode = Literal["open", "certified"]
 
 
 def shared(default: Any, doc: str) -> Any:
@@ -159,6 +160,17 @@ class SwarmSection:
 
 
 @dataclass(frozen=True)
+class AdmissionSection:
+    mode: AdmissionMode = shared(
+        "open",
+        "open: anyone who reaches the swarm may join (demos, friends); certified: only peers holding a "
+        "certificate from the organiser (README: Admission)",
+    )
+    organiser_key: str = shared("", "certified: the organiser's public key, ed25519:... (p2p-diloco admission keygen)")
+    certificate: str = local("", "certified: this peer's certificate file from the organiser")
+
+
+@dataclass(frozen=True)
 class CheckpointSection:
     keep: int = local(3, "keep this many latest round checkpoints (a checkpoint is written every round)")
 
@@ -177,6 +189,7 @@ class Config:
     inner: InnerSection = field(default_factory=InnerSection)
     outer: OuterSection = field(default_factory=OuterSection)
     swarm: SwarmSection = field(default_factory=SwarmSection)
+    admission: AdmissionSection = field(default_factory=AdmissionSection)
     checkpoint: CheckpointSection = field(default_factory=CheckpointSection)
     log: LogSection = field(default_factory=LogSection)
 
@@ -375,6 +388,7 @@ def validate(c: Config) -> None:
     _validate_sharding(c.data)
     _validate_outer(c.outer)
     _validate_swarm(c.swarm)
+    _validate_admission(c.admission)
     _require(c.checkpoint.keep >= 1, "checkpoint.keep", f"must be >= 1, got {c.checkpoint.keep}", "e.g. 3")
     _require(
         c.log.level in typing.get_args(LogLevel),
@@ -512,6 +526,28 @@ def _validate_inner(i: InnerSection) -> None:
         f"must be auto, fp32 or bf16, got {i.precision!r}",
         "auto",
     )
+
+
+def _validate_admission(a: AdmissionSection) -> None:
+    _require(
+        a.mode in typing.get_args(AdmissionMode),
+        "admission.mode",
+        f"must be open or certified, got {a.mode!r}",
+        "open admits anyone",
+    )
+    _require(
+        a.mode == "open" or bool(a.organiser_key),
+        "admission.organiser_key",
+        "is required when admission.mode = certified",
+        "the line `p2p-diloco admission keygen` printed",
+    )
+    if a.organiser_key:
+        from p2p_diloco import admission  # the key's format lives with the certificates
+
+        try:
+            admission.parse_public_key(a.organiser_key)
+        except P2PDilocoError as e:
+            raise ConfigError(f"{e}; set [admission] organiser_key in run.toml") from None
 
 
 def _validate_swarm(s: SwarmSection) -> None:

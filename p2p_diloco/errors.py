@@ -45,3 +45,9 @@ class AveragingError(P2PDilocoError):
 
 class StateDownloadError(P2PDilocoError):
     """No peer served a state that matches the digest the swarm published."""
+
+
+class AdmissionError(P2PDilocoError):
+    """A run key, certificate or admission setting is missing, malformed or does not admit this peer."""
+
+    exit_code = 2

@@ -31,8 +31,9 @@ from p2p_diloco.network import AllReduced, RoundRecord, ServedState, StateCheck
 from p2p_diloco.rounds import SwarmProgress
 from p2p_diloco.swarm import records
 from p2p_diloco.swarm.allreduce import DiLoCoAverager, WireCodec
+from p2p_diloco.swarm.gate import Gate
 from p2p_diloco.swarm.heartbeat import Heartbeat
-from p2p_diloco.swarm.identity import make_validator
+from p2p_diloco.swarm.identity import make_validator, peer_id_of
 from p2p_diloco.swarm.node import start_dht
 from p2p_diloco.swarm.step import AveragingStep
 
@@ -55,6 +56,8 @@ class Swarm:
         self.config = config
         self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
         identity = Path(sc.identity_path) if sc.identity_path else run_dir / "identity.key"
+        # Admission first: a peer that a certified run would refuse stops before it touches the network.
+        self.gate = Gate(config, peer_id_of(identity))
         self.validator = make_validator(identity)  # the peer id signs its records: one key, one id
         self.dht = start_dht(sc, identity, sc.initial_peers, sc.client_mode, [self.validator])
         self.peer_id = str(self.dht.peer_id)
@@ -65,10 +68,11 @@ class Swarm:
         lossy = sc.compression in codecs.LOSSY and sc.error_feedback
         self.residual = torch.zeros(numel, dtype=torch.float32).share_memory_() if lossy else None
         self._dht_lock = threading.Lock()  # hivemind's DHT handle is one pipe: threads take turns
-        self.heartbeat = Heartbeat(self.dht, self.validator, self.prefix, self.peer_id, self._dht_lock)
+        self.gate.attach(self.dht, self.validator, self.prefix, self._dht_lock)
+        self.heartbeat = Heartbeat(self.dht, self.validator, self.prefix, self.peer_id, self._dht_lock, self.gate)
         self.averager = self._start_averager(state_provider)
         payload_bytes = codecs.get(sc.compression).encoded_size(numel) + 4 * exact_numel
-        self.step = AveragingStep(self.averager, sc, self.peer_id, self.residual, payload_bytes)
+        self.step = AveragingStep(self.averager, sc, self.peer_id, self.residual, payload_bytes, self.gate.gather())
         self.heartbeat.start()
 
     def _start_averager(self, state_provider: Callable[[], ServedState]) -> DiLoCoAverager:
@@ -92,6 +96,7 @@ class Swarm:
                 state_provider=state_provider,
                 shutdown_timeout=5,
                 residual=self.residual,
+                admission=self.gate.averager_check(),
             )
         except Exception as e:  # the averager process failed to start: never leave the DHT running
             self.dht.shutdown()
@@ -156,7 +161,9 @@ class Swarm:
     def peers(self) -> dict[str, RoundRecord]:
         """The latest round record of every live peer of this run, by peer id."""
         with self._dht_lock:
-            return records.read_rounds(self.dht, self.prefix)
+            found = records.read_rounds(self.dht, self.prefix)
+        admitted = self.gate.admitted(found)
+        return {p: r for p, r in found.items() if p in admitted}
 
     def wait_for_round(self, round_: int, timeout: float) -> bool:
         """Whether a peer that serves its state publishes round `round_` (or later) within `timeout` s."""

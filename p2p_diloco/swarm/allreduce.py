@@ -44,7 +44,8 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco import codecs, faults, links
+from p2p_diloco import admission, codecs, faults, links
+from p2p_diloco.errors import AdmissionError
 
 logger = get_logger(__name__)
 
@@ -326,10 +327,20 @@ class DiLoCoAverager(DecentralizedAverager):
     which runs in the host process and calls `state_provider`.
     """
 
-    def __init__(self, *args: Any, state_provider: Any, residual: torch.Tensor | None = None, **kwargs: Any):
+    def __init__(
+        self,
+        *args: Any,
+        state_provider: Any,
+        residual: torch.Tensor | None = None,
+        admission: tuple[str, str] | None = None,
+        **kwargs: Any,
+    ):
         """`residual`: a shared-memory tensor shaped like the lossy averaged tensor; after each
-        successful all-reduce it holds what the codec lost of this peer's part (error feedback)."""
+        successful all-reduce it holds what the codec lost of this peer's part (error feedback).
+        `admission`: (run id, organiser key) of a certified run: every group member must show a
+        certificate in the all-gather before anything is averaged (swarm/gate.py)."""
         self._state_provider = state_provider
+        self._admission = admission
         self.residual = residual
         self.link = links.LinkMeter()  # lives in the averager process, where probes are sent and received
         self._receiving_probe = False  # one probe arrives at a time: two would share this peer's download
@@ -526,6 +537,8 @@ class DiLoCoAverager(DecentralizedAverager):
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         started = time.perf_counter()
+        if self._admission is not None:
+            _check_members(group_info, self.serializer, *self._admission)
         gathered = await super()._aggregate_with_group(_fair(group_info, self.serializer), min_vector_size, **kwargs)
         stats = getattr(self, "_last_runner_stats", {})
         return {"gathered": gathered, "allreduce_s": time.perf_counter() - started, **stats}
@@ -563,6 +576,22 @@ class DiLoCoAverager(DecentralizedAverager):
         self.last_updated = time.time()
         self._state_updated.set()
         faults.reached(faults.FaultPoint.ALLREDUCE_DONE)
+
+
+def _check_members(group_info: GroupInfo, serializer: Any, run_id: str, organiser_key: str) -> None:
+    """Certified runs: every member's certificate, from what it sent in the all-gather, must admit
+    its (transport-authenticated) peer id; otherwise the whole group fails before a part is sent."""
+    now = time.time()
+    for peer, data in zip(group_info.peer_ids, group_info.gathered):
+        try:
+            user = serializer.loads(list(serializer.loads(data))[2])
+            admission.check_member(user, run_id, organiser_key, str(peer), now)
+        except AdmissionError as e:
+            raise AllreduceException(
+                f"group member {peer} is not admitted to this run ({e}): nothing averaged"
+            ) from None
+        except Exception:  # anything else a peer could send
+            raise AllreduceException(f"group member {peer} sent malformed group data: nothing averaged") from None
 
 
 def _fair(group_info: GroupInfo, serializer: Any) -> GroupInfo:

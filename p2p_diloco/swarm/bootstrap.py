@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 from p2p_diloco.config import Config
 from p2p_diloco.swarm import records
+from p2p_diloco.swarm.gate import Gate
 from p2p_diloco.swarm.identity import make_validator
 from p2p_diloco.swarm.node import start_dht
 
@@ -28,10 +29,12 @@ class Bootstrap:
     def __init__(self, config: Config, identity_path: Path, watch_run: bool = True):
         identity_path.parent.mkdir(parents=True, exist_ok=True)
         self.config, self.watch_run = config, watch_run
-        self.dht = start_dht(
-            config.swarm, identity_path, config.swarm.initial_peers, False, [make_validator(identity_path)]
-        )
+        validator = make_validator(identity_path)
+        self.dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, False, [validator])
         self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
+        # A certified run's bootstrap node counts only admitted peers and logs the ones it refused.
+        self.gate = Gate(config, str(self.dht.peer_id), member=False)
+        self.gate.attach(self.dht, validator, self.prefix, threading.Lock())
 
     def initial_peers(self) -> list[str]:
         """The multiaddrs to hand out: `--initial-peers` takes any of them."""
@@ -42,7 +45,9 @@ class Bootstrap:
         known = self.dht.run_coroutine(_routing_table_size)
         if not self.watch_run:
             return f"{known} peers in the routing table (pass --config RUN_TOML to see the run's rounds)"
-        rounds = Counter(r.round for r in records.read_rounds(self.dht, self.prefix).values())
+        found = records.read_rounds(self.dht, self.prefix)
+        admitted = self.gate.admitted(found)
+        rounds = Counter(r.round for p, r in found.items() if p in admitted)
         seen = (
             ", ".join(f"round {r}: {n} peer{'s' if n > 1 else ''}" for r, n in sorted(rounds.items()))
             or "no round records yet"

@@ -17,6 +17,7 @@ from typing import Any
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress, SwarmProgress, swarm_progress
 from p2p_diloco.swarm import records
+from p2p_diloco.swarm.gate import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -27,8 +28,9 @@ STALE_S = 10.0  # a peer whose progress report is older than this no longer coun
 class Heartbeat:
     """This peer's published round and progress, and the latest view of everyone's."""
 
-    def __init__(self, dht: Any, validator: Any, prefix: str, peer_id: str, dht_lock: threading.Lock):
+    def __init__(self, dht: Any, validator: Any, prefix: str, peer_id: str, dht_lock: threading.Lock, gate: Gate):
         self.dht, self.validator, self.prefix, self.peer_id = dht, validator, prefix, peer_id
+        self.gate = gate  # only admitted peers' records count (certified runs)
         self._dht_lock = dht_lock  # hivemind's DHT handle is one pipe: this thread and the peer's take turns
         self._last_record: RoundRecord | None = None
         self._last_refresh = 0.0
@@ -56,15 +58,20 @@ class Heartbeat:
     def _beat(self) -> None:
         now = time.time()
         mine = self._my_progress
+        refresh = self._last_record is not None and now - self._last_refresh >= records.REFRESH_S
         with self._dht_lock:
-            if self._last_record is not None and now - self._last_refresh >= records.REFRESH_S:
+            if refresh and self._last_record is not None:
                 records.publish_round(self.dht, self.validator, self.prefix, self._last_record)
                 self._last_refresh = now
             if mine is not None:
                 records.publish_progress(self.dht, self.validator, self.prefix, replace(mine, time=now))
             reports = records.read_progress(self.dht, self.prefix)
             rounds_seen = records.read_rounds(self.dht, self.prefix)
-        self._reports, self._rounds_seen = reports, rounds_seen
+        if refresh:
+            self.gate.publish()
+        admitted = self.gate.admitted({r.peer for r in reports} | set(rounds_seen))
+        self._reports = [r for r in reports if r.peer in admitted]
+        self._rounds_seen = {p: r for p, r in rounds_seen.items() if p in admitted}
 
     def published(self, record: RoundRecord) -> None:
         """This peer just published `record`: refresh it from now on; a new round has no tokens yet."""

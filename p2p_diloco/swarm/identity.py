@@ -56,6 +56,12 @@ def load_identity(path: Path) -> RSAPrivateKey:
     return private
 
 
+def peer_id_of(path: Path) -> str:
+    """The peer id of the identity key in `path` (made there if missing): what `p2p-diloco id` prints."""
+    load_identity(path)
+    return str(PeerID.from_identity(path.read_bytes()))
+
+
 def make_validator(identity_path: Path) -> RSASignatureValidator:
     """Signs this peer's DHT records with its identity key and checks everyone's signatures."""
     return RSASignatureValidator(load_identity(identity_path))

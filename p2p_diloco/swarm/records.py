@@ -10,10 +10,11 @@ record (agreement.py).
 
 from __future__ import annotations
 
+import json
 import logging
 import re
 from collections.abc import Callable
-from dataclasses import asdict
+from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
 from hivemind.utils import get_dht_time
@@ -140,6 +141,33 @@ def read_progress(dht: Any, prefix: str) -> list[Progress]:
         if report.peer not in out or report.time > out[report.peer].time:
             out[report.peer] = report
     return list(out.values())
+
+
+@dataclass(frozen=True)
+class _Published:
+    """A certificate as a peer published it: the JSON text and the peer id it names."""
+
+    peer: str
+    text: str
+
+
+def _parse_certificate(value: Any) -> _Published | None:
+    if not isinstance(value, str) or len(value) > 4096:
+        return None
+    try:
+        peer = json.loads(value).get("peer_id")
+    except (ValueError, AttributeError):
+        return None
+    return _Published(peer, value) if isinstance(peer, str) else None
+
+
+def publish_certificate(dht: Any, validator: Any, prefix: str, text: str) -> None:
+    _store(dht, validator, f"{prefix}_certs", text)
+
+
+def read_certificates(dht: Any, prefix: str) -> dict[str, str]:
+    """{peer id: certificate JSON} as each peer published its own (signed by its key); unchecked."""
+    return {c.peer: c.text for c in signed_by_their_peer(_read(dht, f"{prefix}_certs"), _parse_certificate)}
 
 
 def publish_config(dht: Any, validator: Any, run_id: str, fingerprint: str, shared: dict) -> None:

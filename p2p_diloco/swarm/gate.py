@@ -1,0 +1,111 @@
+"""Admission at the swarm's doors (admission.mode = certified): who counts as a member of the run.
+
+- **This peer** must hold a certificate for its own id before it touches the network; without one
+  it stops with one line that names the fix (send the id to the organiser).
+- **Records**: each peer publishes its certificate in the DHT, signed by its own key; the round and
+  progress records of a peer count only once its certificate verified (checked once, cached until
+  it expires).
+- **Groups**: every member sends its certificate in the group's all-gather; the averager process
+  checks them all before any part is sent, and a group with a member that is not admitted fails
+  (`admission.check_member`), so nothing of an outsider is ever averaged.
+
+In `open` mode every door is open and this class admits everyone.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+from p2p_diloco import admission
+from p2p_diloco.config import Config
+from p2p_diloco.errors import AdmissionError
+from p2p_diloco.swarm import records
+
+logger = logging.getLogger(__name__)
+
+RECHECK_S = 30.0  # a peer without a valid certificate is looked up again after this long
+
+
+class Gate:
+    """This peer's admission checks, with verdicts cached per peer id."""
+
+    def __init__(self, config: Config, peer_id: str, member: bool = True):
+        """`member`: this node trains in the run and needs a certificate (a bootstrap node does not)."""
+        self.certified = config.admission.mode == "certified"
+        self.run_id, self.peer_id = config.run.run_id, peer_id
+        self.organiser = admission.parse_public_key(config.admission.organiser_key) if self.certified else None
+        self.certificate = self._own_certificate(config) if self.certified and member else None
+        self._admitted_until: dict[str, float] = {}  # peer id -> when its certificate expires
+        self._refused_until: dict[str, float] = {}  # peer id -> when to look it up again
+        self._io: tuple[Any, Any, str, threading.Lock] | None = None
+
+    def _own_certificate(self, config: Config) -> admission.Certificate:
+        """This peer's certificate, checked: AdmissionError (exit 2) naming the fix if there is none."""
+        fix = f"this run admits certified peers only: send your id ({self.peer_id}) to the organiser"
+        if not config.admission.certificate:
+            raise AdmissionError(f"{fix}, then pass their certificate as --admission.certificate FILE")
+        try:
+            cert = admission.read_certificate(Path(config.admission.certificate))
+            assert self.organiser is not None
+            admission.check(cert, self.organiser, self.run_id, self.peer_id, time.time())
+        except AdmissionError as e:
+            raise AdmissionError(f"{e}; {fix} for a new certificate") from None
+        return cert
+
+    def attach(self, dht: Any, validator: Any, prefix: str, dht_lock: threading.Lock) -> None:
+        """The DHT is up: publish this peer's certificate (again every records.REFRESH_S)."""
+        self._io = (dht, validator, prefix, dht_lock)
+        self.publish()
+
+    def publish(self) -> None:
+        if self.certificate is None or self._io is None:
+            return
+        dht, validator, prefix, lock = self._io
+        with lock:
+            records.publish_certificate(dht, validator, prefix, self.certificate.to_json())
+
+    def gather(self) -> dict[str, str]:
+        """What this peer adds to a group's all-gather: its certificate (certified runs)."""
+        return {"cert": self.certificate.to_json()} if self.certificate is not None else {}
+
+    def averager_check(self) -> tuple[str, str] | None:
+        """What the averager process needs to check a group's certificates: (run id, organiser key)."""
+        return (self.run_id, admission.public_key_text(self.organiser)) if self.organiser is not None else None
+
+    def admitted(self, peers: Iterable[str]) -> set[str]:
+        """Those of `peers` that hold a valid certificate (all of them in open mode)."""
+        peers = set(peers)
+        if not self.certified:
+            return peers
+        now = time.time()
+        unknown = {
+            p for p in peers if self._admitted_until.get(p, 0.0) <= now and self._refused_until.get(p, 0.0) <= now
+        }
+        if unknown:
+            self._look_up(unknown, now)
+        return {p for p in peers if p == self.peer_id or self._admitted_until.get(p, 0.0) > now}
+
+    def _look_up(self, unknown: set[str], now: float) -> None:
+        """Read the run's published certificates and check those of `unknown` peers."""
+        if self._io is None:
+            return
+        dht, _, prefix, lock = self._io
+        with lock:
+            published = records.read_certificates(dht, prefix)
+        assert self.organiser is not None
+        for peer in unknown:
+            try:
+                cert = admission.Certificate.parse(published.get(peer, ""))
+                admission.check(cert, self.organiser, self.run_id, peer, now)
+                self._admitted_until[peer] = float(cert.expires)
+            except AdmissionError as e:
+                if peer not in self._refused_until:
+                    logger.warning(
+                        "refused peer %s: %s", peer, e if peer in published else "it published no certificate"
+                    )
+                self._refused_until[peer] = now + RECHECK_S

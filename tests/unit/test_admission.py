@@ -1,0 +1,84 @@
+"""Certificates from the organiser: issued offline, checked by every peer with the run config alone."""
+
+import json
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from p2p_diloco import admission
+from p2p_diloco.admission import Certificate
+from p2p_diloco.errors import AdmissionError
+
+RUN, PEER, NOW = "public-run", "QmVolunteerPeerId", 1_800_000_000
+
+
+@pytest.fixture
+def run_key(tmp_path):
+    public = admission.make_run_key(tmp_path / "run.key")
+    return admission.load_run_key(tmp_path / "run.key"), admission.parse_public_key(public)
+
+
+def test_a_certificate_admits_its_peer_to_its_run_until_it_expires(run_key):
+    private, public = run_key
+    cert = admission.issue(private, RUN, PEER, "alice", NOW + 3600)
+    admission.check(cert, public, RUN, PEER, now=NOW)  # no error: admitted
+    with pytest.raises(AdmissionError, match="expired"):
+        admission.check(cert, public, RUN, PEER, now=NOW + 3600)
+    with pytest.raises(AdmissionError, match="for peer QmVolunteerPeerId, not QmSomeoneElse"):
+        admission.check(cert, public, RUN, "QmSomeoneElse", now=NOW)
+    with pytest.raises(AdmissionError, match="for run 'public-run', not 'other-run'"):
+        admission.check(cert, public, "other-run", PEER, now=NOW)
+
+
+def test_a_certificate_from_another_organiser_or_altered_is_refused(run_key):
+    private, public = run_key
+    stranger = admission.issue(Ed25519PrivateKey.generate(), RUN, PEER, "mallory", NOW + 3600)
+    with pytest.raises(AdmissionError, match="not signed by this run's organiser"):
+        admission.check(stranger, public, RUN, PEER, now=NOW)
+    honest = admission.issue(private, RUN, PEER, "alice", NOW + 3600)
+    for altered in [
+        Certificate(RUN, "QmMallory", "alice", honest.expires, honest.signature),  # another peer id
+        Certificate(RUN, PEER, "alice", honest.expires + 10**6, honest.signature),  # a longer life
+        Certificate(RUN, PEER, "alice", honest.expires, "bm90IGEgc2lnbmF0dXJl"),  # another signature
+        Certificate(RUN, PEER, "alice", honest.expires, "%%%"),  # not base64
+    ]:
+        with pytest.raises(AdmissionError, match="not signed by this run's organiser"):
+            admission.check(altered, public, RUN, altered.peer_id, now=NOW)
+
+
+def test_certificates_round_trip_through_their_file_format(run_key, tmp_path):
+    private, public = run_key
+    cert = admission.issue(private, RUN, PEER, "alice", NOW + 60)
+    (tmp_path / "alice.cert").write_text(cert.to_json())
+    assert admission.read_certificate(tmp_path / "alice.cert") == cert
+    assert set(json.loads(cert.to_json())) == {"run_id", "peer_id", "name", "expires", "signature"}
+
+
+@pytest.mark.parametrize(
+    "content, problem",
+    [
+        (b"\x00\x01garbage", "not JSON"),
+        (b"[1, 2]", "not a JSON object"),
+        (b'{"run_id": "r", "peer_id": "p"}', "lacks a field"),
+        (b"x" * 5000, "at most 4096 bytes"),
+    ],
+)
+def test_a_certificate_file_that_is_garbage_is_one_clear_error(tmp_path, content, problem):
+    (tmp_path / "bad.cert").write_bytes(content)
+    with pytest.raises(AdmissionError, match=f"is not a certificate .*{problem}.*ask the organiser"):
+        admission.read_certificate(tmp_path / "bad.cert")
+    with pytest.raises(AdmissionError, match="not found"):
+        admission.read_certificate(tmp_path / "missing.cert")
+
+
+def test_run_keys_are_never_overwritten_and_public_keys_are_checked(tmp_path):
+    public = admission.make_run_key(tmp_path / "run.key")
+    assert public.startswith("ed25519:") and (tmp_path / "run.key").stat().st_mode & 0o777 == 0o600
+    with pytest.raises(AdmissionError, match="never overwritten"):
+        admission.make_run_key(tmp_path / "run.key")
+    for bad in ["rsa:AAAA", "ed25519:not base64!", "ed25519:" + "QUFB" * 3]:
+        with pytest.raises(AdmissionError):
+            admission.parse_public_key(bad)
+    (tmp_path / "not-a-key.pem").write_text("hello")
+    with pytest.raises(AdmissionError, match="is not a run key"):
+        admission.load_run_key(tmp_path / "not-a-key.pem")
