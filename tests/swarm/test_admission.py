@@ -9,7 +9,7 @@ from p2p_diloco import admission, config
 from p2p_diloco.swarm.identity import peer_id_of
 from tests.swarm.conftest import SWARM, wait_until
 
-ROUNDS = 6
+ROUNDS = 4
 
 
 @pytest.mark.timeout(240)
