@@ -16,7 +16,13 @@ ROUNDS = 4
 def test_an_intruder_without_a_certificate_is_never_counted_or_averaged_with(swarm, tmp_path):
     public = admission.make_run_key(tmp_path / "run.key")
     key = admission.load_run_key(tmp_path / "run.key")
-    run = {"admission.mode": "certified", "admission.organiser_key": public, "run.rounds": str(ROUNDS)}
+    # no retries: a group the intruder joined fails at once, and the test need not wait out a second one
+    run = {
+        "admission.mode": "certified",
+        "admission.organiser_key": public,
+        "run.rounds": str(ROUNDS),
+        "swarm.averaging_retries": "0",
+    }
     run_id = config.load(None, {**SWARM, **run}).run.run_id
     ids, peers = {}, []
     for name in ("a", "b", "intruder"):
@@ -40,6 +46,8 @@ def test_an_intruder_without_a_certificate_is_never_counted_or_averaged_with(swa
     # Never a group of 3: a group the intruder joined failed before any part was sent. (It may make
     # every round fail, leaving each admitted peer its own Δ until refusal at matchmaking exists.)
     assert max(sizes) <= 2, f"a group with the intruder was averaged: {sizes}"
+    intruder = swarm.records("intruder")
+    assert intruder and all(rec.get("group_size", 1) == 1 for rec in intruder.values()), intruder
     for name in ("a", "b"):
         assert f"refused peer {ids['intruder']}: it published no certificate" in swarm.log(name)
     assert ids["intruder"] in swarm.log("intruder"), "the intruder ran"
