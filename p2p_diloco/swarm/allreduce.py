@@ -199,14 +199,25 @@ class ConsistentAllReduceRunner(AllReduceRunner):
             self.bytes_received += len(msg.tensor_part.buffer)
             return self.codec.extract(msg.tensor_part)
 
-        async for averaged in amap_in_executor(
-            decode, aiter_with_timeout(stream, self.reducer_timeout), max_prefetch=self.tensor_part_container.prefetch
-        ):
-            _check_part(averaged, self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0], peer_id)
-            self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
-            part_index += 1
-            if part_index == expected:
-                received_all.set()
+        try:
+            async for averaged in amap_in_executor(
+                decode,
+                aiter_with_timeout(stream, self.reducer_timeout),
+                max_prefetch=self.tensor_part_container.prefetch,
+            ):
+                _check_part(
+                    averaged, self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0], peer_id
+                )
+                self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
+                part_index += 1
+                if part_index == expected:
+                    received_all.set()
+        except ConnectionError:
+            # The reducer may close its end, or even exit, as soon as its own result is complete
+            # (seen in CI: "ConnectionResetError, 0 of 1010 values failed"). Once every average of
+            # its span is here, that is nothing to us.
+            if part_index != expected:
+                raise
         if part_index != expected:
             raise AllreduceException(f"peer {peer_id} sent {part_index} parts, expected {expected}")
 
