@@ -19,9 +19,9 @@ import binascii
 import json
 import os
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from cryptography.exceptions import InvalidSignature
 from cryptography.hazmat.primitives import serialization
@@ -29,14 +29,61 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey,
 
 from p2p_diloco.errors import AdmissionError
 
-CERTIFICATE_DOMAIN = b"p2p-diloco certificate v1\n"
 KEY_PREFIX = "ed25519:"
-MAX_CERTIFICATE_BYTES = 4096  # a certificate from another peer larger than this is refused unread
+REVOKED_DIR = "revoked"  # where `admission revoke` keeps the organiser's copy, inside the certificates folder
+MAX_SIGNED_BYTES = 4096  # a certificate or revocation from another peer larger than this is refused unread
 
 
 @dataclass(frozen=True)
-class Certificate:
+class _Signed:
+    """A statement of the organiser: its fields as canonical JSON, prefixed by a domain string per
+    kind (so that a signature made for one kind never verifies as another), and the signature."""
+
+    DOMAIN: ClassVar[bytes] = b""
+    KIND: ClassVar[str] = "statement"
+
+    def signed_bytes(self) -> bytes:
+        fields = {k: v for k, v in asdict(self).items() if k != "signature"}
+        return self.DOMAIN + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
+
+    def to_json(self) -> str:
+        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+
+    @classmethod
+    def parse(cls, value: Any) -> Any:
+        """One from its JSON (a file, or another peer: untrusted); AdmissionError if malformed."""
+        if isinstance(value, (str, bytes)):
+            if len(value) > MAX_SIGNED_BYTES:
+                raise AdmissionError(f"a {cls.KIND} is at most {MAX_SIGNED_BYTES} bytes, got {len(value)}")
+            try:
+                value = json.loads(value)
+            except (ValueError, UnicodeDecodeError):
+                raise AdmissionError(f"the {cls.KIND} is not JSON") from None
+        if not isinstance(value, dict):
+            raise AdmissionError(f"the {cls.KIND} is not a JSON object")
+        names = [f.name for f in fields(cls)]
+        try:
+            return cls(**{f.name: int(value[f.name]) if f.type == "int" else str(value[f.name]) for f in fields(cls)})
+        except (KeyError, TypeError, ValueError):
+            raise AdmissionError(f"the {cls.KIND} lacks a field ({', '.join(names)})") from None
+
+    def signed_with(self, key: Ed25519PrivateKey) -> Any:
+        signature = base64.b64encode(key.sign(self.signed_bytes())).decode()
+        return replace(self, **{"signature": signature})  # every kind has the field; the base has none
+
+    def verify(self, organiser: Ed25519PublicKey) -> None:
+        try:
+            organiser.verify(base64.b64decode(asdict(self)["signature"], validate=True), self.signed_bytes())
+        except (InvalidSignature, binascii.Error, ValueError):
+            raise AdmissionError(f"the {self.KIND} is not signed by this run's organiser") from None
+
+
+@dataclass(frozen=True)
+class Certificate(_Signed):
     """The organiser's word that `peer_id` may take part in run `run_id` until `expires`."""
+
+    DOMAIN: ClassVar[bytes] = b"p2p-diloco certificate v1\n"
+    KIND: ClassVar[str] = "certificate"
 
     run_id: str
     peer_id: str
@@ -44,36 +91,33 @@ class Certificate:
     expires: int  # unix seconds
     signature: str = ""  # base64 Ed25519 signature over `signed_bytes()`
 
-    def signed_bytes(self) -> bytes:
-        fields = {k: v for k, v in asdict(self).items() if k != "signature"}
-        return CERTIFICATE_DOMAIN + json.dumps(fields, sort_keys=True, separators=(",", ":")).encode()
 
-    def to_json(self) -> str:
-        return json.dumps(asdict(self), indent=1, sort_keys=True) + "\n"
+@dataclass(frozen=True)
+class Revocation(_Signed):
+    """The organiser's word that `peer_id` is out of run `run_id` from `issued` on, whatever its
+    certificate says. It travels through the DHT; every peer that verified it publishes it again."""
 
-    @classmethod
-    def parse(cls, value: Any) -> Certificate:
-        """A certificate from its JSON (a file, or another peer: untrusted); AdmissionError if malformed."""
-        if isinstance(value, (str, bytes)):
-            if len(value) > MAX_CERTIFICATE_BYTES:
-                raise AdmissionError(f"a certificate is at most {MAX_CERTIFICATE_BYTES} bytes, got {len(value)}")
-            try:
-                value = json.loads(value)
-            except (ValueError, UnicodeDecodeError):
-                raise AdmissionError("the certificate is not JSON") from None
-        if not isinstance(value, dict):
-            raise AdmissionError("the certificate is not a JSON object")
-        try:
-            cert = cls(
-                str(value["run_id"]),
-                str(value["peer_id"]),
-                str(value["name"]),
-                int(value["expires"]),
-                str(value["signature"]),
-            )
-        except (KeyError, TypeError, ValueError):
-            raise AdmissionError("the certificate lacks a field (run_id, peer_id, name, expires, signature)") from None
-        return cert
+    DOMAIN: ClassVar[bytes] = b"p2p-diloco revocation v1\n"
+    KIND: ClassVar[str] = "revocation"
+
+    run_id: str
+    peer_id: str
+    reason: str
+    issued: int  # unix seconds
+    signature: str = ""
+
+
+@dataclass(frozen=True)
+class ConfigSignature(_Signed):
+    """The organiser's word that the config with `fingerprint` is run `run_id`'s config (certified
+    runs believe no other config published under the run id)."""
+
+    DOMAIN: ClassVar[bytes] = b"p2p-diloco run config v1\n"
+    KIND: ClassVar[str] = "config signature"
+
+    run_id: str
+    fingerprint: str
+    signature: str = ""
 
 
 # --- the organiser's key --------------------------------------------------------------------------
@@ -128,18 +172,13 @@ def parse_public_key(text: str) -> Ed25519PublicKey:
 
 def issue(key: Ed25519PrivateKey, run_id: str, peer_id: str, name: str, expires: int) -> Certificate:
     """The organiser signs a certificate for `peer_id`."""
-    unsigned = Certificate(run_id, peer_id, name, int(expires))
-    return Certificate(
-        run_id, peer_id, name, int(expires), base64.b64encode(key.sign(unsigned.signed_bytes())).decode()
-    )
+    cert: Certificate = Certificate(run_id, peer_id, name, int(expires)).signed_with(key)
+    return cert
 
 
 def check(cert: Certificate, organiser: Ed25519PublicKey, run_id: str, peer_id: str, now: float) -> None:
     """Raise AdmissionError (saying why) unless `cert` admits `peer_id` to `run_id` at `now`."""
-    try:
-        organiser.verify(base64.b64decode(cert.signature, validate=True), cert.signed_bytes())
-    except (InvalidSignature, binascii.Error, ValueError):
-        raise AdmissionError("the certificate is not signed by this run's organiser") from None
+    cert.verify(organiser)
     if cert.run_id != run_id:
         raise AdmissionError(f"the certificate is for run {cert.run_id!r}, not {run_id!r}")
     if cert.peer_id != peer_id:
@@ -169,9 +208,7 @@ def admit(
     key_path: Path, run_id: str, organiser_key: str, peer_id: str, name: str, days: float, out: Path
 ) -> Certificate:
     """Certify `peer_id` for `days` and write the certificate to `out` (never over another file)."""
-    key = load_run_key(key_path)
-    if public_key_text(key.public_key()) != organiser_key:
-        raise AdmissionError(f"{key_path} is not the key of this run (admission.organiser_key in its config)")
+    key = _organiser_key_of(key_path, organiser_key)
     if not 0 < days <= 3650:
         raise AdmissionError(f"--days must be in (0, 3650], got {days}")
     if not peer_id.strip() or len(peer_id) > 128:
@@ -185,8 +222,11 @@ def admit(
 
 
 def listing(folder: Path, run_id: str, organiser_key: str) -> list[str]:
-    """One line per certificate file in `folder`: name, peer id, expiry, and whether it admits now."""
+    """One line per certificate file in `folder`: name, peer id, expiry, and whether it admits now
+    (not if it expired, or the organiser revoked it: revocations are kept in `folder`/revoked/)."""
     organiser = parse_public_key(organiser_key)
+    texts = [p.read_text(errors="replace") for p in sorted((Path(folder) / REVOKED_DIR).glob("*.json"))]
+    revoked = revoked_ids(texts, organiser, run_id)
     lines = []
     for path in sorted(Path(folder).glob("*.cert")):
         try:
@@ -199,15 +239,60 @@ def listing(folder: Path, run_id: str, organiser_key: str) -> list[str]:
             verdict = "admitted"
         except AdmissionError as e:
             verdict = f"NOT admitted: {e}"
+        if cert.peer_id in revoked:
+            verdict = f"REVOKED ({Revocation.parse(revoked[cert.peer_id]).reason})"
         until = time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime(cert.expires))
         lines.append(f"{path.name}: {cert.name} {cert.peer_id} until {until}: {verdict}")
     return lines or [f"no certificates (*.cert) in {folder}"]
 
 
-def check_member(user_data: Any, run_id: str, organiser_key: str, peer_id: str, now: float) -> None:
-    """A group member's certificate, from what it sent in the group's all-gather; AdmissionError if
-    it does not admit `peer_id` (the member's transport-authenticated libp2p id)."""
-    text = user_data.get("cert") if isinstance(user_data, dict) else None
-    if not isinstance(text, str):
-        raise AdmissionError("it sent no certificate")
-    check(Certificate.parse(text), parse_public_key(organiser_key), run_id, peer_id, now)
+# --- revocations ------------------------------------------------------------------------------------
+
+
+def _organiser_key_of(key_path: Path, organiser_key: str) -> Ed25519PrivateKey:
+    key = load_run_key(key_path)
+    if public_key_text(key.public_key()) != organiser_key:
+        raise AdmissionError(f"{key_path} is not the key of this run (admission.organiser_key in its config)")
+    return key
+
+
+def revoke(key_path: Path, run_id: str, organiser_key: str, peer_id: str, reason: str, out: Path) -> Revocation:
+    """Sign a revocation of `peer_id` and write it to `out` (the organiser's record of it)."""
+    key = _organiser_key_of(key_path, organiser_key)
+    if not peer_id.strip() or len(peer_id) > 128:
+        raise AdmissionError(f"{peer_id!r} is not a peer id")
+    revocation: Revocation = Revocation(run_id, peer_id.strip(), reason[:200], int(time.time())).signed_with(key)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(revocation.to_json())
+    return revocation
+
+
+def revoked_ids(texts: Any, organiser: Ed25519PublicKey, run_id: str) -> dict[str, str]:
+    """{peer id: revocation JSON} of those of `texts` (untrusted: from the DHT) that are revocations
+    of this run signed by its organiser; anything else is skipped."""
+    out = {}
+    for text in texts if isinstance(texts, (list, tuple)) else []:
+        try:
+            revocation = Revocation.parse(text)
+            revocation.verify(organiser)
+        except AdmissionError:
+            continue
+        if revocation.run_id == run_id:
+            out[revocation.peer_id] = revocation.to_json()
+    return out
+
+
+# --- the run config ---------------------------------------------------------------------------------
+
+
+def sign_config(key_path: Path, run_id: str, organiser_key: str, fingerprint: str) -> ConfigSignature:
+    """The organiser's signature of a run config (goes into run.toml as admission.config_signature)."""
+    signed: ConfigSignature = ConfigSignature(run_id, fingerprint).signed_with(
+        _organiser_key_of(key_path, organiser_key)
+    )
+    return signed
+
+
+def check_config_signature(signature: str, organiser_key: str, run_id: str, fingerprint: str) -> None:
+    """AdmissionError unless `signature` (base64) is the organiser's over this run id and fingerprint."""
+    ConfigSignature(run_id, fingerprint, signature).verify(parse_public_key(organiser_key))

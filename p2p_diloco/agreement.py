@@ -133,3 +133,18 @@ def still_finishing(records: Mapping[str, RoundRecord], stale: set[str], final: 
     """Live peers of the last two rounds that do not hold this peer's final state yet: whom a peer
     that finished the run lingers for, so they can download it."""
     return [p for p, r in records.items() if r.round in (final - 1, final) and r.digest != mine and p not in stale]
+
+
+def config_to_defer_to(mine: str, live: dict[str, int]) -> str | None:
+    """The config (fingerprint) a starting peer must defer to, refusing to start (I5), or None.
+
+    `live`: for this peer's config and every other config of the run id that counts (in certified
+    runs, only organiser-signed ones), how many other peers are live under it. A peer joins its own
+    config's run whenever anyone runs it. If nobody does and another config has live peers, that
+    is the run: the peer is refused, told which fields differ. A config that only a record and no
+    live peer speaks for counts for nothing, so one published record cannot lock a run out
+    (config squatting); several, the most peers win, then the smallest fingerprint."""
+    if live.get(mine, 0) > 0:
+        return None
+    rivals = [(-n, fp) for fp, n in live.items() if fp != mine and n > 0]
+    return min(rivals)[1] if rivals else None

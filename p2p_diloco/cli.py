@@ -81,6 +81,17 @@ def _add_admission_command(sub: _Commands) -> None:
     listing = what.add_parser("list", help="list the certificates in a folder, checked against the run config")
     listing.add_argument("folder", nargs="?", default="certs")
     listing.add_argument("--config", required=True, metavar="RUN_TOML", help="the run's config")
+    revoke = what.add_parser("revoke", help="revoke a peer while the run goes on (through the run's DHT)")
+    revoke.add_argument("--key", default="run.key", help="the run key file")
+    revoke.add_argument("--config", required=True, metavar="RUN_TOML", help="the run's config")
+    revoke.add_argument("--peer-id", required=True, help="the peer to revoke (as in its certificate)")
+    revoke.add_argument("--reason", default="", help="one line, shown to the peer and in every peer's log")
+    revoke.add_argument("--folder", default="certs", help="certificates folder; the revocation goes to its revoked/")
+    revoke.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the run")
+    revoke.add_argument("--wait", type=float, default=60.0, metavar="SECONDS", help="wait this long for peers")
+    sign = what.add_parser("sign-config", help="sign the run config; prints the line for its [admission] section")
+    sign.add_argument("--key", default="run.key", help="the run key file")
+    sign.add_argument("--config", required=True, metavar="RUN_TOML", help="the run's config")
 
 
 def _add_peer_command(sub: _Commands) -> None:
@@ -281,8 +292,37 @@ def cmd_admission(args: argparse.Namespace) -> int:
             f"--admission.certificate {out.name}"
         )
         return 0
+    if args.action == "revoke":
+        return _revoke(args, cfg)
+    if args.action == "sign-config":
+        signed = admission.sign_config(Path(args.key), cfg.run.run_id, cfg.admission.organiser_key, cfg.fingerprint())
+        print(f"config {cfg.fingerprint()} of run {cfg.run.run_id!r} signed; put this in the [admission] section:")
+        print(f'config_signature = "{signed.signature}"')
+        return 0
     for line in admission.listing(Path(args.folder), cfg.run.run_id, cfg.admission.organiser_key):
         print(line)
+    return 0
+
+
+def _revoke(args: argparse.Namespace, cfg: config_mod.Config) -> int:
+    from pathlib import Path
+
+    from p2p_diloco import admission
+    from p2p_diloco.swarm.bootstrap import publish_revocation
+
+    out = Path(args.folder) / admission.REVOKED_DIR / f"{args.peer_id}.json"
+    revocation = admission.revoke(
+        Path(args.key), cfg.run.run_id, cfg.admission.organiser_key, args.peer_id, args.reason, out
+    )
+    reach = config_mod.load(args.config, {"swarm.initial_peers": ",".join(args.initial_peers), "swarm.port": "0"})
+    holders = publish_revocation(reach, revocation.to_json(), args.wait)
+    if not holders:
+        print(
+            f"revocation of {args.peer_id} written to {out}, but no peer of run {cfg.run.run_id!r} published it "
+            f"again within {args.wait:g} s: is the run up, and --initial-peers right? Run this again."
+        )
+        return 1
+    print(f"revoked {args.peer_id}: {len(holders)} peer(s) of the run hold the revocation now; copy in {out}")
     return 0
 
 

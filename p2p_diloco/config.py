@@ -168,6 +168,9 @@ class AdmissionSection:
     )
     organiser_key: str = shared("", "certified: the organiser's public key, ed25519:... (p2p-diloco admission keygen)")
     certificate: str = local("", "certified: this peer's certificate file from the organiser")
+    config_signature: str = local(
+        "", "certified: the organiser's signature of this config (p2p-diloco admission sign-config)"
+    )
 
 
 @dataclass(frozen=True)

@@ -1,20 +1,26 @@
 """A bootstrap node: a DHT-only peer with a stable address that volunteers use to enter the swarm.
 
 It trains nothing and holds no model; it stores and serves DHT records like any peer, and reports
-how many peers it sees and, given the run's config, the rounds they are at.
+how many peers it sees and, given the run's config, the rounds they are at. In a certified run it
+counts only admitted peers, logs those it refused, and keeps the organiser's revocations alive.
+
+`publish_revocation` is the organiser's side of a revocation: a short-lived client node that puts
+it into the run's DHT and waits until peers of the run publish it again.
 """
 
 from __future__ import annotations
 
 import logging
+import tempfile
 import threading
+import time
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2p_diloco.config import Config
 from p2p_diloco.swarm import records
-from p2p_diloco.swarm.gate import Gate
+from p2p_diloco.swarm.gate import REVOCATIONS_POLL_S, Gate
 from p2p_diloco.swarm.identity import make_validator
 from p2p_diloco.swarm.node import start_dht
 
@@ -55,12 +61,40 @@ class Bootstrap:
         return f"{known} peers in the routing table; run {self.config.run.run_id!r}: {seen}"
 
     def serve(self, stop: threading.Event, report_every_s: float) -> None:
-        """Log the status every `report_every_s` seconds until `stop` is set."""
-        while not stop.wait(report_every_s):
-            logger.info("[bootstrap] %s", self.status())
+        """Log the status every `report_every_s` seconds until `stop` is set; meanwhile read (and
+        publish again) the organiser's revocations."""
+        last_report = time.monotonic()
+        while not stop.wait(min(report_every_s, REVOCATIONS_POLL_S)):
+            if self.watch_run:
+                self.gate.refresh_revocations()
+            if time.monotonic() - last_report >= report_every_s:
+                logger.info("[bootstrap] %s", self.status())
+                last_report = time.monotonic()
 
     def close(self) -> None:
         self.dht.shutdown()
+
+
+def publish_revocation(config: Config, revocation: str, timeout_s: float) -> set[str]:
+    """Publish the organiser's `revocation` (JSON) into the run's DHT from a throwaway client node,
+    and wait up to `timeout_s` until peers of the run publish it again (each verified it). Returns
+    those peers' ids (empty if none did in time)."""
+    prefix = records.run_prefix(config.run.run_id, config.fingerprint())
+    with tempfile.TemporaryDirectory() as folder:
+        identity = Path(folder) / "organiser-node.key"
+        validator = make_validator(identity)
+        dht = start_dht(config.swarm, identity, config.swarm.initial_peers, True, [validator])
+        try:
+            records.publish_revocations(dht, validator, prefix, [revocation])
+            deadline = time.monotonic() + timeout_s
+            while time.monotonic() < deadline:
+                holders = records.revocation_holders(dht, prefix, revocation) - {str(dht.peer_id)}
+                if holders:
+                    return holders
+                time.sleep(1.0)  # a DHT poll interval, bounded by the deadline above
+            return set()
+        finally:
+            dht.shutdown()
 
 
 async def _routing_table_size(_dht: DHT, node: DHTNode) -> int:

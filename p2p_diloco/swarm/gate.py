@@ -5,9 +5,14 @@
 - **Records**: each peer publishes its certificate in the DHT, signed by its own key; the round and
   progress records of a peer count only once its certificate verified (checked once, cached until
   it expires).
-- **Groups**: every member sends its certificate in the group's all-gather; the averager process
-  checks them all before any part is sent, and a group with a member that is not admitted fails
-  (`admission.check_member`), so nothing of an outsider is ever averaged.
+- **Revocations**: the organiser's signed revocations arrive through the DHT (read every
+  REVOCATIONS_POLL_S); every peer that verified one publishes it again under its own key, so it
+  outlives the organiser's node. A revoked peer is admitted nowhere from then on, and stops itself
+  (`check_self`, exit 2) at its next round.
+- **The run's config**: only a config the organiser signed counts (`believes_config`); this peer's
+  own must carry that signature (admission.config_signature).
+- **Groups, state downloads, link probes** are checked in the averager process (doors.py), from the
+  certificates members send and publish, and the revocations this class hands it every round.
 
 In `open` mode every door is open and this class admits everyone.
 """
@@ -29,6 +34,7 @@ from p2p_diloco.swarm import records
 logger = logging.getLogger(__name__)
 
 RECHECK_S = 30.0  # a peer without a valid certificate is looked up again after this long
+REVOCATIONS_POLL_S = 1.0  # how often the heartbeat reads the run's revocations (one DHT read)
 
 
 class Gate:
@@ -40,8 +46,12 @@ class Gate:
         self.run_id, self.peer_id = config.run.run_id, peer_id
         self.organiser = admission.parse_public_key(config.admission.organiser_key) if self.certified else None
         self.certificate = self._own_certificate(config) if self.certified and member else None
+        if self.certificate is not None:
+            self._check_own_config(config)
         self._admitted_until: dict[str, float] = {}  # peer id -> when its certificate expires
         self._refused_until: dict[str, float] = {}  # peer id -> when to look it up again
+        self._revocations: dict[str, str] = {}  # peer id -> the organiser's revocation (JSON)
+        self._revocations_read = self._revocations_published = 0.0
         self._io: tuple[Any, Any, str, threading.Lock] | None = None
 
     def _own_certificate(self, config: Config) -> admission.Certificate:
@@ -56,6 +66,68 @@ class Gate:
         except AdmissionError as e:
             raise AdmissionError(f"{e}; {fix} for a new certificate") from None
         return cert
+
+    def _check_own_config(self, config: Config) -> None:
+        """A certified run's peer trains only on the config its organiser signed."""
+        try:
+            admission.check_config_signature(
+                config.admission.config_signature, config.admission.organiser_key, self.run_id, config.fingerprint()
+            )
+        except AdmissionError:
+            raise AdmissionError(
+                f"this config (fingerprint {config.fingerprint()}) is not the one the organiser signed for run "
+                f"{self.run_id!r}: use the run.toml the organiser published (its [admission] config_signature)"
+            ) from None
+
+    def believes_config(self, signature: str, fingerprint: str) -> bool:
+        """Whether a config published under the run id counts: any in open runs; in certified runs
+        only one the organiser signed."""
+        if not self.certified:
+            return True
+        try:
+            assert self.organiser is not None
+            admission.ConfigSignature(self.run_id, fingerprint, signature).verify(self.organiser)
+        except AdmissionError:
+            return False
+        return True
+
+    def check_self(self) -> None:
+        """AdmissionError (exit 2) once the organiser revoked this peer, or its certificate expired."""
+        if self.peer_id in self._revocations:
+            reason = admission.Revocation.parse(self._revocations[self.peer_id]).reason
+            raise AdmissionError(
+                f"the organiser revoked this peer's admission to run {self.run_id!r} ({reason or 'no reason given'})"
+            )
+        if self.certificate is not None and self.certificate.expires <= time.time():
+            raise AdmissionError(
+                f"this peer's certificate expired (unix time {self.certificate.expires}): send your id "
+                f"({self.peer_id}) to the organiser for a new one"
+            )
+
+    @property
+    def revoked(self) -> frozenset[str]:
+        return frozenset(self._revocations)
+
+    def refresh_revocations(self) -> None:
+        """Read the run's revocations (every REVOCATIONS_POLL_S); publish those verified again."""
+        now = time.time()
+        if not self.certified or self._io is None or now - self._revocations_read < REVOCATIONS_POLL_S:
+            return
+        self._revocations_read = now
+        dht, validator, prefix, lock = self._io
+        with lock:
+            texts = records.read_revocations(dht, prefix)
+        assert self.organiser is not None
+        found = admission.revoked_ids(texts, self.organiser, self.run_id)
+        new = set(found) - set(self._revocations)
+        for peer in sorted(new):
+            logger.warning("the organiser revoked peer %s (%s)", peer, admission.Revocation.parse(found[peer]).reason)
+            self._admitted_until.pop(peer, None)
+        self._revocations.update(found)
+        if self._revocations and (new or now - self._revocations_published >= records.REFRESH_S):
+            with lock:
+                records.publish_revocations(dht, validator, prefix, list(self._revocations.values()))
+            self._revocations_published = now
 
     def attach(self, dht: Any, validator: Any, prefix: str, dht_lock: threading.Lock) -> None:
         """The DHT is up: publish this peer's certificate (again every records.REFRESH_S)."""
@@ -88,7 +160,11 @@ class Gate:
         }
         if unknown:
             self._look_up(unknown, now)
-        return {p for p in peers if p == self.peer_id or self._admitted_until.get(p, 0.0) > now}
+        return {
+            p
+            for p in peers
+            if (p == self.peer_id or self._admitted_until.get(p, 0.0) > now) and p not in self._revocations
+        }
 
     def _look_up(self, unknown: set[str], now: float) -> None:
         """Read the run's published certificates and check those of `unknown` peers."""

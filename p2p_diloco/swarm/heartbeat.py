@@ -69,6 +69,7 @@ class Heartbeat:
             rounds_seen = records.read_rounds(self.dht, self.prefix)
         if refresh:
             self.gate.publish()
+        self.gate.refresh_revocations()
         admitted = self.gate.admitted({r.peer for r in reports} | set(rounds_seen))
         self._reports = [r for r in reports if r.peer in admitted]
         self._rounds_seen = {p: r for p, r in rounds_seen.items() if p in admitted}

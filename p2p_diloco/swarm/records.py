@@ -76,10 +76,13 @@ def _store(dht: Any, validator: Any, key: str, value: Any, ttl: float = RECORD_T
 
 
 def _read(dht: Any, key: str) -> list[tuple[Any, Any]]:
-    """(subkey, value) of the entries under `key`, freshest first (by expiration: each is stored
-    with the same TTL). hivemind's validator has checked that each value was signed by the owner
-    of its subkey."""
-    found = dht.get(key, latest=True)
+    return _entries(dht.get(key, latest=True))
+
+
+def _entries(found: Any) -> list[tuple[Any, Any]]:
+    """(subkey, value) of the entries of a DHT answer, freshest first (by expiration: each is
+    stored with the same TTL). hivemind's validator has checked that each value was signed by the
+    owner of its subkey."""
     if found is None or not isinstance(found.value, dict):
         return []
     entries = [(subkey, entry) for subkey, entry in found.value.items() if hasattr(entry, "value")]
@@ -161,27 +164,77 @@ def _parse_certificate(value: Any) -> _Published | None:
     return _Published(peer, value) if isinstance(peer, str) else None
 
 
+def certificates_key(prefix: str) -> str:
+    return f"{prefix}_certs"
+
+
 def publish_certificate(dht: Any, validator: Any, prefix: str, text: str) -> None:
-    _store(dht, validator, f"{prefix}_certs", text)
+    _store(dht, validator, certificates_key(prefix), text)
 
 
 def read_certificates(dht: Any, prefix: str) -> dict[str, str]:
-    """{peer id: certificate JSON} as each peer published its own (signed by its key); unchecked."""
-    return {c.peer: c.text for c in signed_by_their_peer(_read(dht, f"{prefix}_certs"), _parse_certificate)}
+    return certificates_in(dht.get(certificates_key(prefix), latest=True))
 
 
-def publish_config(dht: Any, validator: Any, run_id: str, fingerprint: str, shared: dict) -> None:
-    _store(dht, validator, f"{run_prefix(run_id, 'configs')}", {"fingerprint": fingerprint, "shared": shared})
+def certificates_in(found: Any) -> dict[str, str]:
+    """{peer id: certificate JSON} from a DHT answer, as each peer published its own (signed by its
+    key); unchecked."""
+    return {c.peer: c.text for c in signed_by_their_peer(_entries(found), _parse_certificate)}
 
 
-def read_configs(dht: Any, run_id: str) -> dict[str, tuple[str, dict]]:
-    """Configs that peers of this run id published: {fingerprint: (fingerprint, shared fields)}."""
-    out = {}
+@dataclass(frozen=True)
+class PublishedConfig:
+    """A run config as a peer published it under the run id (untrusted: any node may publish one)."""
+
+    fingerprint: str
+    shared: dict
+    signature: str  # the organiser's, in certified runs (admission.ConfigSignature); "" in open runs
+
+
+def publish_config(dht: Any, validator: Any, run_id: str, config: PublishedConfig) -> None:
+    _store(dht, validator, f"{run_prefix(run_id, 'configs')}", asdict(config))
+
+
+def read_configs(dht: Any, run_id: str) -> dict[str, PublishedConfig]:
+    """Configs that nodes published under this run id, by fingerprint (unchecked: see
+    agreement.config_to_defer_to for which of them count)."""
+    out: dict[str, PublishedConfig] = {}
     for _, value in _read(dht, run_prefix(run_id, "configs")):
-        if (
-            isinstance(value, dict)
-            and isinstance(value.get("fingerprint"), str)
-            and isinstance(value.get("shared"), dict)
-        ):
-            out[value["fingerprint"]] = (value["fingerprint"], value["shared"])
+        if not isinstance(value, dict):
+            continue
+        fingerprint, shared, signature = value.get("fingerprint"), value.get("shared"), value.get("signature", "")
+        if isinstance(fingerprint, str) and isinstance(shared, dict) and isinstance(signature, str):
+            out.setdefault(fingerprint, PublishedConfig(fingerprint, shared, signature))
     return out
+
+
+def live_peers(dht: Any, run_id: str, fingerprint: str) -> set[str]:
+    """Peers whose (self-signed) round records are live in the namespace of this run and config."""
+    return set(read_rounds(dht, run_prefix(run_id, fingerprint)))
+
+
+MAX_REVOCATIONS = 256  # per publisher; a run that revokes more needs a new run key
+
+
+def publish_revocations(dht: Any, validator: Any, prefix: str, texts: list[str]) -> None:
+    """The organiser's revocations this node has verified, under its own subkey: no other node can
+    overwrite them, so one honest holder keeps a revocation alive in the DHT."""
+    _store(dht, validator, f"{prefix}_revoked", sorted(texts)[:MAX_REVOCATIONS])
+
+
+def revocation_holders(dht: Any, prefix: str, text: str) -> set[str]:
+    """The peers (by the key that signed their list) that publish revocation `text`."""
+    return {
+        signer
+        for subkey, value in _read(dht, f"{prefix}_revoked")
+        if isinstance(value, list) and text in value and (signer := owner_peer_id(subkey)) is not None
+    }
+
+
+def read_revocations(dht: Any, prefix: str) -> list[str]:
+    """Every revocation text any node published for this run (unchecked: admission.revoked_ids)."""
+    texts: set[str] = set()
+    for _, value in _read(dht, f"{prefix}_revoked"):
+        if isinstance(value, list):
+            texts.update(t for t in value[:MAX_REVOCATIONS] if isinstance(t, str) and len(t) <= 4096)
+    return sorted(texts)

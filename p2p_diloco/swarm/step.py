@@ -22,7 +22,7 @@ from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.network import AllReduced
 from p2p_diloco.swarm import records
-from p2p_diloco.swarm.allreduce import DiLoCoAverager
+from p2p_diloco.swarm.averager import DiLoCoAverager
 
 # What a failed averaging step raises from inside hivemind; anything else is a bug and propagates.
 HIVEMIND_ERRORS = (

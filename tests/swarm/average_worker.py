@@ -29,7 +29,8 @@ import torch
 from p2p_diloco import codecs, config
 from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.swarm import Swarm
-from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner, DiLoCoAverager
+from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
+from p2p_diloco.swarm.averager import DiLoCoAverager
 
 NUMEL = 1000
 EXACT = 10

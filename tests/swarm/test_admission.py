@@ -1,31 +1,37 @@
 """A certified run with real peer processes: an intruder without a certificate publishes records,
-looks for groups and offers its state, and the admitted peers never count or average with it."""
+looks for groups and asks for states, and the admitted peers never count, group with or serve it;
+then the organiser revokes one admitted peer mid-run, with the real `admission revoke` command."""
 
+import subprocess
 import sys
 
 import pytest
 
 from p2p_diloco import admission, config
 from p2p_diloco.swarm.identity import peer_id_of
-from tests.swarm.conftest import SWARM, wait_until
+from tests.swarm.conftest import CLI, ENV, SWARM, wait_until
 
-ROUNDS = 4
+ROUNDS = 14
 
 
-@pytest.mark.timeout(240)
-def test_an_intruder_without_a_certificate_is_never_counted_or_averaged_with(swarm, tmp_path):
+def certified_run(tmp_path):
+    """The organiser's side: a run key, a signed run config (options and run.toml), and the key."""
     public = admission.make_run_key(tmp_path / "run.key")
-    key = admission.load_run_key(tmp_path / "run.key")
-    # no retries: a group the intruder joined fails at once, and the test need not wait out a second one
-    run = {
-        "admission.mode": "certified",
-        "admission.organiser_key": public,
-        "run.rounds": str(ROUNDS),
-        "swarm.averaging_retries": "0",
-    }
-    run_id = config.load(None, {**SWARM, **run}).run.run_id
-    ids, peers = {}, []
-    for name in ("a", "b", "intruder"):
+    # no retries: a failed group is not waited out twice
+    run = {"admission.mode": "certified", "admission.organiser_key": public, "run.rounds": str(ROUNDS)}
+    run["swarm.averaging_retries"] = "0"
+    cfg = config.load(None, {**SWARM, **run})
+    signed = admission.sign_config(tmp_path / "run.key", cfg.run.run_id, public, cfg.fingerprint())
+    run["admission.config_signature"] = signed.signature
+    config.save(config.load(None, {**SWARM, **run}), tmp_path / "run.toml")
+    return run, cfg.run.run_id, admission.load_run_key(tmp_path / "run.key")
+
+
+@pytest.mark.timeout(300)
+def test_outsiders_are_refused_at_every_door_and_a_revoked_peer_is_out_within_a_round(swarm, tmp_path):
+    run, run_id, key = certified_run(tmp_path)
+    ids, peers = {}, {}
+    for name in ("a", "b", "c", "intruder"):
         identity = tmp_path / f"{name}.key"
         ids[name] = peer_id_of(identity)
         options = {**run, "swarm.identity_path": str(identity)}
@@ -34,20 +40,38 @@ def test_an_intruder_without_a_certificate_is_never_counted_or_averaged_with(swa
             (tmp_path / f"{name}.cert").write_text(cert.to_json())
             options["admission.certificate"] = str(tmp_path / f"{name}.cert")
         script = [sys.executable, "-m", "tests.swarm.intruder_peer"] if name == "intruder" else None
-        peers.append(swarm.peer(name, options, script=script))
-    admitted = peers[:2]
-    wait_until(lambda: all(p.poll() is not None for p in admitted), admitted, 200, "admitted peers finish")
+        peers[name] = swarm.peer(name, options, script=script)
+    admitted = [peers["a"], peers["b"]]
+    wait_until(lambda: max(swarm.records("a"), default=0) >= 2, admitted, 150, "round 2")
+    revoke = [*CLI, "admission", "revoke", "--key", str(tmp_path / "run.key"), "--config", str(tmp_path / "run.toml")]
+    revoke += ["--peer-id", ids["c"], "--reason", "left the project", "--folder", str(tmp_path / "certs")]
+    revoke += ["--initial-peers", swarm.maddr, "--wait", "40"]
+    done = subprocess.run(revoke, capture_output=True, text=True, env=ENV, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"revoked {ids['c']}:" in done.stdout
+    revoked_at = max(swarm.records("a"))  # the round a had finished when peers held the revocation
+    wait_until(lambda: all(p.poll() is not None for p in admitted), admitted, 200, "a and b finish")
     assert [p.returncode for p in admitted] == [0, 0], swarm.log("a")[-3000:]
+
+    # The revoked peer stopped itself with one line, at most one round later; a and b went on and agree.
+    assert peers["c"].wait(timeout=60) == 2, swarm.log("c")[-2000:]
+    assert "the organiser revoked this peer's admission to run" in swarm.log("c")
+    assert max(swarm.records("c")) <= revoked_at + 1
     a, b = swarm.records("a"), swarm.records("b")
     assert max(a) == max(b) == ROUNDS
     for r in sorted(set(a) & set(b)):
         assert a[r]["digest"] == b[r]["digest"], r
     sizes = [rec.get("group_size", 1) for records in (a, b) for rec in records.values()]
-    # Never a group of 3: a group the intruder joined failed before any part was sent. (It may make
-    # every round fail, leaving each admitted peer its own Δ until refusal at matchmaking exists.)
-    assert max(sizes) <= 2, f"a group with the intruder was averaged: {sizes}"
+    late = [rec.get("group_size", 1) for records in (a, b) for r, rec in records.items() if r > revoked_at + 1]
+    assert max(sizes) <= 3 and max(late) <= 2, f"an outsider or the revoked peer was averaged with: {sizes}"
+    assert max(sizes) >= 2, f"the admitted peers never averaged together: {sizes}"
+    assert f"the organiser revoked peer {ids['c']}" in swarm.log("a")
+
+    # The intruder never averaged, and was refused at the records, matchmaking and state doors.
     intruder = swarm.records("intruder")
     assert intruder and all(rec.get("group_size", 1) == 1 for rec in intruder.values()), intruder
-    for name in ("a", "b"):
-        assert f"refused peer {ids['intruder']}: it published no certificate" in swarm.log(name)
-    assert ids["intruder"] in swarm.log("intruder"), "the intruder ran"
+    honest_logs = swarm.log("a") + swarm.log("b") + swarm.log("c")
+    assert f"refused peer {ids['intruder']}: it published no certificate" in swarm.log("a")
+    assert f"refused peer {ids['intruder']} at the matchmaking" in honest_logs
+    assert f"refused peer {ids['intruder']} at the state download door" in honest_logs
+    assert "sent nothing" in swarm.log("intruder"), "the intruder asked for a state and got none"

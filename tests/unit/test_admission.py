@@ -82,3 +82,41 @@ def test_run_keys_are_never_overwritten_and_public_keys_are_checked(tmp_path):
     (tmp_path / "not-a-key.pem").write_text("hello")
     with pytest.raises(AdmissionError, match="is not a run key"):
         admission.load_run_key(tmp_path / "not-a-key.pem")
+
+
+def test_revocations_count_only_when_the_organiser_signed_them_for_this_run(tmp_path):
+    key = Ed25519PrivateKey.generate()
+    mallory = Ed25519PrivateKey.generate()
+    good = admission.Revocation("run-a", "QmBob", "key leaked", 1_700_000_000).signed_with(key)
+    texts = [
+        good.to_json(),
+        admission.Revocation("run-a", "QmAlice", "forged", 1).signed_with(mallory).to_json(),  # another key
+        admission.Revocation("run-b", "QmCarol", "other run", 1).signed_with(key).to_json(),  # another run
+        admission.Certificate("run-a", "QmDave", "dave", 2**40).signed_with(key).to_json(),  # not a revocation
+        "not json",
+        {"run_id": "run-a"},
+        7,
+    ]
+    assert admission.revoked_ids(texts, key.public_key(), "run-a") == {"QmBob": good.to_json()}
+    assert admission.revoked_ids("not a list", key.public_key(), "run-a") == {}
+
+
+def test_a_signature_of_one_kind_never_verifies_as_another():
+    # The same fields signed as a certificate do not make a revocation (domain strings differ).
+    key = Ed25519PrivateKey.generate()
+    cert = admission.Certificate("run-a", "QmBob", "x", 5).signed_with(key)
+    as_config = admission.ConfigSignature("run-a", "QmBob", cert.signature)
+    with pytest.raises(AdmissionError, match="config signature is not signed by this run's organiser"):
+        as_config.verify(key.public_key())
+
+
+def test_the_organiser_revokes_with_the_run_key_only(tmp_path):
+    public = admission.make_run_key(tmp_path / "run.key")
+    other = admission.make_run_key(tmp_path / "other.key")
+    revocation = admission.revoke(tmp_path / "run.key", "run-a", public, "QmBob", "left", tmp_path / "r.json")
+    assert admission.Revocation.parse((tmp_path / "r.json").read_text()) == revocation
+    assert admission.revoked_ids([revocation.to_json()], admission.parse_public_key(public), "run-a") == {
+        "QmBob": revocation.to_json()
+    }
+    with pytest.raises(AdmissionError, match="is not the key of this run"):
+        admission.revoke(tmp_path / "run.key", "run-a", other, "QmBob", "left", tmp_path / "s.json")

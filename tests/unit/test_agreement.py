@@ -245,3 +245,16 @@ def test_a_failed_catch_up_is_retried_only_if_the_swarm_moved_on():
     assert agreement.moved_on(failed, Reference(6, "b" * 32, ("p1",)))
     assert not agreement.moved_on(failed, Reference(5, "b" * 32, ("p2",)))
     assert not agreement.moved_on(failed, None)
+
+
+def test_a_peer_defers_to_another_config_only_when_nobody_runs_its_own():
+    # 3 peers live under "aaaa"; a newcomer with "bbbb" is refused, one with "aaaa" joins.
+    assert agreement.config_to_defer_to("bbbb", {"bbbb": 0, "aaaa": 3}) == "aaaa"
+    assert agreement.config_to_defer_to("aaaa", {"aaaa": 3, "bbbb": 0}) is None
+    # A config record that no live peer speaks for (squatting) counts for nothing.
+    assert agreement.config_to_defer_to("aaaa", {"aaaa": 0, "bbbb": 0}) is None
+    # Whoever runs this peer's config, it joins them, even if another config has more peers.
+    assert agreement.config_to_defer_to("aaaa", {"aaaa": 1, "bbbb": 5}) is None
+    # Several others: the most live peers, then the smallest fingerprint.
+    assert agreement.config_to_defer_to("cccc", {"aaaa": 2, "bbbb": 4, "dddd": 4}) == "bbbb"
+    assert agreement.config_to_defer_to("cccc", {}) is None

@@ -38,15 +38,24 @@ def test_weighted_mean_with_dropped_senders(weights, expected):
         assert result.tolist() == expected
 
 
-def test_the_probe_handler_streams_both_ways():
+def test_every_rpc_handler_of_the_averager_streams_as_hivemind_expects():
     # hivemind registers an rpc_* handler as streaming only if its hints are typing.AsyncIterator
-    # (it reads the hint's _name): with collections.abc's, every link probe failed.
+    # (it reads the hint's _name): with collections.abc's, every link probe failed. The doors
+    # (rpc_join_group, rpc_download_state) override hivemind's handlers and must keep their shape.
     from typing import get_type_hints
 
     from hivemind.p2p.servicer import ServicerBase
 
-    from p2p_diloco.swarm.allreduce import DiLoCoAverager
+    from p2p_diloco.swarm.averager import DiLoCoAverager
 
-    hints = get_type_hints(DiLoCoAverager.rpc_probe)
-    assert ServicerBase._strip_iterator_hint(hints["stream"])[1]
-    assert ServicerBase._strip_iterator_hint(hints["return"])[1]
+    expected = {  # (request streams, answer streams)
+        "rpc_probe": (True, True),
+        "rpc_join_group": (False, True),
+        "rpc_download_state": (False, True),
+        "rpc_aggregate_part": (True, True),
+    }
+    for name, (stream_in, stream_out) in expected.items():
+        hints = get_type_hints(getattr(DiLoCoAverager, name))
+        request = next(v for k, v in hints.items() if k != "context" and k != "return")
+        assert ServicerBase._strip_iterator_hint(request)[1] is stream_in, name
+        assert ServicerBase._strip_iterator_hint(hints["return"])[1] is stream_out, name

@@ -1,0 +1,271 @@
+"""The averager process: hivemind's DecentralizedAverager with the consistent all-reduce
+(allreduce.py), state serving and download for joiners, link probes (probes.py), and admission at
+its doors (doors.py).
+
+hivemind runs it as a child process of the peer; `start_step`, `set_target_group_size`,
+`set_revoked`, `download_state_from`, `probe` and `link_report` are called in the peer's process
+and answered in the averager's, through hivemind's pipe.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from concurrent.futures import TimeoutError as FuturesTimeout
+from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
+
+import torch
+from hivemind.averaging import DecentralizedAverager
+from hivemind.averaging.allreduce import AllreduceException, AveragingMode
+from hivemind.averaging.control import StepControl
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.compression import deserialize_torch_tensor
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_logger
+from hivemind.utils.mpfuture import MPFuture
+from hivemind.utils.streaming import combine_from_streaming
+from hivemind.utils.timed_storage import get_dht_time
+
+from p2p_diloco import faults, links
+from p2p_diloco.swarm import records
+from p2p_diloco.swarm.allreduce import LOSSY_TENSOR, ConsistentAllReduceRunner
+from p2p_diloco.swarm.doors import Doors
+from p2p_diloco.swarm.probes import LinkProbes
+
+logger = get_logger(__name__)
+
+
+class AdmittedMatchmaking(Matchmaking):
+    """hivemind's matchmaking, except that this peer asks only admitted peers to lead its group."""
+
+    may_lead: Callable[[Any, str], Awaitable[bool]]
+
+    async def _request_join_group(self, leader: PeerID) -> Any:
+        if not await self.may_lead(leader, "matchmaking (as a leader)"):
+            return None
+        return await super()._request_join_group(leader)
+
+
+class DiLoCoAverager(DecentralizedAverager, LinkProbes):
+    """DecentralizedAverager with the consistent runner, copying results into the averaged buffers.
+
+    It also serves this peer's (round, θ, momentum) to joiners through `get_current_state`,
+    which runs in the host process and calls `state_provider`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        state_provider: Any,
+        residual: torch.Tensor | None = None,
+        admission: tuple[str, str] | None = None,
+        **kwargs: Any,
+    ):
+        """`residual`: a shared-memory tensor shaped like the lossy averaged tensor; after each
+        successful all-reduce it holds what the codec lost of this peer's part (error feedback).
+        `admission`: (run id, organiser key) of a certified run: its doors (doors.py) refuse peers
+        that are not admitted at matchmaking, in the all-gather, at state downloads and probes."""
+        self._state_provider = state_provider
+        self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
+        self.residual = residual
+        self.link = links.LinkMeter()  # lives in the averager process, where probes are sent and received
+        self._receiving_probe = False  # one probe arrives at a time: two would share this peer's download
+        super().__init__(*args, **kwargs)
+
+    # --- admission (doors.py) ---------------------------------------------------------------
+
+    async def _published_certificates(self) -> dict[str, str]:
+        found = await self.dht.get(records.certificates_key(self.prefix), latest=True, return_future=True)
+        return records.certificates_in(found)
+
+    async def may_enter(self, peer: Any, door: str) -> bool:
+        """Whether `peer` may come through `door` (always, in open runs)."""
+        if self._doors is None or await self._doors.admitted(str(peer)):
+            return True
+        self._doors.log_refusal(str(peer), door, "it holds no valid certificate for this run, or was revoked")
+        return False
+
+    def set_revoked(self, revoked: frozenset[str]) -> None:
+        """The organiser's revocations, as the host process read them (gate.py); before every step."""
+        if self._doors is not None:
+            self._outer_pipe.send(("_set_revoked", [], dict(revoked=frozenset(revoked))))
+
+    async def _set_revoked(self, revoked: frozenset[str]) -> None:
+        assert self._doors is not None
+        self._doors.set_revoked(revoked)
+        if type(self._matchmaking) is Matchmaking:  # created in this process; ask only admitted leaders
+            self._matchmaking.__class__ = AdmittedMatchmaking
+            self._matchmaking.may_lead = self.may_enter
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """As a leader: a join request from a peer that is not admitted is refused before hivemind
+        sees it (its certificate comes with the request, checked against its transport id)."""
+        if self._doors is not None:
+            reason = self._doors.from_gathered(str(context.remote_id), request.gather, self.serializer)
+            if reason is not None:
+                self._doors.log_refusal(str(context.remote_id), "matchmaking", reason)
+                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+                return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """This peer's state, only for admitted peers (an outsider gets an empty answer)."""
+        if not await self.may_enter(context.remote_id, "state download"):
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    async def _shutdown(self, timeout: float | None) -> None:
+        """hivemind leaves this process's p2p client socket in /tmp: shut the replica down too."""
+        try:
+            await super()._shutdown(timeout)
+        finally:
+            if getattr(self, "_p2p", None) is not None:
+                await self._p2p.shutdown()
+
+    def start_step(self, weight: float, timeout: float, gather: Any, init_timeout: float) -> StepControl:
+        """hivemind's `step(wait=False)` with a deadline on the hand-over to the averager process.
+
+        hivemind waits without a deadline for the averager process to acknowledge the step; if that
+        process died (measured here: torch's shared-memory manager timed out while it unpickled the
+        step under load) the peer would hang forever (I3). Raises TimeoutError instead.
+        """
+        scheduled_time = get_dht_time() + self.matchmaking_kwargs["min_matchmaking_time"]
+        data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
+        step = StepControl(
+            scheduled_time=scheduled_time,
+            deadline=get_dht_time() + timeout,
+            allow_retries=False,
+            weight=weight,
+            data_for_gather=data_for_gather,
+        )
+        future_for_init = MPFuture()
+        self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=future_for_init)))
+        try:
+            step.attach(*future_for_init.result(timeout=init_timeout))
+        except FuturesTimeout:
+            future_for_init.cancel()
+            raise TimeoutError(f"the averager process did not take the step within {init_timeout:g} s") from None
+        step.allow_allreduce()
+        return step
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+    def set_target_group_size(self, size: int) -> None:
+        """A group of `size` starts its all-reduce as soon as it is complete, without waiting out the
+        matchmaking window; the swarm's progress tells each peer how many peers are at the round."""
+        self._outer_pipe.send(("_set_target_group_size", [], dict(size=max(2, int(size)))))
+
+    async def _set_target_group_size(self, size: int) -> None:
+        self._matchmaking.target_group_size = size
+        self._matchmaking.potential_leaders.target_group_size = size
+
+    def download_state_from(self, peer: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """(metadata, tensors) served by one chosen peer, within `timeout` seconds in all (I3).
+
+        hivemind's load_state_from_peers picks the peer itself and applies its timeout per chunk;
+        a joiner must choose the peer (one that published the right digest) and bound the whole download.
+        """
+        future = MPFuture()
+        self._outer_pipe.send(
+            ("_download_state_from", [], dict(peer=peer, deadline=time.monotonic() + timeout, future=future))
+        )
+        return future.result(timeout=timeout + 5)
+
+    async def _download_state_from(self, peer: str, deadline: float, future: MPFuture) -> None:
+        try:
+            result = await asyncio.wait_for(self._fetch_state(PeerID.from_base58(peer)), deadline - time.monotonic())
+            future.set_result(result)
+        except BaseException as e:  # report every failure to the caller, which tries the next peer
+            if not future.done():
+                future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+
+    async def _fetch_state(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        metadata: Any = None
+        tensors: list[torch.Tensor] = []
+        parts: list[runtime_pb2.Tensor] = []
+        async for message in stream:
+            if message.metadata:
+                metadata = self.serializer.loads(message.metadata)
+            if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
+                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+                parts = []
+            parts.append(message.tensor_part)
+        if parts:
+            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
+        if not isinstance(metadata, dict):
+            return None
+        return metadata, tensors
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+        started = time.perf_counter()
+        if self._doors is not None:
+            self._doors.check_group(group_info, self.serializer)
+        gathered = await super()._aggregate_with_group(_fair(group_info, self.serializer), min_vector_size, **kwargs)
+        stats = getattr(self, "_last_runner_stats", {})
+        return {"gathered": gathered, "allreduce_s": time.perf_counter() - started, **stats}
+
+    async def _run_allreduce_inplace_(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
+    ) -> None:
+        group_id = group_info.group_id if group_id is None else group_id
+        runner = ConsistentAllReduceRunner(
+            p2p=self._p2p,
+            servicer_type=type(self),
+            prefix=self.prefix,
+            tensors=tensors,
+            group_id=group_id,
+            ordered_peer_ids=group_info.peer_ids,
+            **kwargs,
+        )
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            raise AllreduceException("auxiliary peers are not used by p2p-diloco")
+        # Collect the whole result first: the shared buffers change only after every part arrived,
+        # so a failure leaves the caller's pseudo-gradient untouched (I2).
+        if self.residual is not None:
+            runner.residuals[LOSSY_TENSOR] = torch.zeros_like(self.residual)
+        results = [averaged async for averaged in runner]
+        for tensor, averaged in zip(tensors, results):
+            tensor.copy_(averaged)
+        if self.residual is not None:
+            self.residual.copy_(runner.residuals[LOSSY_TENSOR])
+        self._last_runner_stats = {
+            "bytes_sent": runner.bytes_sent,
+            "bytes_received": runner.bytes_received,
+            "group_size": len(group_info.peer_ids),
+        }
+        self.last_updated = time.time()
+        self._state_updated.set()
+        faults.reached(faults.FaultPoint.ALLREDUCE_DONE)
+
+
+def _fair(group_info: GroupInfo, serializer: Any) -> GroupInfo:
+    """The group with every member's bandwidth claim counted only up to what the other members
+    measured of its probes (links.vouched_bandwidths) and capped (links.fair_bandwidths), so that no
+    peer can claim its way to reducing the whole vector. Each member computes the same figures
+    from the same gathered bytes. Malformed gathered data is left for hivemind to refuse."""
+    try:
+        unpacked = [list(serializer.loads(data)) for data in group_info.gathered]
+        seen = []
+        for u in unpacked:
+            user = serializer.loads(u[2]) if isinstance(u[2], bytes) else None
+            seen.append(user.get("seen") if isinstance(user, dict) else None)
+        members = [str(p) for p in group_info.peer_ids]
+        fair = links.fair_bandwidths(links.vouched_bandwidths(members, [u[0] for u in unpacked], seen))
+        gathered = tuple(serializer.dumps([b, *u[1:]]) for b, u in zip(fair, unpacked))
+    except Exception:  # anything a peer could send: hivemind's own parsing fails the group cleanly
+        return group_info
+    return GroupInfo(group_info.group_id, group_info.peer_ids, gathered)

@@ -1,0 +1,147 @@
+"""Link probes between members (links.py), outside the all-reduce's lockstep: a mixin of the
+averager, run in the averager process, where probes are sent and received.
+
+A member probes each other member of its last group with ~1 MB; the receiver times the chunks and
+answers with the rate. In certified runs a probe from a peer that is not admitted is refused
+(doors.py) before a byte of it is read.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import math
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
+
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_logger
+from hivemind.utils.mpfuture import MPFuture
+
+from p2p_diloco import links
+
+logger = get_logger(__name__)
+
+PROBE_RETRY_S = 0.5  # first pause before probing again a member that was busy receiving another probe
+
+
+class ReceiverBusy(Exception):
+    """A member was timing another member's probe: probe it again later."""
+
+
+class LinkProbes:
+    """Sending and answering link probes; mixed into DiLoCoAverager (which supplies `_outer_pipe`,
+    `_p2p`, `get_stub`, `prefix` and `may_enter`)."""
+
+    link: links.LinkMeter
+    _receiving_probe: bool
+    _outer_pipe: Any
+    _p2p: Any
+    prefix: str
+    get_stub: Callable[..., Any]  # hivemind's ServicerBase
+    may_enter: Callable[[Any, str], Awaitable[bool]]  # DiLoCoAverager
+
+    def probe(self, peers: Sequence[str], size: int, timeout: float) -> MPFuture:
+        """Probe each of `peers` in turn with `size` bytes, in the averager process; returns at once.
+        The future's result is {peer: the rate it reported}, when the sweep is over."""
+        future = MPFuture()
+        self._outer_pipe.send(
+            ("_probe", [], dict(peers=list(peers), size=size, deadline=time.monotonic() + timeout, future=future))
+        )
+        return future
+
+    async def _probe(self, peers: list[str], size: int, deadline: float, future: MPFuture) -> None:
+        """Probe each peer in turn. A receiver already timing another member's probe answers busy
+        (two probes would share its download, and each would under-read a link): it is tried again
+        after the others, with a growing pause, until the deadline."""
+        reports, pending, pause = {}, list(peers), PROBE_RETRY_S
+        while pending and time.monotonic() < deadline:
+            busy = []
+            for peer in pending:
+                try:
+                    rate = await asyncio.wait_for(
+                        self._probe_one(PeerID.from_base58(peer), size), deadline - time.monotonic()
+                    )
+                except ReceiverBusy:
+                    logger.debug("%s is busy with another probe: trying it again later", peer)
+                    busy.append(peer)
+                    continue
+                except Exception as e:  # a peer that left or refuses: it is not measured this time
+                    logger.debug("probe of %s failed: %r", peer, e)
+                    continue
+                self.link.sent(rate)
+                reports[peer] = rate
+            pending = busy
+            if pending:  # every one left is being probed by someone else: let those probes end
+                await asyncio.sleep(max(0.0, min(pause, deadline - time.monotonic())))
+                pause *= 2
+        if not future.done():
+            future.set_result(reports)
+
+    async def _probe_one(self, peer: PeerID, size: int) -> float | None:
+        """One probe: a hello, then (once the receiver accepts) `size` bytes in chunks; the rate the
+        receiver measured, or ReceiverBusy. Nothing is streamed before the receiver accepted, so a
+        busy receiver's refusal cuts no stream short."""
+        accepted = asyncio.Event()
+
+        async def messages() -> AsyncIterator[averaging_pb2.AveragingData]:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.REQUEST_JOIN)
+            await accepted.wait()
+            chunk = runtime_pb2.Tensor(buffer=bytes(links.PROBE_CHUNK))
+            for _ in range(max(2, size // links.PROBE_CHUNK)):
+                yield averaging_pb2.AveragingData(tensor_part=chunk)
+
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        async for reply in await stub.rpc_probe(messages()):
+            if reply.code == averaging_pb2.NOT_LOOKING_FOR_GROUP:
+                raise ReceiverBusy(str(peer))
+            if reply.code == averaging_pb2.ACCEPTED:
+                accepted.set()
+                continue
+            rate = reply.weight
+            return rate if reply.code == averaging_pb2.AVERAGED_PART and math.isfinite(rate) and rate > 0 else None
+        return None
+
+    async def rpc_probe(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Another member's probe (untrusted, I4): a hello, then at most PROBE_MAX bytes in
+        PROBE_CHUNK messages. One probe at a time: while one arrives, another sender's hello is
+        answered busy. Answers with the rate the chunks arrived at (in `weight`)."""
+        hello = await anext(aiter(stream), None)
+        if hello is None or hello.code != averaging_pb2.REQUEST_JOIN:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if not await self.may_enter(context.remote_id, "probe"):
+            yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if self._receiving_probe:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        self._receiving_probe = True
+        sender = str(context.remote_id)
+        try:
+            yield averaging_pb2.AveragingData(code=averaging_pb2.ACCEPTED)
+            arrivals, total = [], 0
+            async for message in stream:
+                size = len(message.tensor_part.buffer)
+                total += size
+                if size > links.PROBE_CHUNK or total > links.PROBE_MAX:
+                    yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
+                    return
+                arrivals.append((time.perf_counter(), size))
+            rate = links.probe_rate(arrivals)
+            self.link.received(sender, rate)
+            yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, weight=rate or 0.0)
+        finally:
+            self._receiving_probe = False
+
+    def link_report(self, timeout: float) -> tuple[float | None, dict[str, float]]:
+        """(this peer's figure, what it measured of each sender) from the averager process."""
+        future = MPFuture()
+        self._outer_pipe.send(("_link_report", [], dict(future=future)))
+        return future.result(timeout=timeout)
+
+    async def _link_report(self, future: MPFuture) -> None:
+        future.set_result((self.link.bandwidth(), self.link.seen()))

@@ -1,0 +1,95 @@
+"""The averager's doors (certified runs), in-process: what a peer shows with its join request or in
+the all-gather, or published in the DHT, decides whether it comes in; revocations close every door."""
+
+import asyncio
+import time
+
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.averaging.group_info import GroupInfo
+from hivemind.utils.serializer import MSGPackSerializer
+
+from p2p_diloco import admission
+from p2p_diloco.swarm.doors import Doors
+
+RUN, ALICE, BOB, MALLORY = "run-a", "QmAlice", "QmBob", "QmMallory"
+KEY = Ed25519PrivateKey.generate()
+ORGANISER = admission.public_key_text(KEY.public_key())
+
+
+def cert(peer, key=KEY, run=RUN, expires=None):
+    return admission.issue(key, run, peer, peer.lower(), expires or int(time.time()) + 3600).to_json()
+
+
+def gathered(user):
+    """What a member sends for the all-gather, as step.py packs it: [bandwidth, mode, user data]."""
+    return MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(user)])
+
+
+class Published:
+    """The run's published certificates, as the DHT would answer; counts the lookups."""
+
+    def __init__(self, certs):
+        self.certs, self.lookups = certs, 0
+
+    async def __call__(self):
+        self.lookups += 1
+        return self.certs
+
+
+def doors(published=None):
+    return Doors(RUN, ORGANISER, published or Published({}))
+
+
+@pytest.mark.parametrize(
+    "user, problem",
+    [
+        ({"cert": cert(ALICE)}, None),
+        ({"round": 3}, "it showed no certificate"),
+        ({"cert": cert(MALLORY)}, "for peer QmMallory, not QmAlice"),  # somebody else's certificate
+        ({"cert": cert(ALICE, key=Ed25519PrivateKey.generate())}, "not signed by this run's organiser"),
+        ({"cert": cert(ALICE, run="run-b")}, "for run 'run-b'"),
+        ({"cert": cert(ALICE, expires=int(time.time()) - 1)}, "expired"),
+        ({"cert": "x" * 10_000}, "at most 4096 bytes"),
+    ],
+)
+def test_a_join_request_comes_in_only_with_a_certificate_for_the_requesting_peer(user, problem):
+    reason = doors().from_gathered(ALICE, gathered(user), MSGPackSerializer)
+    assert reason is None if problem is None else problem in reason
+
+
+def test_malformed_group_data_is_a_refusal_not_a_crash():
+    for data in [b"", b"\xc1garbage", MSGPackSerializer.dumps([1]), MSGPackSerializer.dumps("text")]:
+        assert doors().from_gathered(ALICE, data, MSGPackSerializer) == "it sent malformed group data"
+
+
+def test_a_group_with_one_outsider_fails_before_anything_is_averaged():
+    d = doors()
+    ok = GroupInfo(b"g", (ALICE, BOB), (gathered({"cert": cert(ALICE)}), gathered({"cert": cert(BOB)})))
+    d.check_group(ok, MSGPackSerializer)
+    bad = GroupInfo(b"g", (ALICE, MALLORY), (gathered({"cert": cert(ALICE)}), gathered({"cert": cert(BOB)})))
+    with pytest.raises(AllreduceException, match="group member QmMallory is not admitted.*nothing averaged"):
+        d.check_group(bad, MSGPackSerializer)
+
+
+def test_state_and_probe_doors_look_up_the_published_certificate_once():
+    published = Published({ALICE: cert(ALICE), MALLORY: cert(BOB)})
+    d = doors(published)
+    assert asyncio.run(d.admitted(ALICE)) and asyncio.run(d.admitted(ALICE))
+    assert published.lookups == 1  # cached until the certificate expires
+    assert not asyncio.run(d.admitted(MALLORY))  # published somebody else's certificate
+    assert not asyncio.run(d.admitted("QmNobody"))  # published nothing
+    lookups = published.lookups
+    assert not asyncio.run(d.admitted("QmNobody")) and published.lookups == lookups  # refused: rechecked later
+
+
+def test_a_revocation_closes_every_door_at_once_even_for_a_cached_peer():
+    d = doors(Published({ALICE: cert(ALICE)}))
+    assert asyncio.run(d.admitted(ALICE))
+    d.set_revoked(frozenset({ALICE}))
+    assert not asyncio.run(d.admitted(ALICE))
+    assert d.from_gathered(ALICE, gathered({"cert": cert(ALICE)}), MSGPackSerializer) == "the organiser revoked it"
+    group = GroupInfo(b"g", (ALICE,), (gathered({"cert": cert(ALICE)}),))
+    with pytest.raises(AllreduceException, match="revoked"):
+        d.check_group(group, MSGPackSerializer)
