@@ -75,3 +75,28 @@ def test_outsiders_are_refused_at_every_door_and_a_revoked_peer_is_out_within_a_
     assert f"refused peer {ids['intruder']} at the matchmaking" in honest_logs
     assert f"refused peer {ids['intruder']} at the state download door" in honest_logs
     assert "sent nothing" in swarm.log("intruder"), "the intruder asked for a state and got none"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("case", ["garbage", "another peer"])
+def test_a_peer_its_certificate_does_not_admit_stops_with_one_line_and_exit_2(tmp_path, case):
+    run, run_id, key = certified_run(tmp_path)
+    me, other = tmp_path / "me.key", tmp_path / "other.key"
+    if case == "garbage":
+        (tmp_path / "me.cert").write_bytes(b"\x89PNG\r\n not a certificate")
+    else:
+        (tmp_path / "me.cert").write_text(
+            admission.issue(key, run_id, peer_id_of(other), "bob", 2_000_000_000).to_json()
+        )
+    options = {**run, "swarm.identity_path": str(me), "admission.certificate": str(tmp_path / "me.cert")}
+    options["run.dir"] = str(tmp_path / "me")
+    # The refusal comes before the peer touches the network: the address is never dialled.
+    maddr = "/ip4/127.0.0.1/tcp/9/p2p/QmNqE5ohLW7wcDvQDBzNoe2rkoGjuTjmUGaVdu8ZppYsaV"
+    command = [*CLI, "peer", *[f"--{k}={v}" for k, v in {**SWARM, **options}.items()], "--initial-peers", maddr]
+    done = subprocess.run(command, capture_output=True, text=True, env=ENV, timeout=100)
+    assert done.returncode == 2, done.stderr[-2000:]
+    errors = [line for line in (done.stdout + done.stderr).splitlines() if line.startswith("error:")]
+    problem = "is not a certificate" if case == "garbage" else f"the certificate is for peer {peer_id_of(other)}"
+    assert len(errors) == 1 and problem in errors[0], errors
+    assert f"send your id ({peer_id_of(me)}) to the organiser" in errors[0]
+    assert "Traceback" not in done.stdout + done.stderr

@@ -93,3 +93,13 @@ def test_a_revocation_closes_every_door_at_once_even_for_a_cached_peer():
     group = GroupInfo(b"g", (ALICE,), (gathered({"cert": cert(ALICE)}),))
     with pytest.raises(AllreduceException, match="revoked"):
         d.check_group(group, MSGPackSerializer)
+
+
+def test_a_certificate_that_expires_mid_run_closes_the_doors_it_opened(monkeypatch):
+    now = time.time()
+    published = Published({ALICE: cert(ALICE, expires=int(now) + 60)})
+    d = doors(published)
+    assert asyncio.run(d.admitted(ALICE))
+    monkeypatch.setattr(time, "time", lambda: now + 61)  # a minute later: the cached verdict ran out
+    assert not asyncio.run(d.admitted(ALICE)) and published.lookups == 2
+    assert "expired" in d.from_gathered(ALICE, gathered({"cert": published.certs[ALICE]}), MSGPackSerializer)
