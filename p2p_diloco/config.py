@@ -31,7 +31,7 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
-from p2p_diloco import codecs
+from p2p_diloco import codecs, robust
 from p2p_diloco.errors import ConfigError, P2PDilocoError
 
 # The fields that take one of a fixed set of values; validate() names the choices on a bad value.
@@ -136,6 +136,16 @@ class SwarmSection:
         "int8 or int4 (blockwise); norms and biases always travel exact",
     )
     error_feedback: bool = shared(True, "add what the codec failed to send to the next round's pseudo-gradient")
+    aggregator: robust.Aggregator = shared(
+        "clip",
+        "how a reducer combines its span's parts (docs/design.md: robust averaging): mean, clip "
+        "(weights capped, outsized parts clipped), centered-clip or trimmed-mean",
+    )
+    clip: float = shared(1.0, "clip and centered-clip: a part counts up to this x the median norm of its span's parts")
+    weight_cap: float = shared(2.0, "robust aggregators: a sender's weight counts up to this x the group's median")
+    max_reduce_share: float = shared(
+        0.5, "no member reduces more than this share of the vector, whatever its measured bandwidth"
+    )
     overlap: Overlap = shared(
         "off",
         "off: blocking rounds; delayed or eager: the all-reduce of round r runs during "
@@ -566,6 +576,21 @@ def _validate_swarm(s: SwarmSection) -> None:
         "swarm.overlap",
         f"must be one of {', '.join(OVERLAP)}, got {s.overlap!r}",
         "off blocks each round on its all-reduce",
+    )
+    _require(
+        s.aggregator in robust.AGGREGATORS,
+        "swarm.aggregator",
+        f"must be one of {', '.join(robust.AGGREGATORS)}, got {s.aggregator!r}",
+        "clip is the default",
+    )
+    for name in ("clip", "weight_cap"):
+        value = getattr(s, name)
+        _require(math.isfinite(value) and value >= 1, f"swarm.{name}", f"must be >= 1, got {value}", "e.g. 2")
+    _require(
+        0 < s.max_reduce_share <= 1,
+        "swarm.max_reduce_share",
+        f"must be in (0, 1], got {s.max_reduce_share}",
+        "1 lets the fastest peer reduce everything",
     )
     _require(
         0 <= s.averaging_retries <= 10,

@@ -140,3 +140,26 @@ def fair_bandwidths(claims: Sequence[object]) -> list[float | None]:
 
 def _is_number(x: object) -> TypeGuard[int | float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def cap_shares(fractions: Sequence[float], eligible: Sequence[bool], max_share: float) -> list[float]:
+    """The shares of the vector each member reduces, none above `max_share` (or 1/n when n eligible
+    members cannot cover the vector otherwise): what a capped member loses goes in equal parts to
+    the eligible members below the cap (water-filling). A member that is not eligible (a client)
+    keeps 0. Every member computes the same shares from the same inputs."""
+    n = sum(bool(e) for e in eligible)
+    if n == 0:
+        return list(fractions)
+    limit = max(max_share, 1.0 / n)
+    shares = [float(f) if e else 0.0 for f, e in zip(fractions, eligible)]
+    total = sum(shares)
+    shares = [s / total for s in shares] if total > 0 else [1.0 / n if e else 0.0 for e in eligible]
+    for _ in range(len(shares)):
+        excess = sum(max(0.0, s - limit) for s in shares)
+        if excess <= 1e-12:
+            break
+        shares = [min(s, limit) for s in shares]
+        below = [i for i, (s, e) in enumerate(zip(shares, eligible)) if e and s < limit]
+        for i in below:
+            shares[i] += excess / len(below)
+    return shares

@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+CLAIM_CAP = 2.0  # no peer's progress counts for more than this x the lower median of the round's
+
 
 @dataclass(frozen=True)
 class Progress:
@@ -58,5 +60,14 @@ def swarm_progress(
     reported yet (it joined this round a moment ago) counts for nothing until it does.
     """
     live = [r for r in reports if r.peer != me and r.round == round_ and now - r.time <= stale_s]
-    tokens = my_tokens + sum(estimate(r, now) for r in live)
-    return SwarmProgress(tokens, tokens_per_peer * (1 + len(live)), 1 + len(live))
+    estimates = [float(my_tokens)] + [estimate(r, now) for r in live]
+    return SwarmProgress(sum(capped_claims(estimates)), tokens_per_peer * (1 + len(live)), 1 + len(live))
+
+
+def capped_claims(tokens: list[float]) -> list[float]:
+    """Each peer's tokens counted up to CLAIM_CAP x the lower median of all of them: a peer that
+    claims infinite (or merely huge) progress shortens a round of k peers by at most about
+    1/(k + 1), and a fast honest peer still counts twice a median one."""
+    ordered = sorted(tokens)
+    limit = CLAIM_CAP * ordered[(len(ordered) - 1) // 2]
+    return [min(t, limit) for t in tokens]

@@ -161,5 +161,5 @@ class StateSync:
             return outer.digest(
                 int(metadata["round"]), outer.unflatten(theta.float(), like), outer.unflatten(momentum.float(), like)
             )
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, OverflowError, RuntimeError, IndexError):  # untrusted (I4)
             return "malformed"

@@ -99,6 +99,8 @@ class Swarm:
                 shutdown_timeout=5,
                 residual=self.residual,
                 admission=self.gate.averager_check(),
+                aggregation=(sc.aggregator, sc.clip, sc.weight_cap),
+                max_reduce_share=sc.max_reduce_share,
             )
         except Exception as e:  # the averager process failed to start: never leave the DHT running
             self.dht.shutdown()

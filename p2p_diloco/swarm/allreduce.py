@@ -34,7 +34,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter
 
-from p2p_diloco import codecs, faults
+from p2p_diloco import codecs, faults, robust
 
 logger = get_logger(__name__)
 
@@ -83,16 +83,45 @@ class WireCodec(CompressionBase):
         return self._for(info).bytes_per_value() / 4
 
 
-class ZeroWeightReducer(TensorPartReducer):
-    """hivemind's reducer, except that a part every sender gave weight 0 averages to zeros, not to
-    0/0 = NaN: a peer may join with weight 0 (outer.drop_rate), and so may all of them."""
+class _Collected:
+    """Stands in for hivemind's accumulator tensor: keeps each sender's part and weight of the
+    current part index instead of adding them up, so the reducer can combine them robustly."""
+
+    def __init__(self) -> None:
+        self.parts: list[torch.Tensor] = []
+        self.weights: list[float] = []
+
+    def add_(self, part: torch.Tensor, alpha: float) -> None:
+        self.parts.append(part)
+        self.weights.append(float(alpha))
+
+
+class RobustReducer(TensorPartReducer):
+    """hivemind's reducer, except that a part is combined by `robust.aggregate` once every sender's
+    piece of it arrived (robust.py): weights capped, outsized parts clipped, or a trimmed mean. It
+    holds one part index at a time: k parts of PART_SIZE_BYTES, not a model copy. A part every
+    sender gave weight 0 averages to zeros, not 0/0 = NaN (a peer may join with weight 0,
+    outer.drop_rate, and so may all of them)."""
+
+    aggregation: tuple[robust.Aggregator, float, float] = ("mean", 1.0, 2.0)  # (how, clip, weight cap)
+
+    def reset_accumulators(self) -> None:
+        super().reset_accumulators()
+        if not self.finished.is_set():
+            self.accumulator = _Collected()
 
     def check_current_part_finished(self) -> None:
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
-            if self.denominator > 0:
-                self.accumulator.div_(self.denominator)
-            self.current_part_future.set_result(self.accumulator)
+            collected = self.accumulator
+            how, clip, cap = self.aggregation
+            shape = self.part_shapes[self.current_part_index]
+            result = (
+                robust.aggregate(collected.parts, collected.weights, how, clip, cap)
+                if collected.parts
+                else torch.zeros(shape)
+            )
+            self.current_part_future.set_result(result)
             self.reset_accumulators()
 
 
@@ -100,8 +129,11 @@ class ConsistentAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose every member ends with bit-identical results."""
 
     def __init__(self, *args: Any, **kwargs: Any):
+        aggregation = kwargs.pop("aggregation", ("mean", 1.0, 2.0))
         super().__init__(*args, **kwargs)
-        self.tensor_part_reducer.__class__ = ZeroWeightReducer  # same state, one method differs
+        self.tensor_part_reducer.__class__ = RobustReducer  # same state; parts are kept, then combined
+        self.tensor_part_reducer.aggregation = aggregation
+        self.tensor_part_reducer.accumulator = _Collected()
         self.tensor_part_container.return_deltas = False  # results are averages, not deltas
         self.failures: list[str] = []
         self.bytes_sent = 0

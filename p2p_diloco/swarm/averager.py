@@ -37,6 +37,9 @@ from p2p_diloco.swarm.probes import LinkProbes
 
 logger = get_logger(__name__)
 
+STATE_BYTES_PER_VALUE = 2 * 4  # a served state is θ and the outer momentum, fp32, as large as the averaged tensors
+STATE_SLACK_BYTES = 1 << 20  # metadata and serialization headers
+
 
 class AdmittedMatchmaking(Matchmaking):
     """hivemind's matchmaking, except that this peer asks only admitted peers to lead its group."""
@@ -62,6 +65,8 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
         state_provider: Any,
         residual: torch.Tensor | None = None,
         admission: tuple[str, str] | None = None,
+        aggregation: tuple[str, float, float] = ("mean", 1.0, 2.0),
+        max_reduce_share: float = 1.0,
         **kwargs: Any,
     ):
         """`residual`: a shared-memory tensor shaped like the lossy averaged tensor; after each
@@ -69,6 +74,8 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
         `admission`: (run id, organiser key) of a certified run: its doors (doors.py) refuse peers
         that are not admitted at matchmaking, in the all-gather, at state downloads and probes."""
         self._state_provider = state_provider
+        self._aggregation = aggregation  # (robust.Aggregator, clip, weight cap): how this peer reduces
+        self._max_share = max_reduce_share  # no member reduces more of the vector than this
         self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
         self.residual = residual
         self.link = links.LinkMeter()  # lives in the averager process, where probes are sent and received
@@ -196,7 +203,11 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
         metadata: Any = None
         tensors: list[torch.Tensor] = []
         parts: list[runtime_pb2.Tensor] = []
+        received, limit = 0, STATE_BYTES_PER_VALUE * self.total_size + STATE_SLACK_BYTES
         async for message in stream:
+            received += len(message.tensor_part.buffer) + len(message.metadata)
+            if received > limit:  # a server that streams without end must not exhaust this peer's memory
+                raise AllreduceException(f"{peer} sent more than the {limit:,} bytes a state of this model takes")
             if message.metadata:
                 metadata = self.serializer.loads(message.metadata)
             if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
@@ -221,6 +232,10 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
+        modes = [AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered]  # parsed by hivemind
+        kwargs["peer_fractions"] = tuple(
+            links.cap_shares(kwargs["peer_fractions"], [m != AveragingMode.CLIENT for m in modes], self._max_share)
+        )
         runner = ConsistentAllReduceRunner(
             p2p=self._p2p,
             servicer_type=type(self),
@@ -228,6 +243,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
+            aggregation=self._aggregation,
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)

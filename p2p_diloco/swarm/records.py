@@ -63,7 +63,7 @@ def parse_progress(value: Any) -> Progress | None:
             float(value["tokens_per_s"]),
             float(value["time"]),
         )
-    except (KeyError, TypeError, ValueError):
+    except (KeyError, TypeError, ValueError, OverflowError):  # int(inf) raises OverflowError
         return None
     numbers_ok = report.tokens >= 0 and 0.0 <= report.tokens_per_s < float("inf") and report.time == report.time
     if report.round < 0 or not numbers_ok or len(report.peer) > 128:

@@ -78,3 +78,16 @@ def test_unmeasured_or_malformed_claims_count_as_none():
     # b: only garbage vouches; c: nobody measured it; a: vouched 30 but claimed garbage
     assert links.vouched_bandwidths(members, [20.0, 5.0, 5.0], seen_by) == [20.0, None, None]
     assert links.vouched_bandwidths(members, ["x", 5.0, 5.0], seen_by) == [None, None, None]
+
+
+def test_no_member_reduces_more_than_its_share_cap():
+    # The balancer gave the fast peer everything: capped at half, the rest split equally.
+    assert links.cap_shares([1.0, 0.0, 0.0], [True, True, True], 0.5) == [0.5, 0.25, 0.25]
+    # Already within the cap: unchanged. A client keeps 0.
+    assert links.cap_shares([0.4, 0.4, 0.2, 0.0], [True, True, True, False], 0.5) == [0.4, 0.4, 0.2, 0.0]
+    assert links.cap_shares([1.0, 0.0], [True, False], 0.5) == [1.0, 0.0]  # the only reducer reduces all
+    # Two eligible members and a cap of 0.3: they cannot cover the vector, so each takes 1/2.
+    assert links.cap_shares([0.9, 0.1], [True, True], 0.3) == [0.5, 0.5]
+    # Water-filling over two steps: 0.7 -> 0.4 gives 0.1 each to the others; 0.45 -> 0.4 again.
+    shares = links.cap_shares([0.7, 0.35, 0.05, 0.0], [True, True, True, True], 0.4)
+    assert max(shares) <= 0.4 + 1e-12 and abs(sum(shares) - 1) < 1e-12, shares

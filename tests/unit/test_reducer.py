@@ -1,5 +1,6 @@
-"""The reducer of the consistent all-reduce: weighted means by hand, and weight-0 senders
-(outer.drop_rate): a dropped peer adds nothing, and a part every sender dropped averages to 0."""
+"""The reducer of the consistent all-reduce, on hivemind's TensorPartReducer: weighted means by
+hand, weight-0 senders (outer.drop_rate: a dropped peer adds nothing, and a part every sender
+dropped averages to 0), and the robust combinations (robust.py) as the reducer runs them."""
 
 import asyncio
 
@@ -7,15 +8,16 @@ import pytest
 import torch
 from hivemind.averaging.partition import TensorPartReducer
 
-from p2p_diloco.swarm.allreduce import ZeroWeightReducer
+from p2p_diloco.swarm.allreduce import RobustReducer, _Collected
 
 
-def reduce(parts, weights):
+def reduce(parts, weights, aggregation=("mean", 1.0, 2.0)):
     """Run one reducer over one part per sender, all senders concurrently; every sender's result."""
 
     async def main():
         reducer = TensorPartReducer([parts[0].shape], len(parts))
-        reducer.__class__ = ZeroWeightReducer  # as ConsistentAllReduceRunner does
+        reducer.__class__ = RobustReducer  # as ConsistentAllReduceRunner does
+        reducer.aggregation, reducer.accumulator = aggregation, _Collected()
         return await asyncio.gather(
             *(reducer.accumulate_part(i, 0, p, weight=w) for i, (p, w) in enumerate(zip(parts, weights)))
         )
@@ -36,6 +38,17 @@ def test_weighted_mean_with_dropped_senders(weights, expected):
     results = reduce(parts, weights)
     for result in results:
         assert result.tolist() == expected
+
+
+@pytest.mark.parametrize("how", ["mean", "clip", "centered-clip", "trimmed-mean"])
+def test_the_reducer_answers_every_sender_the_same_robust_combination(how):
+    # One sender x 1e4 with weight x 1000: every sender gets the same bytes (I1); every robust
+    # combination keeps the result near the honest parts, the mean does not.
+    parts = [torch.tensor([1.0, 1.0]), torch.tensor([1.1, 0.9]), torch.tensor([0.9, 1.1]), torch.tensor([-1e4, -1e4])]
+    results = reduce(parts, [1.0, 1.0, 1.0, 1000.0], (how, 1.0, 2.0))
+    assert all(torch.equal(r, results[0]) for r in results)
+    far = float((results[0] - torch.tensor([1.0, 1.0])).norm())
+    assert far > 1000 if how == "mean" else far < 3.0, results[0]
 
 
 def test_every_rpc_handler_of_the_averager_streams_as_hivemind_expects():

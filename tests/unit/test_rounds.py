@@ -46,6 +46,7 @@ def test_progress_reports_from_the_dht_are_untrusted():
         [],
         {**good, "round": -1},
         {**good, "tokens": -5},
+        {**good, "tokens": float("inf")},  # int(inf) raised OverflowError: every honest peer exited 1
         {**good, "tokens_per_s": float("inf")},
         {**good, "tokens_per_s": -1.0},
         {**good, "time": float("nan")},
@@ -54,3 +55,18 @@ def test_progress_reports_from_the_dht_are_untrusted():
         {**good, "peer": "x" * 500},
     ]:
         assert parse_progress(bad) is None, bad
+
+
+def test_one_peer_claiming_huge_progress_cannot_end_the_round_by_itself():
+    # me 100 tokens, two honest peers 100 each, a liar 10**18: it counts 2 x the lower median (200),
+    # so 500 of the 4 x 400 budget: the round goes on. The honest peers end it at 320 each
+    # (3 x 320 + 640 = 1600), a fifth early, not at once.
+    liar = Progress("liar", 3, 10**18, 0.0, 100.0)
+    honest = [Progress(p, 3, 100, 0.0, 100.0) for p in ("b", "c")]
+    progress = swarm_progress("me", 3, 100, [liar, *honest], 100.0, 400, 10.0)
+    assert progress.tokens == 500 and progress.target == 1600 and not progress.done
+    honest = [Progress(p, 3, 320, 0.0, 100.0) for p in ("b", "c")]
+    assert swarm_progress("me", 3, 320, [liar, *honest], 100.0, 400, 10.0).done
+    # A fast honest peer still counts up to twice a median one.
+    fast = swarm_progress("me", 3, 100, [Progress("f", 3, 300, 0.0, 100.0), *honest[:1]], 100.0, 400, 10.0)
+    assert fast.tokens == 100 + 300 + 320

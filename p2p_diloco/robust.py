@@ -1,0 +1,117 @@
+"""Pure: how a reducer combines its group's parts of one span (issue 14, Byzantine robustness).
+
+Every member of a group reduces a span of the vector: it receives each sender's part of that
+span, with the sender's weight (its tokens), and answers every sender with one combination of
+them. A malicious sender can send any finite values with any weight. The combinations here bound
+what one sender can do, and each is a function of the parts and weights alone, computed once by
+the reducer, so every member still receives the same bytes (I1).
+
+- `mean`: the weighted mean (hivemind's; no robustness).
+- `clip` (the default): each weight capped at `weight_cap` × the group's lower-median weight, each
+  part scaled down to at most `clip` × the lower-median norm of the span's parts, then the
+  weighted mean. One sender moves the result by at most about clip / k of an honest part's norm.
+- `centered-clip`: BTARD's CenteredClip (Gorbunov et al., 2021): starting from the coordinate-wise
+  median, `CENTERED_CLIP_ITERATIONS` steps of v ← v + Σ wᵢ·clip(pᵢ − v, τ) / Σ wᵢ, with τ =
+  `clip` × the lower-median distance of the parts from v.
+- `trimmed-mean`: coordinate-wise, the ⌊(k−1)/2⌋ largest and smallest values dropped (for odd k
+  the coordinate-wise median, for even k the mean of the middle two), among senders of positive
+  weight; weights count no further.
+
+A reducer holds all k parts of the span's current part at once: k × PART_SIZE bytes, much less than
+one model copy, since parts are reduced one after another.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Literal
+
+import torch
+
+Aggregator = Literal["mean", "clip", "centered-clip", "trimmed-mean"]
+AGGREGATORS: tuple[Aggregator, ...] = ("mean", "clip", "centered-clip", "trimmed-mean")
+CENTERED_CLIP_ITERATIONS = 5
+
+
+def lower_median(values: Sequence[float]) -> float:
+    """The lower median: an element of `values` (deterministic, no averaging of two middles)."""
+    ordered = sorted(values)
+    return ordered[(len(ordered) - 1) // 2]
+
+
+def cap_weights(weights: Sequence[float], cap: float) -> list[float]:
+    """Each weight at most `cap` × the lower median of the positive weights (zero stays zero)."""
+    positive = [w for w in weights if w > 0]
+    if not positive:
+        return [0.0 for _ in weights]
+    limit = cap * lower_median(positive)
+    return [min(float(w), limit) if w > 0 else 0.0 for w in weights]
+
+
+def trim_count(k: int) -> int:
+    """Values dropped at each end per coordinate by `trimmed-mean`: as many as a group of k can hold
+    attackers while they stay a minority (f < k/2), leaving at least one value."""
+    return max(0, (k - 1) // 2)
+
+
+def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    total = float(sum(weights))
+    out = torch.zeros_like(parts[0], dtype=torch.float32)
+    if total <= 0:
+        return out  # every sender gave weight 0 (all dropped their Δ): no update, not 0/0
+    for part, weight in zip(parts, weights):
+        if weight > 0:
+            out.add_(part.float(), alpha=weight / total)
+    return out
+
+
+def clipped(parts: Sequence[torch.Tensor], clip: float) -> list[torch.Tensor]:
+    """Each part scaled down to at most `clip` × the lower-median norm of the parts."""
+    norms = [float(p.float().norm()) for p in parts]
+    limit = clip * lower_median(norms)
+    return [p.float() * (limit / n) if n > limit else p.float() for p, n in zip(parts, norms)]
+
+
+def centered_clip(parts: Sequence[torch.Tensor], weights: Sequence[float], clip: float) -> torch.Tensor:
+    stacked = torch.stack([p.float() for p in parts])
+    v = stacked.median(dim=0).values  # torch's median is the lower median: an element per coordinate
+    total = float(sum(weights))
+    if total <= 0:
+        return torch.zeros_like(v)
+    for _ in range(CENTERED_CLIP_ITERATIONS):
+        diffs = stacked - v
+        distances = [float(d.norm()) for d in diffs]
+        tau = clip * lower_median(distances)
+        step = torch.zeros_like(v)
+        for diff, distance, weight in zip(diffs, distances, weights):
+            if weight > 0 and distance > 0:
+                step.add_(diff, alpha=(weight / total) * min(1.0, tau / distance))
+        v = v + step
+    return v
+
+
+def trimmed_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> torch.Tensor:
+    """Coordinate-wise trimmed mean of the parts whose sender gave a positive weight."""
+    kept = [p.float() for p, w in zip(parts, weights) if w > 0]
+    if not kept:
+        return torch.zeros_like(parts[0], dtype=torch.float32)
+    trim = trim_count(len(kept))
+    ordered = torch.stack(kept).sort(dim=0).values
+    return ordered[trim : len(kept) - trim].mean(dim=0)
+
+
+def aggregate(
+    parts: Sequence[torch.Tensor], weights: Sequence[float], how: Aggregator, clip: float, weight_cap: float
+) -> torch.Tensor:
+    """What a reducer answers for one part of its span, given every sender's part and weight (in
+    the group's sender order)."""
+    if how == "mean":
+        return weighted_mean(parts, weights)
+    capped = cap_weights(weights, weight_cap)
+    if how == "clip":
+        return weighted_mean(clipped(parts, clip), capped)
+    if how == "centered-clip":
+        return centered_clip(parts, capped, clip)
+    if how == "trimmed-mean":
+        return trimmed_mean(parts, capped)
+    raise ValueError(f"unknown aggregator {how!r}; choose one of {', '.join(AGGREGATORS)}")
