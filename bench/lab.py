@@ -76,11 +76,18 @@ class LocalSwarm:
         raise RuntimeError(f"bootstrap node exited with {proc.wait(timeout=10)}; see {self.folder}/bootstrap.log")
 
     def start(
-        self, name: str, extra: dict[str, str] | None = None, resume: bool = False, fault: str | None = None
+        self,
+        name: str,
+        extra: dict[str, str] | None = None,
+        resume: bool = False,
+        fault: str | None = None,
+        attack: str | None = None,
     ) -> subprocess.Popen:
-        """A peer; with `fault` (tests/swarm/faulty_peer.py: phase:n:KILL|STOP) one that fails on purpose."""
+        """A peer; with `fault` (tests/swarm/faulty_peer.py: phase:n:KILL|STOP) one that fails on
+        purpose, with `attack` (tests/swarm/attacker_peer.py: kind:x) one that lies."""
         options = {**(extra or {}), "run.dir": str(self.folder / name)}
-        program = [sys.executable, "-m", "tests.swarm.faulty_peer"] if fault else CLI
+        program = [sys.executable, "-m", f"tests.swarm.{'faulty' if fault else 'attacker'}_peer"]
+        program = program if fault or attack else CLI
         cmd = [
             *program,
             "peer",
@@ -92,7 +99,9 @@ class LocalSwarm:
             *(["--resume"] if resume else []),
         ]
         log = open(self.folder / f"{name}.log", "a")
-        env = {**ENV, "FAULT": fault, "PYTHONPATH": str(ROOT)} if fault else ENV
+        env = ENV
+        if fault or attack:
+            env = {**ENV, "PYTHONPATH": str(ROOT), **({"FAULT": fault} if fault else {"ATTACK": str(attack)})}
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         self.procs[name] = proc
         self.groups.add(proc.pid)

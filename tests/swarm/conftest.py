@@ -97,6 +97,7 @@ class Swarm:
         script: list[str] | None = None,
         fault: str | None = None,
         resume: bool = False,
+        env: dict | None = None,
     ) -> subprocess.Popen:
         """A peer process; with `fault` (see faulty_peer.py) one that fails on purpose, in its own session."""
         options = {**SWARM, **(extra or {}), "run.dir": str(self.folder / name)}
@@ -106,7 +107,7 @@ class Swarm:
         if resume:
             cmd.append("--resume")
         log = open(self.folder / f"{name}.log", "a")
-        env = {**ENV, "FAULT": fault} if fault else ENV
+        env = {**ENV, **(env or {}), **({"FAULT": fault} if fault else {})}
         # Its own session, so that its DHT and averager processes and their p2pd can be ended as a group.
         proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         proc.args = [*cmd, str(self.folder / f"{name}.log")]

@@ -2,7 +2,9 @@
 
 Every test asserts that the survivors finish later rounds, agree on every digest, never apply a
 partial average (test_average.py checks that bit for bit at the all-reduce level), and lose no
-more than the configured deadlines.
+more than the configured deadlines. One hang (in matchmaking) stands for the others here; a hang
+or crash in the inner phase, and every other phase, is measured in bench/faults.py (the suite's
+time is capped), and who is waited for in-process in tests/unit/test_round_protocol.py.
 """
 
 import pytest
@@ -45,21 +47,6 @@ def assert_agree_every_round(a, b, since):
 def normal_round_s(records):
     walls = sorted(rec["wall_s"] for rec in records.values() if "wall_s" in rec)
     return walls[len(walls) // 2]
-
-
-@pytest.mark.timeout(300)
-def test_peer_hangs_in_the_inner_phase(swarm):
-    # The subject averages with the others, then hangs (its whole process group stopped: a laptop
-    # asleep) as its third inner phase starts. A crash there takes the same path with closed
-    # sockets instead of silent ones; it is measured in bench/faults.py (the suite's time is capped).
-    a, b, last = run_with_fault(swarm, "inner:3:STOP")
-    assert_agree_every_round(a, b, last)
-    # the survivors lose at most a few rounds of averaging together, then average as a pair to the end
-    assert [a[r]["group_size"] for r in range(ROUNDS - 2, ROUNDS + 1)] == [2, 2, 2]
-    lost_s = time_lost(a, last)
-    # The lost peer is expected until its heartbeat is 10 s old: one matchmaking window, and
-    # agreement waits for it (at most its deadline). Measured 8-10 s (bench/faults.py).
-    assert lost_s <= AGREEMENT_S + MATCHMAKING_S, f"the fault cost {lost_s:.1f} s"
 
 
 @pytest.mark.timeout(300)
