@@ -30,31 +30,12 @@ from pathlib import Path
 from p2p_diloco import admission, config
 from p2p_diloco.swarm.identity import peer_id_of
 
-from lab import ENV, LocalSwarm
+from lab import ENV, TINY_FIXED_H, LocalSwarm
 
 HERE = Path(__file__).resolve().parent
 ROUNDS = 8
 PEERS = ("a", "b", "c")
-CONFIG = {
-    "run.run_id": "admission-bench",
-    "run.rounds": str(ROUNDS),
-    "run.eval_sequences": "32",
-    "model.preset": "tiny",
-    "model.seq_len": "128",
-    "data.num_shards": "8",
-    "inner.steps": "20",
-    "inner.batch_size": "16",
-    "inner.micro_batch_size": "16",
-    "inner.lr": "3e-3",
-    "inner.warmup_steps": "20",
-    "swarm.matchmaking_time_s": "3",
-    "swarm.averaging_timeout_s": "30",
-    "swarm.agreement_timeout_s": "10",
-    "swarm.join_timeout_s": "10",
-    # fixed H: every run with the same three peers in every group is then bit-identical, so an
-    # attack that changes nothing leaves the same digests as a run without it
-    "swarm.speed_aware": "false",
-}
+CONFIG = {"run.run_id": "admission-bench", "run.rounds": str(ROUNDS), **TINY_FIXED_H}
 # (name, admission mode, forger: None, or the number of sybils it runs besides its forgeries)
 SCENARIOS = [
     ("open", "open", None),

@@ -2,14 +2,16 @@
 honest peers' held-out loss under each aggregator (issue 14).
 
 The issue's set-up: the tiny preset, H = 20 (fixed: `swarm.speed_aware = false`, so every run
-trains the same tokens), 8 rounds, three honest peers a, b, c and one attacker m
+trains the same tokens, except the progress runs), 8 rounds, the same four identities in every
+run (so the same data shards), three honest peers a, b, c and one attacker m
 (tests/swarm/attacker_peer.py) that lies in one way through the normal code path. For every run:
 the honest peers' held-out loss after 8 rounds against the clean run with the same aggregator,
 whether the honest digests agreed in every round, exit codes, NaN, and the run's wall time.
 Writes bench/results/attacks.json and attacks.png.
 
-    python bench/attacks.py                      # every run below, about 20 minutes on 2 cores
-    python bench/attacks.py --only clip          # the runs with one aggregator
+    python bench/attacks.py                      # every run below, about 30 minutes on 2 cores
+    python bench/attacks.py --only clip          # the runs of one label of PLAN
+    python bench/attacks.py --plot               # only the plot, from the results file
 """
 
 from __future__ import annotations
@@ -23,55 +25,31 @@ import tempfile
 import time
 from pathlib import Path
 
-from lab import LocalSwarm
+from lab import TINY_FIXED_H, LocalSwarm
 
 HERE = Path(__file__).resolve().parent
 ROUNDS = 8
 HONEST = ("a", "b", "c")
-CONFIG = {
-    "run.run_id": "attacks",
-    "run.rounds": str(ROUNDS),
-    "run.eval_sequences": "32",
-    "model.preset": "tiny",
-    "model.seq_len": "128",
-    "data.num_shards": "8",
-    "inner.steps": "20",
-    "inner.batch_size": "16",
-    "inner.micro_batch_size": "16",
-    "inner.lr": "3e-3",
-    "inner.warmup_steps": "20",
-    "swarm.speed_aware": "false",
-    "swarm.matchmaking_time_s": "3",
-    "swarm.averaging_timeout_s": "30",
-    "swarm.agreement_timeout_s": "10",
-    "swarm.join_timeout_s": "10",
-}
-ATTACKS = [
-    None,
-    "scale:1e4",
-    "flip:10",
-    "zero:1000",
-    "weight:1000",
-    "progress:1000",
-    "replay:0",
-    "reducer-scale:100",
-    "reducer-random:1",
-]
-# (aggregator, the attacks run under it)
+CONFIG = {"run.run_id": "attacks", "run.rounds": str(ROUNDS), **TINY_FIXED_H}
+SENDER_ATTACKS = ["scale:1e4", "flip:10", "zero:1000", "weight:1000", "replay:0"]
+REDUCER_ATTACKS = ["reducer-scale:100", "reducer-random:1"]
+# (label, settings, runs): "clean..." is a run without an attack, anything else attacker_peer's ATTACK
 PLAN = [
-    ("mean", [None, "scale:1e4", "flip:10", "zero:1000"]),
-    ("clip", ATTACKS),
-    ("trimmed-mean", [None, "flip:10", "zero:1000", "weight:1000"]),
-    ("centered-clip", [None, "flip:10", "zero:1000"]),
+    ("mean", {"swarm.aggregator": "mean"}, ["clean", "scale:1e4", "flip:10", "zero:1000"]),
+    ("clip", {"swarm.aggregator": "clip"}, ["clean", "clean (repeat)", *SENDER_ATTACKS, *REDUCER_ATTACKS]),
+    ("trimmed-mean", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10", "zero:1000", "weight:1000"]),
+    ("centered-clip", {"swarm.aggregator": "centered-clip"}, ["clean", "flip:10", "zero:1000"]),
+    # progress reports matter only where rounds end on the swarm's tokens
+    ("clip, speed-aware rounds", {"swarm.aggregator": "clip", "swarm.speed_aware": "true"}, ["clean", "progress:1000"]),
 ]
 
 
-def run(folder: Path, aggregator: str, attack: str | None) -> dict:
+def run(folder: Path, keys: dict[str, Path], settings: dict[str, str], attack: str | None) -> dict:
     started = time.monotonic()
-    with LocalSwarm(folder, {**CONFIG, "swarm.aggregator": aggregator}) as lab:
+    with LocalSwarm(folder, {**CONFIG, **settings}) as lab:
         for name in HONEST:
-            lab.start(name)
-        lab.start("m", attack=attack)
+            lab.start(name, {"swarm.identity_path": str(keys[name])})
+        lab.start("m", {"swarm.identity_path": str(keys["m"])}, attack=attack)
         lab.wait(lambda: all(not lab.running(p) for p in HONEST), 900, "honest peers finish")
         exits = {p: lab.procs[p].returncode for p in HONEST}
         recs = {p: lab.records(p) for p in HONEST}
@@ -92,21 +70,27 @@ def run(folder: Path, aggregator: str, attack: str | None) -> dict:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", help="one aggregator's runs")
+    parser.add_argument("--only", help="one label's runs (e.g. clip)")
+    parser.add_argument("--plot", action="store_true", help="only draw the plot from the results file")
     args = parser.parse_args()
     out = HERE / "results" / "attacks.json"
+    if args.plot:
+        return plot(json.loads(out.read_text()))
     results = json.loads(out.read_text()) if args.only and out.exists() else {}
     results.update({"machine": platform.processor() or platform.machine(), "rounds": ROUNDS})
     with tempfile.TemporaryDirectory() as tmp:
-        for aggregator, attacks in PLAN:
-            if args.only and aggregator != args.only:
+        # The same four identities in every run: the same data shards, so runs differ only by the attack.
+        keys = {name: Path(tmp) / "keys" / f"{name}.key" for name in (*HONEST, "m")}
+        for label, settings, names in PLAN:
+            if args.only and label != args.only:
                 continue
-            runs = results.setdefault(aggregator, {})
-            for attack in attacks:
-                folder = Path(tmp) / f"{aggregator}-{(attack or 'clean').replace(':', '_')}"
-                runs[attack or "clean"] = run(folder, aggregator, attack)
-                print(aggregator, attack or "clean", json.dumps(runs[attack or "clean"]), flush=True)
-            clean = runs.get("clean", {}).get("final_eval_loss")
+            runs = results[label] = {}
+            for name in names:
+                folder = Path(tmp) / f"{label}-{name}".replace(" ", "_").replace(":", "_").replace(",", "")
+                attack = None if name.startswith("clean") else name
+                runs[name] = run(folder, keys, settings, attack)
+                print(label, name, json.dumps(runs[name]), flush=True)
+            clean = runs["clean"]["final_eval_loss"]
             for result in runs.values():
                 loss = result["final_eval_loss"]
                 result["vs_clean"] = loss / clean - 1 if clean and loss is not None else None
@@ -120,14 +104,18 @@ def plot(results: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    aggregators = [a for a, _ in PLAN if a in results]
-    fig, axes = plt.subplots(1, len(aggregators), figsize=(4.5 * len(aggregators), 4.5), sharey=True)
+    aggregators = [label for label, _, _ in PLAN if label in results]
+    fig, axes = plt.subplots(1, len(aggregators), figsize=(4.6 * len(aggregators), 4.2))
     for ax, aggregator in zip(axes if len(aggregators) > 1 else [axes], aggregators):
         names = list(results[aggregator])
-        losses = [results[aggregator][n]["final_eval_loss"] or float("nan") for n in names]
-        ax.barh(names, [min(x, 10.0) for x in losses])
+        losses = [results[aggregator][n]["final_eval_loss"] for n in names]
+        ax.barh(names, [min(x, 10.0) if x is not None else 0.0 for x in losses])
+        for i, loss in enumerate(losses):
+            label = "honest peers exit 1" if loss is None else f"{loss:,.3f}" if loss < 100 else f"{loss:.0f}"
+            ax.text(0.1, i, label, va="center", fontsize=7, color="white" if loss and loss > 1.5 else "black")
+        ax.set_xlim(0, 10)
         ax.set_title(f"aggregator: {aggregator}")
-        ax.set_xlabel("honest held-out loss after 8 rounds (capped at 10)")
+        ax.set_xlabel("honest held-out loss after 8 rounds (bar capped at 10)")
         ax.tick_params(axis="y", labelsize=7)
     fig.tight_layout()
     fig.savefig(HERE / "results" / "attacks.png", dpi=110)

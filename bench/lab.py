@@ -25,6 +25,24 @@ from p2p_diloco import config
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # several peers share the machine's cores
+# The issue-13/14 benchmarks' run: the tiny preset, H = 20 fixed (no speed-aware rounds, so every
+# run trains the same tokens), short deadlines.
+TINY_FIXED_H = {
+    "run.eval_sequences": "32",
+    "model.preset": "tiny",
+    "model.seq_len": "128",
+    "data.num_shards": "8",
+    "inner.steps": "20",
+    "inner.batch_size": "16",
+    "inner.micro_batch_size": "16",
+    "inner.lr": "3e-3",
+    "inner.warmup_steps": "20",
+    "swarm.speed_aware": "false",
+    "swarm.matchmaking_time_s": "3",
+    "swarm.averaging_timeout_s": "30",
+    "swarm.agreement_timeout_s": "10",
+    "swarm.join_timeout_s": "10",
+}
 
 
 class LocalSwarm:
