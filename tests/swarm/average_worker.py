@@ -13,6 +13,8 @@ all-reduce, after it already answered for its first part.
 With `probe` the peer waits for the probe sweep its all-reduce started and averages again, and
 reports what it measured of the others' links (bytes/s) and the figure it then announced.
 
+With `mean` the reducers take the plain weighted mean (swarm.aggregator), else the default clip.
+
 With `kill-averager` the peer SIGKILLs its own averager process right after handing it the step:
 the averaging process dying under a peer that is waiting for its result.
 """
@@ -98,6 +100,7 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
             "swarm.compression": codec,
             "swarm.matchmaking_time_s": "4",
             "swarm.averaging_timeout_s": "20",
+            "swarm.aggregator": "mean" if "mean" in sys.argv else "clip",
             "run.dir": run_dir,
         },
     )

@@ -68,15 +68,19 @@ TOLERANCE = {"fp32": 1e-6, "int4": 0.16}
 def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
     weights = [1.0, 1.0, 2.0]  # tokens of each peer
     # fp32 averages twice: the first all-reduce starts a probe sweep of the links, the second
-    # announces the measured figures (the averages must be the same).
-    probe = ["probe"] if codec == "fp32" else []
-    workers = start_workers(swarm, weights, codec, probe, probe, probe)
+    # announces the measured figures (the averages must be the same). fp32 takes the plain mean,
+    # int4 the default robust `clip`.
+    flags = ["probe", "mean"] if codec == "fp32" else []
+    workers = start_workers(swarm, weights, codec, flags, flags, flags)
     results = [json.loads(read_line(w, 60)) for w in workers]
     for w in workers:
         assert w.wait(timeout=60) == 0
-    # (1·1 + 2·1 + 3·2) / 4 = 2.25 times the ramp (1 + j/1000), and times (j + 1)/1000 for the exact part
-    expected = 2.25 * (1 + torch.arange(NUMEL, dtype=torch.float32) / 1000)
-    expected_exact = 2.25 * (torch.arange(EXACT, dtype=torch.float32) + 1) / 1000
+    # Peer i sends (i + 1) x the ramp (1 + j/1000), and (i + 1) x (j + 1)/1000 for the exact part.
+    # mean: (1·1 + 2·1 + 3·2) / 4 = 2.25. clip: the norms are 1, 2, 3 x the ramp's, so the third is
+    # scaled down to the median, 2; the weights 1, 1, 2 are under the cap (2 x 1): (1 + 2 + 2·2) / 4 = 1.75.
+    factor = 2.25 if codec == "fp32" else 1.75
+    expected = factor * (1 + torch.arange(NUMEL, dtype=torch.float32) / 1000)
+    expected_exact = factor * (torch.arange(EXACT, dtype=torch.float32) + 1) / 1000
     assert [r["group"] for r in results] == [3, 3, 3]
     assert len({r["sha256"] for r in results}) == 1, "every member must hold the same bytes"
     torch.testing.assert_close(torch.tensor(results[0]["values"]), expected, rtol=TOLERANCE[codec], atol=0)
