@@ -131,8 +131,10 @@ def _emit_round(r: int, recs: list[dict], emit: Callable[[str], None]) -> bool:
     losses = " ".join(f"{rec['eval_loss']:.3f}" if rec.get("eval_loss") is not None else "-" for rec in recs)
     group = max(rec.get("group_size", 1) for rec in recs)
     same = "equal" if len(digests) == 1 else f"DIFFER ({len(digests)})"
+    caught_up = sum("group_size" not in rec for rec in recs)  # a record of a round caught up to (README)
     comm = (
         f"group {group}  all-reduce {max(rec.get('allreduce_s', 0) for rec in recs):.2f} s"
+        + (f"  ({caught_up} caught up)" if caught_up else "")
         if r
         else "theta(0)" + " " * 20
     )
