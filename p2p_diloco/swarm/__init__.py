@@ -34,7 +34,7 @@ from p2p_diloco.swarm.allreduce import WireCodec
 from p2p_diloco.swarm.averager import DiLoCoAverager
 from p2p_diloco.swarm.gate import Gate
 from p2p_diloco.swarm.heartbeat import Heartbeat
-from p2p_diloco.swarm.identity import make_validator, peer_id_of
+from p2p_diloco.swarm.identity import load_identity, make_validator, peer_id_of, public_key_bytes
 from p2p_diloco.swarm.node import start_dht
 from p2p_diloco.swarm.step import AveragingStep
 
@@ -61,6 +61,7 @@ class Swarm:
         # Admission first: a peer that a certified run would refuse stops before it touches the network.
         self.gate = Gate(config, peer_id_of(identity))
         self.validator = make_validator(identity)  # the peer id signs its records: one key, one id
+        self._signer = load_identity(identity)  # ... and every part and average it sends (ledger.py)
         self.dht = start_dht(sc, identity, sc.initial_peers, sc.client_mode, [self.validator])
         self.peer_id = str(self.dht.peer_id)
         self.buffer = torch.zeros(numel, dtype=torch.float32)
@@ -74,7 +75,8 @@ class Swarm:
         self.heartbeat = Heartbeat(self.dht, self.validator, self.prefix, self.peer_id, self._dht_lock, self.gate)
         self.averager = self._start_averager(state_provider)
         payload_bytes = codecs.get(sc.compression).encoded_size(numel) + 4 * exact_numel
-        self.step = AveragingStep(self.averager, sc, self.peer_id, self.residual, payload_bytes, self.gate.gather())
+        shown = {**self.gate.gather(), "key": public_key_bytes(self._signer)}  # in the group's all-gather
+        self.step = AveragingStep(self.averager, sc, self.peer_id, self.residual, payload_bytes, shown)
         self.heartbeat.start()
 
     def _start_averager(self, state_provider: Callable[[], ServedState]) -> DiLoCoAverager:
@@ -96,6 +98,7 @@ class Swarm:
                 client_mode=sc.client_mode,
                 declare_state_period=60,
                 state_provider=state_provider,
+                signer=self._signer,
                 shutdown_timeout=5,
                 residual=self.residual,
                 admission=self.gate.averager_check(),

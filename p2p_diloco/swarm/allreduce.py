@@ -35,6 +35,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aiter
 
 from p2p_diloco import codecs, faults, robust
+from p2p_diloco.swarm.ledger import Ledger
 
 logger = get_logger(__name__)
 
@@ -128,9 +129,12 @@ class RobustReducer(TensorPartReducer):
 class ConsistentAllReduceRunner(AllReduceRunner):
     """Butterfly all-reduce whose every member ends with bit-identical results."""
 
-    def __init__(self, *args: Any, **kwargs: Any):
+    def __init__(self, *args: Any, ledger: Ledger, **kwargs: Any):
+        """`ledger`: signs what this member sends and checks what it receives (ledger.py)."""
         aggregation = kwargs.pop("aggregation", ("mean", 1.0, 2.0))
         super().__init__(*args, **kwargs)
+        self.ledger = ledger
+        self.aggregation = aggregation
         self.tensor_part_reducer.__class__ = RobustReducer  # same state; parts are kept, then combined
         self.tensor_part_reducer.aggregation = aggregation
         self.tensor_part_reducer.accumulator = _Collected()
@@ -140,6 +144,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         self.bytes_received = 0
         self.residuals: dict[int, torch.Tensor] = {}  # tensor index -> what the codec lost of what we sent
         self._encoded: dict[int, Any] = {}  # part index -> serialized average of our span
+        self._signatures: dict[int, bytes] = {}  # part index -> our signature of that average
 
     @property
     def codec(self) -> WireCodec:
@@ -149,9 +154,9 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         """Serialize the average of one part of our span once; every sender gets these bytes."""
         if part_index not in self._encoded:
             info = self.tensor_part_container._input_parts_by_peer[self._my_index][part_index][1]
-            self._encoded[part_index] = self.tensor_part_container.compression.compress(
-                averaged, info, allow_inplace=False
-            )
+            encoded = self.tensor_part_container.compression.compress(averaged, info, allow_inplace=False)
+            self._signatures[part_index] = self.ledger.sign_average(self._my_index, part_index, encoded)
+            self._encoded[part_index] = encoded
         return self._encoded[part_index]
 
     def should_delay_results(self, peer_id: Any) -> bool:
@@ -188,10 +193,15 @@ class ConsistentAllReduceRunner(AllReduceRunner):
             raise
 
     async def _reduce_own_span(self, peer_index: int) -> None:
+        """Our own parts of our span go through the codec and the ledger like anyone's: every part
+        of a span is combined as its reducer shows it to the audit."""
         sender_index = self.sender_peer_ids.index(self.peer_id)
-        for part_index, part in enumerate(self.parts_for_local_averaging):
+        parts = self.tensor_part_container._input_parts_by_peer[peer_index]
+        for part_index, (part, info) in enumerate(parts):
+            encoded, signature = self._encode_input(peer_index, part_index, part, info)
+            self.ledger.accept_part(peer_index, sender_index, part_index, self.weight, encoded, signature)
             averaged = await self.tensor_part_reducer.accumulate_part(
-                sender_index, part_index, part, weight=self.weight
+                sender_index, part_index, self.codec.extract(encoded), weight=self.weight
             )
             encoded = self._encode_average(part_index, averaged)
             # Counted here, not where the replies are sent: those may still be in flight when our
@@ -214,11 +224,11 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         stream = await self._get_peer_stub(peer_id).rpc_aggregate_part(inputs)
         part_index = 0
 
-        def decode(msg: averaging_pb2.AveragingData) -> torch.Tensor:
+        def decode(msg: averaging_pb2.AveragingData) -> tuple[torch.Tensor, averaging_pb2.AveragingData]:
             if msg.code != averaging_pb2.AVERAGED_PART:
                 raise AllreduceException(f"{peer_id} sent {averaging_pb2.MessageCode.Name(msg.code)}")
             self.bytes_received += len(msg.tensor_part.buffer)
-            return self.codec.extract(msg.tensor_part)
+            return self.codec.extract(msg.tensor_part), msg
 
         try:
             async for averaged in amap_in_executor(
@@ -226,9 +236,11 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                 aiter_with_timeout(stream, self.reducer_timeout),
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
-                _check_part(
+                averaged, msg = averaged
+                check_part(
                     averaged, self.tensor_part_container._input_parts_by_peer[peer_index][part_index][0], peer_id
                 )
+                self.ledger.accept_average(peer_index, part_index, msg.tensor_part, msg.peer_id)
                 self.tensor_part_container.register_processed_part(peer_index, part_index, averaged)
                 part_index += 1
                 if part_index == expected:
@@ -253,28 +265,36 @@ class ConsistentAllReduceRunner(AllReduceRunner):
     async def _generate_input_for_peer(self, peer_index: int) -> AsyncIterator[averaging_pb2.AveragingData]:
         """Our parts of `peer_index`'s span, encoded; what the codec lost of each goes to `residuals`."""
         parts = self.tensor_part_container._input_parts_by_peer[peer_index]
+        numbered = [(i, part, info) for i, (part, info) in enumerate(parts)]
         first = True
-        async for encoded in amap_in_executor(
-            lambda pair: self._encode_input(*pair), as_aiter(*parts), max_prefetch=self.tensor_part_container.prefetch
+        async for encoded, signature in amap_in_executor(
+            lambda item: self._encode_input(peer_index, *item),
+            as_aiter(*numbered),
+            max_prefetch=self.tensor_part_container.prefetch,
         ):
+            # AveragingData has no field for a signature; `peer_id` (bytes) is unused in this stream.
             if first:
                 yield averaging_pb2.AveragingData(
                     code=averaging_pb2.PART_FOR_AVERAGING,
                     group_id=self.group_id,
                     tensor_part=encoded,
                     weight=self.weight,
+                    peer_id=signature,
                 )
                 first = False
             else:
-                yield averaging_pb2.AveragingData(tensor_part=encoded, weight=self.weight)
+                yield averaging_pb2.AveragingData(tensor_part=encoded, weight=self.weight, peer_id=signature)
 
-    def _encode_input(self, part: torch.Tensor, info: CompressionInfo) -> runtime_pb2.Tensor:
+    def _encode_input(
+        self, peer_index: int, part_index: int, part: torch.Tensor, info: CompressionInfo
+    ) -> tuple[runtime_pb2.Tensor, bytes]:
+        """One part for `peer_index`, encoded and signed; what the codec lost goes to `residuals`."""
         encoded = self.codec.compress(part, info)
         residual = self.residuals.get(info.key)
         if residual is not None:
             start = part.storage_offset() - self.tensor_part_container.local_tensors[info.key].storage_offset()
             residual[start : start + part.numel()] = part.reshape(-1) - self.codec.extract(encoded).reshape(-1)
-        return encoded
+        return encoded, self.ledger.sign_part(peer_index, part_index, self.weight, encoded)
 
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         """As a reducer: add each sender's part to the sum, answer with the encoded average (not a delta).
@@ -310,16 +330,18 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         part_index = 0
         expected_parts = self.parts_for_local_averaging
         try:
-            async for part, weight, size in amap_in_executor(
-                lambda msg: (self.codec.extract(msg.tensor_part), msg.weight, len(msg.tensor_part.buffer)),
+            async for part, msg in amap_in_executor(
+                lambda msg: (self.codec.extract(msg.tensor_part), msg),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 faults.reached(faults.FaultPoint.ALLREDUCE_PART)
-                _check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
+                check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
+                weight = msg.weight
                 if not (weight >= 0 and weight < float("inf")):
                     raise AllreduceException(f"sender {sender_index} sent weight {weight}")
-                self.bytes_received += size
+                self.ledger.accept_part(self._my_index, sender_index, part_index, weight, msg.tensor_part, msg.peer_id)
+                self.bytes_received += len(msg.tensor_part.buffer)
                 averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
                 if self.banned_senders:
                     # hivemind completes a part without a sender that dropped out; that average
@@ -329,8 +351,12 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                 encoded = await asyncio.get_event_loop().run_in_executor(
                     None, self._encode_average, part_index, averaged
                 )
+                answers.put_nowait(
+                    averaging_pb2.AveragingData(
+                        code=averaging_pb2.AVERAGED_PART, tensor_part=encoded, peer_id=self._signatures[part_index]
+                    )
+                )
                 part_index += 1
-                answers.put_nowait(averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, tensor_part=encoded))
         finally:
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
@@ -344,7 +370,7 @@ async def _end_after(messages: AsyncIterator[Any], event: asyncio.Event) -> Asyn
     await event.wait()
 
 
-def _check_part(part: torch.Tensor, like: torch.Tensor, peer: Any) -> None:
+def check_part(part: torch.Tensor, like: torch.Tensor, peer: Any) -> None:
     """Untrusted input (I4): a part must have the expected shape and finite values."""
     if part.shape != like.shape:
         raise AllreduceException(f"{peer} sent a part of shape {tuple(part.shape)}, expected {tuple(like.shape)}")

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
@@ -25,14 +26,17 @@ from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
+from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco import faults, links
-from p2p_diloco.swarm import records
+from p2p_diloco.swarm import identity, records
 from p2p_diloco.swarm.allreduce import LOSSY_TENSOR, ConsistentAllReduceRunner
+from p2p_diloco.swarm.auditor import Audits
 from p2p_diloco.swarm.doors import Doors
+from p2p_diloco.swarm.ledger import Ledger
 from p2p_diloco.swarm.probes import LinkProbes
 
 logger = get_logger(__name__)
@@ -52,7 +56,7 @@ class AdmittedMatchmaking(Matchmaking):
         return await super()._request_join_group(leader)
 
 
-class DiLoCoAverager(DecentralizedAverager, LinkProbes):
+class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits):
     """DecentralizedAverager with the consistent runner, copying results into the averaged buffers.
 
     It also serves this peer's (round, θ, momentum) to joiners through `get_current_state`,
@@ -63,6 +67,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
         self,
         *args: Any,
         state_provider: Any,
+        signer: RSAPrivateKey,
         residual: torch.Tensor | None = None,
         admission: tuple[str, str] | None = None,
         aggregation: tuple[str, float, float] = ("mean", 1.0, 2.0),
@@ -72,8 +77,12 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
         """`residual`: a shared-memory tensor shaped like the lossy averaged tensor; after each
         successful all-reduce it holds what the codec lost of this peer's part (error feedback).
         `admission`: (run id, organiser key) of a certified run: its doors (doors.py) refuse peers
-        that are not admitted at matchmaking, in the all-gather, at state downloads and probes."""
+        that are not admitted at matchmaking, in the all-gather, at state downloads and probes.
+        `signer`: this peer's identity key; it signs every part and average (ledger.py)."""
         self._state_provider = state_provider
+        self._signer = signer
+        self.convicted: set[str] = set()  # reducers this peer convicted in an audit (auditor.py)
+        self._kept: OrderedDict[bytes, ConsistentAllReduceRunner] = OrderedDict()
         self._aggregation = aggregation  # (robust.Aggregator, clip, weight cap): how this peer reduces
         self._max_share = max_reduce_share  # no member reduces more of the vector than this
         self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
@@ -89,7 +98,12 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
         return records.certificates_in(found)
 
     async def may_enter(self, peer: Any, door: str) -> bool:
-        """Whether `peer` may come through `door` (always, in open runs)."""
+        """Whether `peer` may come through `door`: not if it was convicted in an audit; otherwise
+        always in open runs, and if admitted in certified ones."""
+        if str(peer) in self.convicted:
+            if self._doors is not None:
+                self._doors.log_refusal(str(peer), door, "it failed an audit as a reducer")
+            return False
         if self._doors is None or await self._doors.admitted(str(peer)):
             return True
         self._doors.log_refusal(str(peer), door, "it holds no valid certificate for this run, or was revoked")
@@ -103,7 +117,10 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
     async def _set_revoked(self, revoked: frozenset[str]) -> None:
         assert self._doors is not None
         self._doors.set_revoked(revoked)
-        if type(self._matchmaking) is Matchmaking:  # created in this process; ask only admitted leaders
+        self._ask_only_admitted_leaders()
+
+    def _ask_only_admitted_leaders(self) -> None:
+        if type(self._matchmaking) is Matchmaking:  # created in this process
             self._matchmaking.__class__ = AdmittedMatchmaking
             self._matchmaking.may_lead = self.may_enter
 
@@ -111,7 +128,11 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """As a leader: a join request from a peer that is not admitted is refused before hivemind
-        sees it (its certificate comes with the request, checked against its transport id)."""
+        sees it (its certificate comes with the request, checked against its transport id). A peer
+        this one convicted in an audit is refused too."""
+        if str(context.remote_id) in self.convicted:
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
         if self._doors is not None:
             reason = self._doors.from_gathered(str(context.remote_id), request.gather, self.serializer)
             if reason is not None:
@@ -220,10 +241,26 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
             return None
         return metadata, tensors
 
+    def _ledger(self, group_info: GroupInfo, group_id: bytes, modes: list[AveragingMode]) -> Ledger:
+        """The all-reduce's ledger, with every member's identity key from the all-gather (checked
+        against its peer id): a member without one fails the group before a part is sent."""
+        keys = {}
+        for peer, data in zip(group_info.peer_ids, group_info.gathered):
+            key = identity.key_of(str(peer), _user_data(data, self.serializer).get("key"))
+            if key is None:
+                raise AllreduceException(f"group member {peer} showed no identity key of its own: nothing averaged")
+            keys[str(peer)] = key
+        peers = [str(p) for p in group_info.peer_ids]
+        senders = [p for p, m in zip(peers, modes) if m != AveragingMode.AUX]
+        return Ledger(group_id, peers, senders, self._signer, keys)
+
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         started = time.perf_counter()
         if self._doors is not None:
             self._doors.check_group(group_info, self.serializer)
+        convicted = [str(p) for p in group_info.peer_ids if str(p) in self.convicted]
+        if convicted:  # a leader that let a convicted reducer in: fail the group before a part is sent
+            raise AllreduceException(f"group members {convicted} failed an audit earlier: nothing averaged")
         gathered = await super()._aggregate_with_group(_fair(group_info, self.serializer), min_vector_size, **kwargs)
         stats = getattr(self, "_last_runner_stats", {})
         return {"gathered": gathered, "allreduce_s": time.perf_counter() - started, **stats}
@@ -237,6 +274,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
             links.cap_shares(kwargs["peer_fractions"], [m != AveragingMode.CLIENT for m in modes], self._max_share)
         )
         runner = ConsistentAllReduceRunner(
+            ledger=self._ledger(group_info, group_id, modes),
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -247,6 +285,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
             **kwargs,
         )
         self._running_groups[group_id].set_result(runner)
+        self._keep_for_audit(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             raise AllreduceException("auxiliary peers are not used by p2p-diloco")
         # Collect the whole result first: the shared buffers change only after every part arrived,
@@ -254,6 +293,9 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
         if self.residual is not None:
             runner.residuals[LOSSY_TENSOR] = torch.zeros_like(self.residual)
         results = [averaged async for averaged in runner]
+        await self._audit(runner)  # every other reducer's answer checked before anything is applied
+        if self.convicted:
+            self._ask_only_admitted_leaders()
         for tensor, averaged in zip(tensors, results):
             tensor.copy_(averaged)
         if self.residual is not None:
@@ -266,6 +308,15 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes):
         self.last_updated = time.time()
         self._state_updated.set()
         faults.reached(faults.FaultPoint.ALLREDUCE_DONE)
+
+
+def _user_data(data: bytes, serializer: Any) -> dict:
+    """What a member added to the all-gather (step.py: round, seen, key, cert), or {} if malformed."""
+    try:
+        user = serializer.loads(list(serializer.loads(data))[2])
+    except Exception:  # anything a peer could send
+        return {}
+    return user if isinstance(user, dict) else {}
 
 
 def _fair(group_info: GroupInfo, serializer: Any) -> GroupInfo:

@@ -20,7 +20,7 @@ from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
-from hivemind.utils.crypto import RSAPrivateKey
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from p2p_diloco.errors import SwarmError
 
@@ -83,3 +83,18 @@ def owner_peer_id(subkey: bytes) -> str | None:
     der = public.public_bytes(serialization.Encoding.DER, serialization.PublicFormat.SubjectPublicKeyInfo)
     encoded = crypto_pb2.PublicKey(key_type=crypto_pb2.RSA, data=der).SerializeToString()
     return PeerID(_SHA2_256 + hashlib.sha256(encoded).digest()).to_base58()
+
+
+def public_key_bytes(private: RSAPrivateKey) -> bytes:
+    """The public half of an identity key, as peers show it to their group (OpenSSH format)."""
+    return private.get_public_key().to_bytes()
+
+
+def key_of(peer: str, shown: object) -> RSAPublicKey | None:
+    """The public key `shown` (untrusted bytes) if it is `peer`'s identity key, else None."""
+    if not isinstance(shown, bytes) or len(shown) > 4096 or owner_peer_id(b"[owner:" + shown + b"]") != peer:
+        return None
+    try:
+        return RSAPublicKey.from_bytes(shown)
+    except (ValueError, TypeError):
+        return None

@@ -48,7 +48,7 @@ class AveragingStep:
         peer_id: str,
         residual: torch.Tensor | None,
         payload_bytes: int,
-        credentials: dict[str, str],
+        credentials: dict[str, Any],
     ):
         """`credentials`: what this peer shows the group in the all-gather (its certificate, if any)."""
         self.averager, self.sc, self.peer_id, self.residual = averager, sc, peer_id, residual

@@ -22,6 +22,7 @@ the averaging process dying under a peer that is waiting for its result.
 import hashlib
 import json
 import os
+import select
 import signal
 import sys
 from pathlib import Path
@@ -147,6 +148,9 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
             ),
             flush=True,
         )
+        # The others audit this member's span after their last average arrived (auditor.py): stay
+        # until the test closes stdin, once it has every member's result (at most a minute).
+        select.select([sys.stdin], [], [], 60)
     finally:
         swarm.close()
 

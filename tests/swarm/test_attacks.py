@@ -27,3 +27,25 @@ def test_a_sender_of_a_blown_up_delta_cannot_wreck_the_honest_peers(swarm):
     assert max(sizes) == 3, f"the attacker never took part, so the test shows nothing: {sizes}"
     start, end = a[0]["eval_loss"], a[4]["eval_loss"]
     assert math.isfinite(end) and end < start - 0.5, (start, end)
+
+
+@pytest.mark.timeout(240)
+def test_a_lying_reducer_is_convicted_in_the_audit_and_the_others_go_on_without_it(swarm):
+    # Undefended, a reducer answering 100 x its span's average took the honest held-out loss to
+    # 666 (bench/attacks.py). Here the first all-reduce it reduces fails its audit: the honest peers
+    # apply nothing of it, convict it, and redo the round (and every later one) without it.
+    honest = [swarm.peer("a"), swarm.peer("b")]
+    swarm.peer("m", script=[sys.executable, "-m", "tests.swarm.attacker_peer"], env={"ATTACK": "reducer-scale:100"})
+    wait_until(lambda: all(p.poll() is not None for p in honest), honest, 200, "honest peers finish")
+    assert [p.returncode for p in honest] == [0, 0], swarm.log("a")[-3000:]
+    a, b = swarm.records("a"), swarm.records("b")
+    assert max(a) == max(b) == 4
+    for r in a:
+        assert a[r]["digest"] == b[r]["digest"], r
+    convicted = [
+        line for line in swarm.log("a").splitlines() + swarm.log("b").splitlines() if "convicted reducer" in line
+    ]
+    assert convicted, "the attacker was never audited, so the test shows nothing"
+    assert all(a[r].get("group_size", 1) <= 2 for r in a if r > 0), "a convicted reducer was averaged with"
+    start, end = a[0]["eval_loss"], a[4]["eval_loss"]
+    assert math.isfinite(end) and end < start - 0.5, (start, end)

@@ -1,0 +1,95 @@
+"""Pure: reducer accountability, the checks behind the audit after every all-reduce (issue 14).
+
+A reducer answers every sender with one combination of the group's parts of its span
+(robust.aggregate). A lying reducer (its span's average × 100, or random values) would otherwise
+move every honest peer's θ at will, since all members apply the same bytes (I1). So:
+
+1. **Commitments.** Every part a sender sends carries the sender's signature over
+   `part_statement(group, reducer, part index, weight, bytes)`; every average a reducer answers
+   carries the reducer's signature over `output_statement(group, reducer, part index, bytes)`.
+   The keys are the peers' libp2p identity keys, bound to their peer ids (swarm/identity.py), so a
+   statement is evidence anyone can check, and nobody can sign for someone else.
+2. **The check's randomness comes after.** Once every average arrived, each member derives the
+   audit `seed` from the group id and the hashes of every average it received. No reducer knows,
+   when it answers, which of its parts will be checked; no reducer can change an answer after.
+3. **The audit.** For each other reducer, every member asks it for the signed parts of one part
+   index (`audited_part`), checks every signature, recomputes the combination and compares it with
+   the signed average it received (`disagreement`). Every honest member checks the same part with
+   the same data, so all reach the same verdict.
+
+A reducer whose answer is not the combination of the signed parts is convicted: the round's
+average is discarded (I2), and the members refuse it for the rest of the run. A sender cannot
+frame a reducer: the reducer shows the sender's own signature over what it sent. A reducer that
+does not answer the audit fails the round only (it may be slow, not lying).
+
+Recomputing on another machine may round differently (torch's reductions differ between CPU
+kernels), so the comparison allows `TOLERANCE` of the average's norm, after the codec: a liar can
+bias its span by at most that much per round, the size of the codec's own rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from p2p_diloco import codecs, robust
+
+TOLERANCE = 0.01  # of the recomputed average's norm (after the codec)
+_PART = b"p2p-diloco/part/v1"
+_OUTPUT = b"p2p-diloco/average/v1"
+
+
+def digest(payload: bytes) -> bytes:
+    return hashlib.sha256(payload).digest()
+
+
+def _framed(*fields: bytes) -> bytes:
+    """Fields with their lengths, so that no two field lists give the same bytes."""
+    return b"".join(struct.pack(">I", len(f)) + f for f in fields)
+
+
+def part_statement(group_id: bytes, reducer: str, part: int, weight: float, payload: bytes) -> bytes:
+    """What a sender signs for one part it sends: which group, to whom, which part, its weight, its bytes."""
+    return _framed(_PART, group_id, reducer.encode(), struct.pack(">Qd", part, weight), digest(payload))
+
+
+def output_statement(group_id: bytes, reducer: str, part: int, payload: bytes) -> bytes:
+    """What a reducer signs for one average it answers."""
+    return _framed(_OUTPUT, group_id, reducer.encode(), struct.pack(">Q", part), digest(payload))
+
+
+def seed(group_id: bytes, output_digests: Sequence[bytes]) -> bytes:
+    """The audit's randomness: fixed only once every average of the group is (in reducer, part order)."""
+    return digest(_framed(b"p2p-diloco/audit/v1", group_id, *output_digests))
+
+
+def audited_part(audit_seed: bytes, reducer: str, num_parts: int) -> int:
+    """Which of `reducer`'s parts every member checks (num_parts > 0)."""
+    value = int.from_bytes(digest(audit_seed + reducer.encode())[:8], "big")
+    return value % num_parts
+
+
+def disagreement(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    aggregation: tuple[robust.Aggregator, float, float],
+    codec: codecs.Codec,
+    answered: torch.Tensor,
+) -> str | None:
+    """Why `answered` (the decoded average a reducer signed) is not the combination of `parts`
+    (decoded, with their signed weights) under `aggregation`, or None if it is, within TOLERANCE."""
+    how, clip, cap = aggregation
+    expected = robust.aggregate(parts, weights, how, clip, cap)
+    expected = codec.roundtrip(expected.reshape(-1)).view_as(expected)
+    if answered.shape != expected.shape:
+        return f"an average of shape {tuple(answered.shape)} for parts of shape {tuple(expected.shape)}"
+    if not bool(torch.isfinite(answered).all()):
+        return "a non-finite average"
+    error = float((answered.double() - expected.double()).norm())
+    scale = float(expected.double().norm())
+    if error > TOLERANCE * scale + 1e-12:
+        return f"an average off by {error:.4g} (norm of the true one: {scale:.4g})"
+    return None

@@ -1,0 +1,133 @@
+"""The audit after every all-reduce (audit.py): a mixin of the averager, run in the averager process.
+
+Once a member holds every average of its group, and before it applies any, it asks each other
+reducer for the signed parts of one part of its span (`audit.audited_part`), checks the senders'
+signatures, recomputes the combination and compares it with the signed average it received.
+
+- A reducer whose average does not match, or that shows a part its sender did not sign, is
+  **convicted**: the all-reduce fails (nothing applied, I2), and this member refuses the reducer
+  at every door for the rest of the run (`convicted`). The retry of the round forms without it.
+- A reducer that does not answer within AUDIT_TIMEOUT_S fails the round only: it may be slow.
+
+A reducer serves the parts of its KEEP_GROUPS latest groups, to members of that group only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import OrderedDict
+from collections.abc import Callable
+from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.p2p import P2PContext
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_logger
+
+from p2p_diloco import audit, codecs
+from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner, check_part
+
+logger = get_logger(__name__)
+
+KEEP_GROUPS = 2  # groups whose signed parts a reducer keeps for auditors
+AUDIT_TIMEOUT_S = 30.0  # at most, for one reducer's answer (bounded by the all-reduce's own deadline)
+
+
+class ReducerConvicted(AllreduceException):
+    """A reducer answered an average that is not the combination of the signed parts."""
+
+
+class Audits:
+    """Serving and running audits; mixed into DiLoCoAverager (which supplies `_p2p`, `get_stub`,
+    `prefix` and `_allreduce_timeout`)."""
+
+    _p2p: Any
+    prefix: str
+    get_stub: Callable[..., Any]  # hivemind's ServicerBase
+    convicted: set[str]
+    _kept: OrderedDict[bytes, ConsistentAllReduceRunner]
+
+    def _keep_for_audit(self, runner: ConsistentAllReduceRunner) -> None:
+        self._kept[runner.group_id] = runner
+        while len(self._kept) > KEEP_GROUPS:
+            self._kept.popitem(last=False)
+
+    async def rpc_audit(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """As a reducer: every sender's signed part of one part of this member's span, in sender
+        order. The request names the group and, in `weight`, the part index."""
+        runner = self._kept.get(request.group_id)
+        if runner is None or context.remote_id not in runner.ordered_peer_ids:
+            return
+        part = request.weight
+        signed = runner.ledger.parts.get(int(part)) if part == int(part) else None
+        if signed is None or len(signed) != len(runner.sender_peer_ids):
+            return
+        for sender in range(len(runner.sender_peer_ids)):
+            shown = signed[sender]
+            yield averaging_pb2.AveragingData(
+                code=averaging_pb2.PART_FOR_AVERAGING,
+                tensor_part=shown.encoded,
+                weight=shown.weight,
+                peer_id=shown.signature,
+            )
+
+    async def _audit(self, runner: ConsistentAllReduceRunner) -> None:
+        """Audit every other reducer of the group; raise if any failed (before anything is applied)."""
+        seed = runner.ledger.seed()
+        me = runner.ordered_peer_ids.index(runner.peer_id)
+        reducers = [j for j, n in enumerate(runner.tensor_part_container.num_parts_by_peer) if n > 0 and j != me]
+        verdicts = await asyncio.gather(*(self._audit_one(runner, j, seed) for j in reducers))
+        convictions = [(j, v[1]) for j, v in zip(reducers, verdicts) if v is not None and v[0]]
+        for j, reason in convictions:
+            peer = str(runner.ordered_peer_ids[j])
+            self.convicted.add(peer)
+            logger.warning("convicted reducer %s in the audit: %s; it is refused for the rest of the run", peer, reason)
+        if convictions:
+            j, reason = convictions[0]
+            raise ReducerConvicted(f"reducer {runner.ordered_peer_ids[j]} failed the audit: {reason}; nothing applied")
+        unanswered = [(j, v[1]) for j, v in zip(reducers, verdicts) if v is not None]
+        if unanswered:
+            j, reason = unanswered[0]
+            raise AllreduceException(f"reducer {runner.ordered_peer_ids[j]}: {reason}; nothing applied")
+
+    async def _audit_one(self, runner: ConsistentAllReduceRunner, j: int, seed: bytes) -> tuple[bool, str] | None:
+        """None if reducer `j` passes; (True, why) if it is convicted; (False, why) if it did not answer."""
+        peer = runner.ordered_peer_ids[j]
+        part = audit.audited_part(seed, str(peer), runner.tensor_part_container.num_parts_by_peer[j])
+        try:
+            shown = await asyncio.wait_for(self._ask(peer, runner.group_id, part), AUDIT_TIMEOUT_S)
+        except Exception as e:  # a dead, slow or garbled reducer: the round fails, nobody is convicted
+            return False, f"no answer to the audit of part {part} ({type(e).__name__})"
+        return self._judge(runner, j, part, shown)
+
+    async def _ask(self, peer: Any, group_id: bytes, part: int) -> list[averaging_pb2.AveragingData]:
+        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
+        stream = await stub.rpc_audit(averaging_pb2.AveragingData(group_id=group_id, weight=float(part)))
+        return [message async for message in stream]
+
+    def _judge(
+        self, runner: ConsistentAllReduceRunner, j: int, part: int, shown: list[averaging_pb2.AveragingData]
+    ) -> tuple[bool, str] | None:
+        ledger = runner.ledger
+        if len(shown) != len(runner.sender_peer_ids):
+            return True, f"showed {len(shown)} parts of part {part} for {len(runner.sender_peer_ids)} senders"
+        answer = ledger.averages[(j, part)].encoded
+        answered = runner.codec.extract(answer)  # its shape was checked against ours when it arrived
+        parts: list[torch.Tensor] = []
+        for sender, message in enumerate(shown):
+            statement = audit.part_statement(
+                ledger.group_id, ledger.peers[j], part, message.weight, message.tensor_part.buffer
+            )
+            if not ledger.keys[ledger.senders[sender]].verify(statement, message.peer_id):
+                return True, f"showed a part {part} that sender {ledger.senders[sender]} did not sign"
+            try:
+                parts.append(runner.codec.extract(message.tensor_part))
+                check_part(parts[-1], answered, ledger.senders[sender])
+            except AllreduceException as e:  # signed garbage: the reducer should have refused it
+                return True, f"combined a malformed part {part} ({e})"
+        weights = [m.weight for m in shown]
+        reason = audit.disagreement(parts, weights, runner.aggregation, codecs.get(answer.dtype), answered)
+        return None if reason is None else (True, f"part {part}: {reason}")

@@ -1,0 +1,84 @@
+"""The signed record of one all-reduce, kept for the audit that follows it (audit.py).
+
+As a sender, a member signs every part it sends; as a reducer, it checks each sender's signature,
+keeps every signed part of its span (about one encoded model copy over the group, while the
+all-reduce is audited) and signs every average it answers; as a receiver of an average, it checks
+the reducer's signature and keeps the signed bytes. A part or an average whose signature does not
+verify fails the all-reduce at once: nothing unsigned is ever combined or applied.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.proto import runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
+
+from p2p_diloco import audit
+
+
+@dataclass(frozen=True)
+class SignedPart:
+    """One sender's part of a reducer's span, as the reducer received it."""
+
+    sender: int  # index among the group's senders
+    weight: float
+    encoded: runtime_pb2.Tensor
+    signature: bytes
+
+
+@dataclass(frozen=True)
+class SignedAverage:
+    """One average of a reducer's span, as this member received it (or made it, for its own span)."""
+
+    encoded: runtime_pb2.Tensor
+    signature: bytes
+
+
+class Ledger:
+    """Signatures made and checked in one all-reduce, and what they cover."""
+
+    def __init__(
+        self,
+        group_id: bytes,
+        peers: list[str],
+        senders: list[str],
+        signer: RSAPrivateKey,
+        keys: dict[str, RSAPublicKey],
+    ):
+        """`peers`: the group in reducer order; `senders`: those that send parts; `keys`: every
+        member's identity key, checked against its peer id (identity.key_of)."""
+        self.group_id, self.peers, self.senders = group_id, peers, senders
+        self._signer, self.keys = signer, keys
+        self.parts: dict[int, dict[int, SignedPart]] = {}  # part of this member's span -> sender -> its part
+        self.averages: dict[tuple[int, int], SignedAverage] = {}  # (reducer index, part) -> its average
+
+    def sign_part(self, reducer: int, part: int, weight: float, encoded: runtime_pb2.Tensor) -> bytes:
+        statement = audit.part_statement(self.group_id, self.peers[reducer], part, weight, encoded.buffer)
+        return self._signer.sign(statement)
+
+    def accept_part(
+        self, reducer: int, sender: int, part: int, weight: float, encoded: runtime_pb2.Tensor, signature: bytes
+    ) -> None:
+        """Keep a sender's part of this member's span, once its signature verifies."""
+        statement = audit.part_statement(self.group_id, self.peers[reducer], part, weight, encoded.buffer)
+        if not self.keys[self.senders[sender]].verify(statement, signature):
+            raise AllreduceException(f"sender {self.senders[sender]} sent part {part} without a valid signature")
+        self.parts.setdefault(part, {})[sender] = SignedPart(sender, weight, encoded, signature)
+
+    def sign_average(self, reducer: int, part: int, encoded: runtime_pb2.Tensor) -> bytes:
+        signature = self._signer.sign(audit.output_statement(self.group_id, self.peers[reducer], part, encoded.buffer))
+        self.averages[(reducer, part)] = SignedAverage(encoded, signature)
+        return signature
+
+    def accept_average(self, reducer: int, part: int, encoded: runtime_pb2.Tensor, signature: bytes) -> None:
+        """Keep a reducer's average, once its signature verifies."""
+        statement = audit.output_statement(self.group_id, self.peers[reducer], part, encoded.buffer)
+        if not self.keys[self.peers[reducer]].verify(statement, signature):
+            raise AllreduceException(f"reducer {self.peers[reducer]} answered part {part} without a valid signature")
+        self.averages[(reducer, part)] = SignedAverage(encoded, signature)
+
+    def seed(self) -> bytes:
+        """The audit's randomness, from every average this member holds (reducer, then part order)."""
+        return audit.seed(self.group_id, [audit.digest(self.averages[k].encoded.buffer) for k in sorted(self.averages)])

@@ -1,0 +1,99 @@
+"""Reducer accountability (audit.py, swarm/ledger.py): the pure checks, with values by hand, and
+the signatures with real identity keys."""
+
+import pytest
+import torch
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.proto import runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+from p2p_diloco import audit, codecs
+from p2p_diloco.swarm import identity
+from p2p_diloco.swarm.ledger import Ledger
+
+FP32 = codecs.get("fp32")
+MEAN = ("mean", 1.0, 2.0)
+CLIP = ("clip", 1.0, 2.0)
+
+
+def test_an_honest_average_passes_and_a_scaled_or_random_one_is_caught():
+    parts = [torch.tensor([1.0, 1.0]), torch.tensor([3.0, 3.0])]
+    # mean of [1, 1] and [3, 3] with weights 1, 1: [2, 2], norm 2.83; 1 % of it is 0.028.
+    assert audit.disagreement(parts, [1.0, 1.0], MEAN, FP32, torch.tensor([2.0, 2.0])) is None
+    assert audit.disagreement(parts, [1.0, 1.0], MEAN, FP32, torch.tensor([2.01, 2.0])) is None  # off by 0.01
+    assert "off by 0.1" in audit.disagreement(parts, [1.0, 1.0], MEAN, FP32, torch.tensor([2.1, 2.0]))
+    assert "off by" in audit.disagreement(parts, [1.0, 1.0], MEAN, FP32, torch.tensor([200.0, 200.0]))
+    assert "non-finite" in audit.disagreement(parts, [1.0, 1.0], MEAN, FP32, torch.tensor([float("nan"), 2.0]))
+    assert "shape" in audit.disagreement(parts, [1.0, 1.0], MEAN, FP32, torch.tensor([2.0, 2.0, 2.0]))
+
+
+def test_the_check_recomputes_the_runs_aggregator_not_the_mean():
+    # clip: norms 1.41 and 4.24, the lower median 1.41; [3, 3] is scaled to [1, 1]: the answer is [1, 1].
+    parts = [torch.tensor([1.0, 1.0]), torch.tensor([3.0, 3.0])]
+    assert audit.disagreement(parts, [1.0, 1.0], CLIP, FP32, torch.tensor([1.0, 1.0])) is None
+    assert audit.disagreement(parts, [1.0, 1.0], CLIP, FP32, torch.tensor([2.0, 2.0])) is not None
+
+
+def test_the_audited_part_depends_on_every_average_and_stays_in_range():
+    outputs = [audit.digest(bytes([i])) for i in range(5)]
+    seed = audit.seed(b"group", outputs)
+    assert seed == audit.seed(b"group", list(outputs))
+    assert seed != audit.seed(b"group", outputs[:4] + [audit.digest(b"changed")])
+    assert seed != audit.seed(b"other group", outputs)
+    picks = {audit.audited_part(audit.seed(b"g", [bytes([i])]), "reducer", 7) for i in range(200)}
+    assert picks == set(range(7))  # every part can be picked, none outside
+
+
+def test_statements_bind_every_field():
+    base = audit.part_statement(b"g", "r", 0, 1.0, b"bytes")
+    assert base != audit.part_statement(b"g", "r", 0, 2.0, b"bytes")  # the weight
+    assert base != audit.part_statement(b"g", "r", 1, 1.0, b"bytes")  # the part
+    assert base != audit.part_statement(b"g", "s", 0, 1.0, b"bytes")  # the reducer
+    assert base != audit.part_statement(b"h", "r", 0, 1.0, b"bytes")  # the group
+    assert base != audit.part_statement(b"g", "r", 0, 1.0, b"other")  # the bytes
+    assert base != audit.output_statement(b"g", "r", 0, b"bytes")  # a part is not an average
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    """Two peers' real identity keys, with their peer ids."""
+    out = []
+    for name in ("x", "y"):
+        path = tmp_path_factory.mktemp(name) / "identity.key"
+        key = identity.load_identity(path)
+        out.append((identity.peer_id_of(path), key))
+    return out
+
+
+def test_a_shown_key_counts_only_for_its_own_peer_id(keys):
+    (x, kx), (y, _) = keys
+    shown = identity.public_key_bytes(kx)
+    assert identity.key_of(x, shown) is not None
+    assert identity.key_of(y, shown) is None  # x's key shown as y's
+    assert identity.key_of(x, b"garbage") is None and identity.key_of(x, None) is None
+
+
+def test_the_ledger_keeps_only_parts_and_averages_their_signers_signed(keys):
+    (x, kx), (y, ky) = keys
+    public = {
+        x: identity.key_of(x, identity.public_key_bytes(kx)),
+        y: identity.key_of(y, identity.public_key_bytes(ky)),
+    }
+    at_x = Ledger(b"group", [x, y], [x, y], kx, public)
+    at_y = Ledger(b"group", [x, y], [x, y], ky, public)
+    part = runtime_pb2.Tensor(buffer=b"\x00" * 8, size=[2], dtype="fp32")
+    signed = at_y.sign_part(0, 0, 1.0, part)  # y sends x (reducer 0) its part 0
+    at_x.accept_part(0, 1, 0, 1.0, part, signed)
+    assert at_x.parts[0][1].signature == signed
+    with pytest.raises(AllreduceException, match="valid signature"):  # the weight was changed on the way
+        at_x.accept_part(0, 1, 0, 5.0, part, signed)
+    with pytest.raises(AllreduceException, match="valid signature"):  # x cannot sign for y
+        at_x.accept_part(0, 1, 0, 1.0, part, at_x.sign_part(0, 0, 1.0, part))
+    average = runtime_pb2.Tensor(buffer=b"\x01" * 8, size=[2], dtype="fp32")
+    at_y.accept_average(0, 0, average, at_x.sign_average(0, 0, average))
+    with pytest.raises(AllreduceException, match="valid signature"):
+        at_y.accept_average(
+            0, 0, runtime_pb2.Tensor(buffer=b"\x02" * 8, size=[2], dtype="fp32"), at_x.sign_average(0, 0, average)
+        )
+    assert at_x.seed() == at_y.seed()  # both hold the same average: the same audit
+    assert isinstance(kx, RSAPrivateKey)
