@@ -63,9 +63,26 @@ def run(folder: Path, keys: dict[str, Path], settings: dict[str, str], attack: s
         "final_eval_loss": statistics.mean(losses) if len(losses) == len(HONEST) else None,
         "nan": len(losses) != len(finals),
         "group_sizes": [recs["a"][n].get("group_size", 1) for n in rounds if n > 0],
+        # From this round on the honest peers averaged without the attacker (a conviction), if ever.
+        "excluded_from_round": _excluded_from(recs["a"], rounds),
+        "allreduce_s_median": _median_allreduce(recs["a"], rounds),
         "eval_loss": [recs["a"][n].get("eval_loss") for n in rounds],
         "wall_s": round(time.monotonic() - started, 1),
     }
+
+
+def _excluded_from(recs: dict[int, dict], rounds: list[int]) -> int | None:
+    """The first round from which every recorded group was smaller than the four peers."""
+    later = [n for n in rounds if n > 0]
+    for i, n in enumerate(later):
+        if all(recs[m].get("group_size", 1) < 1 + len(HONEST) for m in later[i:]):
+            return n
+    return None
+
+
+def _median_allreduce(recs: dict[int, dict], rounds: list[int]) -> float | None:
+    times = [recs[n]["allreduce_s"] for n in rounds if recs[n].get("group_size", 1) > 1 and "allreduce_s" in recs[n]]
+    return round(statistics.median(times), 3) if times else None
 
 
 def main() -> None:

@@ -26,7 +26,7 @@ import torch
 
 from p2p_diloco import agreement, codecs
 from p2p_diloco.config import Config, diff_shared
-from p2p_diloco.errors import RunConfigMismatch, StateDownloadError, SwarmError
+from p2p_diloco.errors import AveragingError, RunConfigMismatch, StateDownloadError, SwarmError
 from p2p_diloco.network import AllReduced, RoundRecord, ServedState, StateCheck
 from p2p_diloco.rounds import SwarmProgress
 from p2p_diloco.swarm import records
@@ -247,7 +247,12 @@ class Swarm:
         """
         self.gate.check_self()
         self.averager.set_revoked(self.gate.revoked)
-        return self.step.run(delta, weight, round_, retry, expected_group, exact)
+        try:
+            return self.step.run(delta, weight, round_, retry, expected_group, exact)
+        except AveragingError as e:
+            if "failed the audit" in str(e):  # this peer convicted a reducer (swarm/auditor.py)
+                self.gate.convict(self.step.convicted())
+            raise
 
     def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
         """(metadata, [θ, momentum]) of round `round_` from one of `from_peers`, checked by `verify`

@@ -24,6 +24,7 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
+from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import audit, codecs
 from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner, check_part
@@ -43,10 +44,20 @@ class Audits:
     `prefix` and `_allreduce_timeout`)."""
 
     _p2p: Any
+    _outer_pipe: Any
     prefix: str
     get_stub: Callable[..., Any]  # hivemind's ServicerBase
     convicted: set[str]
     _kept: OrderedDict[bytes, ConsistentAllReduceRunner]
+
+    def convicted_peers(self, timeout: float) -> frozenset[str]:
+        """The reducers this averager convicted, asked from the host process."""
+        future = MPFuture()
+        self._outer_pipe.send(("_convicted_peers", [], dict(future=future)))
+        return future.result(timeout=timeout)
+
+    async def _convicted_peers(self, future: MPFuture) -> None:
+        future.set_result(frozenset(self.convicted))
 
     def _keep_for_audit(self, runner: ConsistentAllReduceRunner) -> None:
         self._kept[runner.group_id] = runner

@@ -51,6 +51,7 @@ class Gate:
         self._admitted_until: dict[str, float] = {}  # peer id -> when its certificate expires
         self._refused_until: dict[str, float] = {}  # peer id -> when to look it up again
         self._revocations: dict[str, str] = {}  # peer id -> the organiser's revocation (JSON)
+        self.convicted: set[str] = set()  # reducers this peer convicted in an audit (swarm/auditor.py)
         self._revocations_read = self._revocations_published = 0.0
         self._io: tuple[Any, Any, str, threading.Lock] | None = None
 
@@ -149,9 +150,17 @@ class Gate:
         """What the averager process needs to check a group's certificates: (run id, organiser key)."""
         return (self.run_id, admission.public_key_text(self.organiser)) if self.organiser is not None else None
 
+    def convict(self, peers: Iterable[str]) -> None:
+        """Reducers this peer convicted in an audit (swarm/auditor.py): their records count no more."""
+        new = set(peers) - self.convicted
+        for peer in sorted(new):
+            logger.warning("records of peer %s count no more: it failed an audit as a reducer", peer)
+        self.convicted |= new
+
     def admitted(self, peers: Iterable[str]) -> set[str]:
-        """Those of `peers` that hold a valid certificate (all of them in open mode)."""
-        peers = set(peers)
+        """Those of `peers` that hold a valid certificate (all of them in open mode), less those
+        this peer convicted in an audit."""
+        peers = set(peers) - self.convicted
         if not self.certified:
             return peers
         now = time.time()

@@ -178,6 +178,14 @@ class AveragingStep:
                     raise
                 self.check_averager()
 
+    def convicted(self) -> frozenset[str]:
+        """The reducers this peer's averager convicted in an audit (none if it does not answer in time)."""
+        try:
+            return self.averager.convicted_peers(timeout=STEP_MARGIN_S)
+        except FuturesTimeout:
+            self.check_averager()
+            return frozenset()
+
     def check_averager(self) -> None:
         """The averager runs in a child process; if it died, no round can be averaged again."""
         if not self.averager.is_alive():
