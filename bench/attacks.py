@@ -36,7 +36,9 @@ REDUCER_ATTACKS = ["reducer-scale:100", "reducer-random:1"]
 # (label, settings, runs): "clean..." is a run without an attack, anything else attacker_peer's ATTACK
 PLAN = [
     ("mean", {"swarm.aggregator": "mean"}, ["clean", "scale:1e4", "flip:10", "zero:1000"]),
-    ("clip", {"swarm.aggregator": "clip"}, ["clean", "clean (repeat)", *SENDER_ATTACKS, *REDUCER_ATTACKS]),
+    ("clip", {"swarm.aggregator": "clip"}, ["clean", "clean (repeat)", *SENDER_ATTACKS]),
+    # reducers audited (audit.py): the same clip runs, measured again with the audit in place
+    ("clip, audited reducers", {"swarm.aggregator": "clip"}, ["clean", *REDUCER_ATTACKS]),
     ("trimmed-mean", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10", "zero:1000", "weight:1000"]),
     ("centered-clip", {"swarm.aggregator": "centered-clip"}, ["clean", "flip:10", "zero:1000"]),
     # progress reports matter only where rounds end on the swarm's tokens
