@@ -74,6 +74,7 @@ class Swarm:
         self.gate.attach(self.dht, self.validator, self.prefix, self._dht_lock)
         self.heartbeat = Heartbeat(self.dht, self.validator, self.prefix, self.peer_id, self._dht_lock, self.gate)
         self.averager = self._start_averager(state_provider)
+        self.heartbeat.convictions.verify = self.averager.verify_accusation
         payload_bytes = codecs.get(sc.compression).encoded_size(numel) + 4 * exact_numel
         shown = {**self.gate.gather(), "key": public_key_bytes(self._signer)}  # in the group's all-gather
         self.step = AveragingStep(self.averager, sc, self.peer_id, self.residual, payload_bytes, shown)

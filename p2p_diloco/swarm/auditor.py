@@ -19,15 +19,15 @@ from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
-import torch
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
-from p2p_diloco import audit, codecs
-from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner, check_part
+from p2p_diloco import audit
+from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
+from p2p_diloco.swarm.evidence import Case, judge
 
 logger = get_logger(__name__)
 
@@ -48,6 +48,7 @@ class Audits:
     prefix: str
     get_stub: Callable[..., Any]  # hivemind's ServicerBase
     convicted: set[str]
+    _cases: dict[str, Case]
     _kept: OrderedDict[bytes, ConsistentAllReduceRunner]
 
     def convicted_peers(self, timeout: float) -> frozenset[str]:
@@ -122,23 +123,23 @@ class Audits:
     def _judge(
         self, runner: ConsistentAllReduceRunner, j: int, part: int, shown: list[averaging_pb2.AveragingData]
     ) -> tuple[bool, str] | None:
+        """The audit's verdict on reducer `j` (see `_audit_one`); a conviction's case is kept for
+        peers outside the group (evidence.py)."""
         ledger = runner.ledger
-        if len(shown) != len(runner.sender_peer_ids):
-            return True, f"showed {len(shown)} parts of part {part} for {len(runner.sender_peer_ids)} senders"
-        answer = ledger.averages[(j, part)].encoded
-        answered = runner.codec.extract(answer)  # its shape was checked against ours when it arrived
-        parts: list[torch.Tensor] = []
-        for sender, message in enumerate(shown):
-            statement = audit.part_statement(
-                ledger.group_id, ledger.peers[j], part, message.weight, message.tensor_part.buffer
-            )
-            if not ledger.keys[ledger.senders[sender]].verify(statement, message.peer_id):
-                return True, f"showed a part {part} that sender {ledger.senders[sender]} did not sign"
-            try:
-                parts.append(runner.codec.extract(message.tensor_part))
-                check_part(parts[-1], answered, ledger.senders[sender])
-            except AllreduceException as e:  # signed garbage: the reducer should have refused it
-                return True, f"combined a malformed part {part} ({e})"
-        weights = [m.weight for m in shown]
-        reason = audit.disagreement(parts, weights, runner.aggregation, codecs.get(answer.dtype), answered)
-        return None if reason is None else (True, f"part {part}: {reason}")
+        average = ledger.averages[(j, part)]
+        case = Case(
+            ledger.group_id,
+            ledger.peers,
+            ledger.senders,
+            ledger.keys,
+            j,
+            part,
+            shown,
+            average.encoded,
+            average.signature,
+        )
+        verdict = judge(case, runner.codec, runner.aggregation)
+        if verdict is None:
+            return None
+        self._cases[ledger.peers[j]] = case
+        return True, verdict[1]

@@ -31,11 +31,12 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco import faults, links
+from p2p_diloco import faults, links, robust
 from p2p_diloco.swarm import identity, records
 from p2p_diloco.swarm.allreduce import LOSSY_TENSOR, ConsistentAllReduceRunner
 from p2p_diloco.swarm.auditor import Audits
 from p2p_diloco.swarm.doors import Doors
+from p2p_diloco.swarm.evidence import Case, Evidence
 from p2p_diloco.swarm.ledger import Ledger
 from p2p_diloco.swarm.probes import LinkProbes
 
@@ -56,7 +57,7 @@ class AdmittedMatchmaking(Matchmaking):
         return await super()._request_join_group(leader)
 
 
-class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits):
+class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
     """DecentralizedAverager with the consistent runner, copying results into the averaged buffers.
 
     It also serves this peer's (round, θ, momentum) to joiners through `get_current_state`,
@@ -70,7 +71,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits):
         signer: RSAPrivateKey,
         residual: torch.Tensor | None = None,
         admission: tuple[str, str] | None = None,
-        aggregation: tuple[str, float, float] = ("mean", 1.0, 2.0),
+        aggregation: tuple[robust.Aggregator, float, float] = ("mean", 1.0, 2.0),
         max_reduce_share: float = 1.0,
         **kwargs: Any,
     ):
@@ -83,6 +84,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits):
         self._signer = signer
         self.convicted: set[str] = set()  # reducers this peer convicted in an audit (auditor.py)
         self._kept: OrderedDict[bytes, ConsistentAllReduceRunner] = OrderedDict()
+        self._cases: dict[str, Case] = {}  # convicted reducer -> the case (evidence.py)
         self._aggregation = aggregation  # (robust.Aggregator, clip, weight cap): how this peer reduces
         self._max_share = max_reduce_share  # no member reduces more of the vector than this
         self._doors = Doors(*admission, self._published_certificates) if admission is not None else None

@@ -17,6 +17,7 @@ from typing import Any
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress, SwarmProgress, swarm_progress
 from p2p_diloco.swarm import records
+from p2p_diloco.swarm.convictions import Convictions
 from p2p_diloco.swarm.gate import Gate
 
 logger = logging.getLogger(__name__)
@@ -30,7 +31,8 @@ class Heartbeat:
 
     def __init__(self, dht: Any, validator: Any, prefix: str, peer_id: str, dht_lock: threading.Lock, gate: Gate):
         self.dht, self.validator, self.prefix, self.peer_id = dht, validator, prefix, peer_id
-        self.gate = gate  # only admitted peers' records count (certified runs)
+        self.gate = gate  # only admitted peers' records count (certified runs), and not the convicted
+        self.convictions = Convictions(gate, peer_id)
         self._dht_lock = dht_lock  # hivemind's DHT handle is one pipe: this thread and the peer's take turns
         self._last_record: RoundRecord | None = None
         self._last_refresh = 0.0
@@ -70,6 +72,7 @@ class Heartbeat:
         if refresh:
             self.gate.publish()
         self.gate.refresh_revocations()
+        self.convictions.refresh(self.dht, self.validator, self.prefix, self._dht_lock)
         admitted = self.gate.admitted({r.peer for r in reports} | set(rounds_seen))
         self._reports = [r for r in reports if r.peer in admitted]
         self._rounds_seen = {p: r for p, r in rounds_seen.items() if p in admitted}

@@ -238,3 +238,22 @@ def read_revocations(dht: Any, prefix: str) -> list[str]:
         if isinstance(value, list):
             texts.update(t for t in value[:MAX_REVOCATIONS] if isinstance(t, str) and len(t) <= 4096)
     return sorted(texts)
+
+
+MAX_CONVICTIONS = 256  # per publisher
+
+
+def publish_convictions(dht: Any, validator: Any, prefix: str, peers: list[str]) -> None:
+    """The reducers this peer convicted, under its own subkey: an accusation others check against
+    the case this peer serves (swarm/evidence.py)."""
+    _store(dht, validator, f"{prefix}_convicted", sorted(peers)[:MAX_CONVICTIONS])
+
+
+def read_convictions(dht: Any, prefix: str) -> dict[str, list[str]]:
+    """{accuser (the id of the key that signed its list): the peers it says it convicted}."""
+    out: dict[str, list[str]] = {}
+    for subkey, value in _read(dht, f"{prefix}_convicted"):
+        accuser = owner_peer_id(subkey)
+        if accuser is not None and isinstance(value, list):
+            out[accuser] = [p for p in value[:MAX_CONVICTIONS] if isinstance(p, str) and len(p) <= 128]
+    return out

@@ -1,0 +1,167 @@
+"""What a conviction rests on, and how it reaches peers outside the group (docs/design.md §6).
+
+A `Case` is one reducer's part as the audit saw it: every sender's signed part and the reducer's
+signed average, with the group's ids and identity keys. Everything in it is signed, so anyone
+can judge it again (`judge`) and nobody can make one against an honest reducer.
+
+A member that convicts a reducer keeps the case and publishes the reducer's id in the DHT, under
+its own key (records.publish_convictions). Another peer that reads the accusation asks the
+accuser for the case (`rpc_evidence`), judges it, and convicts the reducer too only if the case
+holds: an accusation without a valid case convicts nobody.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
+
+import torch
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.p2p import P2PContext, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils import get_logger
+from hivemind.utils.crypto import RSAPublicKey
+from hivemind.utils.mpfuture import MPFuture
+
+from p2p_diloco import audit, codecs, robust
+from p2p_diloco.swarm import identity
+from p2p_diloco.swarm.allreduce import WireCodec, check_part
+
+logger = get_logger(__name__)
+
+EVIDENCE_TIMEOUT_S = 30.0
+MAX_GROUP = 256  # members a case may name
+
+
+@dataclass(frozen=True)
+class Case:
+    """One reducer's part as the audit saw it; every piece signed by its author."""
+
+    group_id: bytes
+    peers: list[str]  # the group, in reducer order
+    senders: list[str]
+    keys: dict[str, RSAPublicKey]
+    reducer: int  # index in `peers`
+    part: int
+    shown: list[averaging_pb2.AveragingData]  # each sender's part: bytes, weight, signature
+    answer: runtime_pb2.Tensor  # the reducer's average of that part
+    answer_signature: bytes
+
+
+def judge(case: Case, codec: WireCodec, aggregation: tuple[robust.Aggregator, float, float]) -> tuple[bool, str] | None:
+    """None if the reducer's average is the combination of the signed parts; otherwise (forged,
+    why): `forged` when a part shown is not signed by its sender (the reducer's doing in an audit,
+    but proof of nothing in someone else's case), else the average is wrong."""
+    if len(case.shown) != len(case.senders):
+        return True, f"showed {len(case.shown)} parts of part {case.part} for {len(case.senders)} senders"
+    answered = codec.extract(case.answer)
+    parts: list[torch.Tensor] = []
+    for sender, message in enumerate(case.shown):
+        statement = audit.part_statement(
+            case.group_id, case.peers[case.reducer], case.part, message.weight, message.tensor_part.buffer
+        )
+        if not case.keys[case.senders[sender]].verify(statement, message.peer_id):
+            return True, f"showed a part {case.part} that sender {case.senders[sender]} did not sign"
+        try:
+            parts.append(codec.extract(message.tensor_part))
+            check_part(parts[-1], answered, case.senders[sender])
+        except AllreduceException as e:  # signed garbage: the reducer should have refused it
+            return False, f"combined a malformed part {case.part} ({e})"
+    weights = [m.weight for m in case.shown]
+    reason = audit.disagreement(parts, weights, aggregation, codecs.get(case.answer.dtype), answered)
+    return None if reason is None else (False, f"part {case.part}: {reason}")
+
+
+class Evidence:
+    """Serving the cases behind this averager's convictions, and judging others'; mixed into
+    DiLoCoAverager (which supplies `_p2p`, `get_stub`, `prefix`, `serializer`, `_outer_pipe`,
+    `allreduce_kwargs`, `_aggregation` and `convicted`)."""
+
+    _p2p: Any
+    _outer_pipe: Any
+    prefix: str
+    serializer: Any
+    allreduce_kwargs: dict
+    _aggregation: tuple[robust.Aggregator, float, float]
+    get_stub: Callable[..., Any]
+    convicted: set[str]
+    _cases: dict[str, Case]
+    _ask_only_admitted_leaders: Callable[[], None]
+
+    async def rpc_evidence(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """The case behind this peer's conviction of the reducer named in `peer_id`: a header
+        (group, part, ids, keys), every sender's signed part, then the signed average."""
+        case = self._cases.get(request.peer_id.decode(errors="replace"))
+        if case is None:
+            return
+        header = {"peers": case.peers, "senders": case.senders, "keys": {p: k.to_bytes() for p, k in case.keys.items()}}
+        yield averaging_pb2.AveragingData(
+            group_id=case.group_id, weight=float(case.part), peer_id=self.serializer.dumps(header)
+        )
+        for message in case.shown:
+            yield message
+        yield averaging_pb2.AveragingData(
+            code=averaging_pb2.AVERAGED_PART, tensor_part=case.answer, peer_id=case.answer_signature
+        )
+
+    def verify_accusation(self, accuser: str, accused: str) -> MPFuture:
+        """Ask `accuser` for its case against `accused` and judge it, in the averager process; the
+        future's result is whether `accused` is now convicted here."""
+        future = MPFuture()
+        self._outer_pipe.send(("_verify_accusation", [], dict(accuser=accuser, accused=accused, future=future)))
+        return future
+
+    async def _verify_accusation(self, accuser: str, accused: str, future: MPFuture) -> None:
+        try:
+            stub = self.get_stub(self._p2p, PeerID.from_base58(accuser), namespace=self.prefix)
+            stream = await stub.rpc_evidence(averaging_pb2.AveragingData(peer_id=accused.encode()))
+            messages = await asyncio.wait_for(_collect(stream, MAX_GROUP + 2), EVIDENCE_TIMEOUT_S)
+            case = self._case_from(accused, messages)
+            verdict = judge(case, self.allreduce_kwargs["compression"], self._aggregation) if case else None
+        except Exception as e:  # an accuser that does not answer, or answers garbage, convicts nobody
+            logger.info("no valid case from %s against %s: %s", accuser, accused, type(e).__name__)
+            verdict = None
+        if verdict is not None and not verdict[0]:
+            self.convicted.add(accused)
+            self._ask_only_admitted_leaders()
+            logger.warning("convicted reducer %s on the evidence of %s: %s", accused, accuser, verdict[1])
+        future.set_result(accused in self.convicted)
+
+    def _case_from(self, accused: str, messages: list[averaging_pb2.AveragingData]) -> Case | None:
+        """The case in an accuser's messages, if it is well-formed and the average is the accused's."""
+        if len(messages) < 3:
+            return None
+        header = self.serializer.loads(messages[0].peer_id)
+        peers, senders = [str(p) for p in header["peers"]], [str(p) for p in header["senders"]]
+        shown = {p: identity.key_of(p, header["keys"].get(p)) for p in set(peers) | set(senders)}
+        keys = {p: k for p, k in shown.items() if k is not None}
+        if accused not in peers or len(keys) != len(shown) or len(peers) > MAX_GROUP:
+            return None
+        part, answer = int(messages[0].weight), messages[-1]
+        statement = audit.output_statement(messages[0].group_id, accused, part, answer.tensor_part.buffer)
+        if not keys[accused].verify(statement, answer.peer_id):  # not the accused's average: no case
+            return None
+        return Case(
+            messages[0].group_id,
+            peers,
+            senders,
+            keys,
+            peers.index(accused),
+            part,
+            messages[1:-1],
+            answer.tensor_part,
+            answer.peer_id,
+        )
+
+
+async def _collect(stream: AsyncIterator[Any], limit: int) -> list[Any]:
+    out = []
+    async for message in stream:
+        out.append(message)
+        if len(out) > limit:
+            raise ValueError(f"more than {limit} messages")
+    return out

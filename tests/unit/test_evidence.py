@@ -1,0 +1,101 @@
+"""A conviction's case (swarm/evidence.py) judged again by anyone, with real identity keys, and
+the peer process's handling of accusations (swarm/convictions.py)."""
+
+from concurrent.futures import Future
+
+import pytest
+import torch
+from hivemind.proto import averaging_pb2
+
+from p2p_diloco import audit, codecs, config
+from p2p_diloco.swarm import identity
+from p2p_diloco.swarm.allreduce import WireCodec
+from p2p_diloco.swarm.convictions import MAX_PENDING, Convictions
+from p2p_diloco.swarm.evidence import Case, judge
+from p2p_diloco.swarm.gate import Gate
+from tests.conftest import TINY
+
+CLIP = ("clip", 1.0, 2.0)
+CODEC = WireCodec("fp32")
+
+
+@pytest.fixture(scope="module")
+def group(tmp_path_factory):
+    """Three members with real keys: ([peer ids], {id: private key}, {id: public key})."""
+    ids, private = [], {}
+    for name in ("x", "y", "z"):
+        path = tmp_path_factory.mktemp(name) / "identity.key"
+        ids.append(identity.peer_id_of(path))
+        private[ids[-1]] = identity.load_identity(path)
+    public = {p: identity.key_of(p, identity.public_key_bytes(k)) for p, k in private.items()}
+    return ids, private, public
+
+
+def case_of(group, values, average, forge_sender=None):
+    """Reducer x's part 0: each member's signed part (values), x's signed average."""
+    ids, private, public = group
+    shown = []
+    for peer, value in zip(ids, values):
+        encoded = CODEC.compress(torch.tensor(value), info=_Info())
+        signer = private[forge_sender or peer] if peer == ids[1] else private[peer]
+        signature = signer.sign(audit.part_statement(b"g", ids[0], 0, 1.0, encoded.buffer))
+        shown.append(averaging_pb2.AveragingData(tensor_part=encoded, weight=1.0, peer_id=signature))
+    answer = CODEC.compress(torch.tensor(average), info=_Info())
+    signature = private[ids[0]].sign(audit.output_statement(b"g", ids[0], 0, answer.buffer))
+    return Case(b"g", ids, ids, public, 0, 0, shown, answer, signature)
+
+
+class _Info:
+    key = 1  # an exact tensor: fp32 on the wire
+
+
+def test_an_honest_reducers_case_does_not_hold(group):
+    # clip: norms 1.41, 2.83, 4.24 x [1, 1]; the lower median 2.83 scales [3, 3] to [2, 2]: mean [5/3, 5/3].
+    values = [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]]
+    assert judge(case_of(group, values, [5 / 3, 5 / 3]), CODEC, CLIP) is None
+
+
+def test_a_wrong_average_convicts_its_reducer_for_anyone(group):
+    verdict = judge(case_of(group, [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]], [500 / 3, 500 / 3]), CODEC, CLIP)
+    assert verdict is not None and verdict[0] is False and "off by" in verdict[1]
+
+
+def test_a_part_its_sender_did_not_sign_proves_nothing_against_the_reducer(group):
+    ids = group[0]
+    # z signed y's part: in an audit that is the reducer's doing; in someone's case, a forgery.
+    verdict = judge(case_of(group, [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]], [9.0, 9.0], forge_sender=ids[2]), CODEC, CLIP)
+    assert verdict is not None and verdict[0] is True and "did not sign" in verdict[1]
+
+
+def _done(value):
+    future = Future()
+    future.set_result(value)
+    return future
+
+
+def test_each_accusation_is_judged_once_and_convicts_only_when_its_case_holds():
+    gate = Gate(config.load(None, TINY), "me")
+    convictions = Convictions(gate, "me")
+    asked = []
+
+    def verify(accuser, accused):
+        asked.append((accuser, accused))
+        return _done(accused == "liar")
+
+    convictions.verify = verify
+    accusations = {"a": ["liar", "honest", "me"], "b": ["liar"], "me": ["x"]}
+    convictions._check(accusations)
+    convictions._collect()
+    assert sorted(asked) == [("a", "honest"), ("a", "liar")]  # never about itself, nor its own list
+    assert gate.convicted == {"liar"} and gate.admitted({"liar", "honest"}) == {"honest"}
+    convictions._check(accusations)  # b's accusation of a peer already convicted, a's tried pairs: nothing new
+    assert len(asked) == 2
+
+
+def test_many_accusations_are_judged_a_few_at_a_time():
+    gate = Gate(config.load(None, TINY), "me")
+    convictions = Convictions(gate, "me")
+    convictions.verify = lambda accuser, accused: Future()  # never answers
+    convictions._check({f"accuser{i}": [f"peer{i}"] for i in range(20)})
+    assert len(convictions._pending) == MAX_PENDING
+    assert codecs.get("fp32")  # the case's codec travels by name
