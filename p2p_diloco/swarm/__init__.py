@@ -250,9 +250,10 @@ class Swarm:
         self.averager.set_revoked(self.gate.revoked)
         try:
             return self.step.run(delta, weight, round_, retry, expected_group, exact)
-        except AveragingError as e:
-            if "failed the audit" in str(e):  # this peer convicted a reducer (swarm/auditor.py)
-                self.gate.convict(self.step.convicted())
+        except AveragingError:
+            # This peer may have convicted a reducer (swarm/auditor.py), or met a bad signature:
+            # before anything else reads the swarm's records, theirs count no more.
+            self.gate.convict(self.step.convicted())
             raise
 
     def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:

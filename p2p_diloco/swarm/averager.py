@@ -294,10 +294,13 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         # so a failure leaves the caller's pseudo-gradient untouched (I2).
         if self.residual is not None:
             runner.residuals[LOSSY_TENSOR] = torch.zeros_like(self.residual)
-        results = [averaged async for averaged in runner]
-        await self._audit(runner)  # every other reducer's answer checked before anything is applied
-        if self.convicted:
-            self._ask_only_admitted_leaders()
+        try:
+            results = [averaged async for averaged in runner]
+            await self._audit(runner)  # every other reducer's answer checked before anything is applied
+        finally:
+            self.convicted |= runner.ledger.bad_signers
+            if self.convicted:
+                self._ask_only_admitted_leaders()
         for tensor, averaged in zip(tensors, results):
             tensor.copy_(averaged)
         if self.residual is not None:

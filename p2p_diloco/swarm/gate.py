@@ -151,10 +151,11 @@ class Gate:
         return (self.run_id, admission.public_key_text(self.organiser)) if self.organiser is not None else None
 
     def convict(self, peers: Iterable[str]) -> None:
-        """Reducers this peer convicted in an audit (swarm/auditor.py): their records count no more."""
+        """Peers this peer convicted (swarm/auditor.py, swarm/evidence.py) or caught signing what
+        they did not send (swarm/ledger.py): their records count no more."""
         new = set(peers) - self.convicted
         for peer in sorted(new):
-            logger.warning("records of peer %s count no more: it failed an audit as a reducer", peer)
+            logger.warning("records of peer %s count no more: it lied in an all-reduce", peer)
         self.convicted |= new
 
     def admitted(self, peers: Iterable[str]) -> set[str]:

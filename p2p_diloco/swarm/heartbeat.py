@@ -91,7 +91,8 @@ class Heartbeat:
 
     def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int) -> SwarmProgress:
         """The swarm's progress in `round_` as of the last beat; reads memory only."""
-        return swarm_progress(self.peer_id, round_, my_tokens, self._reports, time.time(), tokens_per_peer, STALE_S)
+        reports = [r for r in self._reports if r.peer not in self.gate.convicted]  # convicted since the last beat
+        return swarm_progress(self.peer_id, round_, my_tokens, reports, time.time(), tokens_per_peer, STALE_S)
 
     def stale_peers(self) -> set[str]:
         """Peers whose heartbeat stopped more than STALE_S ago: dead, hung, or asleep. Nobody waits
@@ -101,5 +102,5 @@ class Heartbeat:
 
     def swarm_round(self) -> int | None:
         """The latest round a peer that serves its state has published, as of the last beat."""
-        served = [r.round for r in self._rounds_seen.values() if r.serves]
+        served = [r.round for r in self._rounds_seen.values() if r.serves and r.peer not in self.gate.convicted]
         return max(served) if served else None

@@ -53,6 +53,10 @@ class Ledger:
         self._signer, self.keys = signer, keys
         self.parts: dict[int, dict[int, SignedPart]] = {}  # part of this member's span -> sender -> its part
         self.averages: dict[tuple[int, int], SignedAverage] = {}  # (reducer index, part) -> its average
+        # Members whose part or average came with a signature that does not verify: only a liar or
+        # a broken peer sends one (an honest one signs the very bytes it sends). Refused here from
+        # then on, without a case others could check.
+        self.bad_signers: set[str] = set()
 
     def sign_part(self, reducer: int, part: int, weight: float, encoded: runtime_pb2.Tensor) -> bytes:
         statement = audit.part_statement(self.group_id, self.peers[reducer], part, weight, encoded.buffer)
@@ -64,6 +68,7 @@ class Ledger:
         """Keep a sender's part of this member's span, once its signature verifies."""
         statement = audit.part_statement(self.group_id, self.peers[reducer], part, weight, encoded.buffer)
         if not self.keys[self.senders[sender]].verify(statement, signature):
+            self.bad_signers.add(self.senders[sender])
             raise AllreduceException(f"sender {self.senders[sender]} sent part {part} without a valid signature")
         self.parts.setdefault(part, {})[sender] = SignedPart(sender, weight, encoded, signature)
 
@@ -76,6 +81,7 @@ class Ledger:
         """Keep a reducer's average, once its signature verifies."""
         statement = audit.output_statement(self.group_id, self.peers[reducer], part, encoded.buffer)
         if not self.keys[self.peers[reducer]].verify(statement, signature):
+            self.bad_signers.add(self.peers[reducer])
             raise AllreduceException(f"reducer {self.peers[reducer]} answered part {part} without a valid signature")
         self.averages[(reducer, part)] = SignedAverage(encoded, signature)
 

@@ -35,6 +35,7 @@ HIVEMIND_ERRORS = (
     ConnectionError,
     asyncio.CancelledError,
 )
+CONVICTED_TIMEOUT_S = 5.0  # for the averager process to say whom it convicted
 STEP_MARGIN_S = 30.0  # the averager process's hand-over and wrap-up, beyond the step's own deadlines
 
 
@@ -179,11 +180,12 @@ class AveragingStep:
                 self.check_averager()
 
     def convicted(self) -> frozenset[str]:
-        """The reducers this peer's averager convicted in an audit (none if it does not answer in time)."""
+        """The peers this peer's averager convicted (none if it is gone or does not answer in time)."""
+        if not self.averager.is_alive():
+            return frozenset()
         try:
-            return self.averager.convicted_peers(timeout=STEP_MARGIN_S)
+            return self.averager.convicted_peers(timeout=CONVICTED_TIMEOUT_S)
         except FuturesTimeout:
-            self.check_averager()
             return frozenset()
 
     def check_averager(self) -> None:
