@@ -3,6 +3,7 @@ default) bounds what a blown-up pseudo-gradient does to the honest peers. The fu
 and aggregators is bench/attacks.py; forged records are tests/swarm/test_identity.py."""
 
 import math
+import re
 import sys
 
 import pytest
@@ -34,20 +35,27 @@ def test_a_lying_reducer_is_convicted_in_the_audit_and_the_others_go_on_without_
     # Undefended, a reducer answering 100 x its span's average took the honest held-out loss to
     # 666 (bench/attacks.py). Here the first all-reduce it reduces fails its audit: the honest peers
     # apply nothing of it, convict it, and redo the round (and every later one) without it.
-    honest = [swarm.peer("a"), swarm.peer("b")]
-    swarm.peer("m", script=[sys.executable, "-m", "tests.swarm.attacker_peer"], env={"ATTACK": "reducer-scale:100"})
+    # No link probes: equal spans, so the liar reduces a span in every group it is in (with probes
+    # the balancer may give it none for rounds, bench/attacks.py).
+    even = {"swarm.probe_links": "false"}
+    honest = [swarm.peer("a", even), swarm.peer("b", even)]
+    attack = {"ATTACK": "reducer-scale:100"}
+    swarm.peer("m", even, script=[sys.executable, "-m", "tests.swarm.attacker_peer"], env=attack)
     wait_until(lambda: all(p.poll() is not None for p in honest), honest, 200, "honest peers finish")
     assert [p.returncode for p in honest] == [0, 0], swarm.log("a")[-3000:]
     a, b = swarm.records("a"), swarm.records("b")
     assert max(a) == max(b) == 4
     for r in a:
         assert a[r]["digest"] == b[r]["digest"], r
-    convicted = [
-        line for line in swarm.log("a").splitlines() + swarm.log("b").splitlines() if "convicted reducer" in line
-    ]
-    assert convicted, "the attacker was never audited, so the test shows nothing"
-    # No honest peer applied an all-reduce the liar took part in: every group it reduced failed
-    # its audit. (The held-out loss is bench/attacks.py's measure. Here, in one CI run under load,
-    # b came late, caught up to the liar's own state before anyone could tell it of the conviction,
-    # and agreement then took a to it: convictions do not reach peers outside the group yet.)
-    assert all(a[r].get("group_size", 1) <= 2 and b[r].get("group_size", 1) <= 2 for r in a if r > 0)
+    # Both convicted it: in the audit of a group they were in, or on the case of a peer that was.
+    for name in ("a", "b"):
+        assert "convicted reducer" in swarm.log(name), f"{name} never convicted the liar"
+    # From the round of the first conviction on, nobody averaged with it. (The held-out loss is
+    # bench/attacks.py's measure: a peer can still catch up to the liar's own state in the seconds
+    # before it learns of the conviction; docs/design.md §6.)
+    failed = re.search(
+        r"round (\d+)\] round \d+ all-reduce failed: .* failed the audit", swarm.log("a") + swarm.log("b")
+    )
+    assert failed, "no all-reduce failed its audit"
+    after = [r for r in a if r > int(failed.group(1))]
+    assert after and all(rec.get("group_size", 1) <= 2 for recs in (a, b) for r, rec in recs.items() if r in after)
