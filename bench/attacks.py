@@ -39,6 +39,12 @@ PLAN = [
     ("clip", {"swarm.aggregator": "clip"}, ["clean", "clean (repeat)", *SENDER_ATTACKS]),
     # reducers audited (audit.py): the same clip runs, measured again with the audit in place
     ("clip, audited reducers", {"swarm.aggregator": "clip"}, ["clean", *REDUCER_ATTACKS]),
+    # a sender of signed NaN parts: convicted on its own signature (evidence.py)
+    ("clip, malformed parts", {"swarm.aggregator": "clip"}, ["clean", "garbage:0"]),
+    # two colluders among five (the label's "2 of 5"): a coordinated sign flip, and ALIE with
+    # z = 1 (Baruch et al. 2019 give z_max = 0.84 for n = 5, f = 2)
+    ("clip, 2 of 5", {"swarm.aggregator": "clip"}, ["clean", "flip:10", "alie:1"]),
+    ("mean, 2 of 5", {"swarm.aggregator": "mean"}, ["clean", "alie:1"]),
     ("trimmed-mean", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10", "zero:1000", "weight:1000"]),
     ("centered-clip", {"swarm.aggregator": "centered-clip"}, ["clean", "flip:10", "zero:1000"]),
     # progress reports matter only where rounds end on the swarm's tokens
@@ -46,12 +52,14 @@ PLAN = [
 ]
 
 
-def run(folder: Path, keys: dict[str, Path], settings: dict[str, str], attack: str | None) -> dict:
+def run(folder: Path, keys: dict[str, Path], settings: dict[str, str], attack: str | None, attackers=("m",)) -> dict:
+    """One run: the honest peers a, b, c and `attackers`, who lie with `attack` (None: honest)."""
     started = time.monotonic()
     with LocalSwarm(folder, {**CONFIG, **settings}) as lab:
         for name in HONEST:
             lab.start(name, {"swarm.identity_path": str(keys[name])})
-        lab.start("m", {"swarm.identity_path": str(keys["m"])}, attack=attack)
+        for name in attackers:
+            lab.start(name, {"swarm.identity_path": str(keys[name])}, attack=attack)
         lab.wait(lambda: all(not lab.running(p) for p in HONEST), 900, "honest peers finish")
         exits = {p: lab.procs[p].returncode for p in HONEST}
         recs = {p: lab.records(p) for p in HONEST}
@@ -66,18 +74,18 @@ def run(folder: Path, keys: dict[str, Path], settings: dict[str, str], attack: s
         "nan": len(losses) != len(finals),
         "group_sizes": [recs["a"][n].get("group_size", 1) for n in rounds if n > 0],
         # From this round on the honest peers averaged without the attacker (a conviction), if ever.
-        "excluded_from_round": _excluded_from(recs["a"], rounds),
+        "excluded_from_round": _excluded_from(recs["a"], rounds, len(HONEST) + len(attackers)),
         "allreduce_s_median": _median_allreduce(recs["a"], rounds),
         "eval_loss": [recs["a"][n].get("eval_loss") for n in rounds],
         "wall_s": round(time.monotonic() - started, 1),
     }
 
 
-def _excluded_from(recs: dict[int, dict], rounds: list[int]) -> int | None:
-    """The first round from which every recorded group was smaller than the four peers."""
+def _excluded_from(recs: dict[int, dict], rounds: list[int], everyone: int) -> int | None:
+    """The first round from which every recorded group was smaller than all the run's peers."""
     later = [n for n in rounds if n > 0]
     for i, n in enumerate(later):
-        if all(recs[m].get("group_size", 1) < 1 + len(HONEST) for m in later[i:]):
+        if all(recs[m].get("group_size", 1) < everyone for m in later[i:]):
             return n
     return None
 
@@ -99,7 +107,7 @@ def main() -> None:
     results.update({"machine": platform.processor() or platform.machine(), "rounds": ROUNDS})
     with tempfile.TemporaryDirectory() as tmp:
         # The same four identities in every run: the same data shards, so runs differ only by the attack.
-        keys = {name: Path(tmp) / "keys" / f"{name}.key" for name in (*HONEST, "m")}
+        keys = {name: Path(tmp) / "keys" / f"{name}.key" for name in (*HONEST, "m", "n")}
         for label, settings, names in PLAN:
             if args.only and label != args.only:
                 continue
@@ -107,7 +115,7 @@ def main() -> None:
             for name in names:
                 folder = Path(tmp) / f"{label}-{name}".replace(" ", "_").replace(":", "_").replace(",", "")
                 attack = None if name.startswith("clean") else name
-                runs[name] = run(folder, keys, settings, attack)
+                runs[name] = run(folder, keys, settings, attack, ("m", "n") if "2 of 5" in label else ("m",))
                 print(label, name, json.dumps(runs[name]), flush=True)
             clean = runs["clean"]["final_eval_loss"]
             for result in runs.values():

@@ -5,7 +5,7 @@ A reducer answers every sender with one combination of the group's parts of its 
 move every honest peer's θ at will, since all members apply the same bytes (I1). So:
 
 1. **Commitments.** Every part a sender sends carries the sender's signature over
-   `part_statement(group, reducer, part index, weight, bytes)`; every average a reducer answers
+   `part_statement(group, reducer, part index, weight, bytes, size, codec)`; every average a reducer answers
    carries the reducer's signature over `output_statement(group, reducer, part index, bytes)`.
    The keys are the peers' libp2p identity keys, bound to their peer ids (swarm/identity.py), so a
    statement is evidence anyone can check, and nobody can sign for someone else.
@@ -51,9 +51,15 @@ def _framed(*fields: bytes) -> bytes:
     return b"".join(struct.pack(">I", len(f)) + f for f in fields)
 
 
-def part_statement(group_id: bytes, reducer: str, part: int, weight: float, payload: bytes) -> bytes:
-    """What a sender signs for one part it sends: which group, to whom, which part, its weight, its bytes."""
-    return _framed(_PART, group_id, reducer.encode(), struct.pack(">Qd", part, weight), digest(payload))
+def part_statement(
+    group_id: bytes, reducer: str, part: int, weight: float, payload: bytes, numel: int = 0, codec: str = ""
+) -> bytes:
+    """What a sender signs for one part it sends: which group, to whom, which part, its weight, its
+    bytes, and how they decode (how many values, which codec), so nobody can make honest bytes
+    look malformed by telling another size or codec."""
+    return _framed(
+        _PART, group_id, reducer.encode(), struct.pack(">QdQ", part, weight, numel), codec.encode(), digest(payload)
+    )
 
 
 def output_statement(group_id: bytes, reducer: str, part: int, payload: bytes) -> bytes:

@@ -296,6 +296,27 @@ class ConsistentAllReduceRunner(AllReduceRunner):
             residual[start : start + part.numel()] = part.reshape(-1) - self.codec.extract(encoded).reshape(-1)
         return encoded, self.ledger.sign_part(peer_index, part_index, self.weight, encoded)
 
+    def _take_part(
+        self,
+        sender_index: int,
+        part_index: int,
+        decoded: torch.Tensor | AllreduceException,
+        msg: averaging_pb2.AveragingData,
+        like: torch.Tensor,
+    ) -> torch.Tensor:
+        """A sender's part of our span, checked (I4) once its signature verified. A malformed part
+        its sender signed is kept as a case against the sender (ledger.py), which anyone can judge."""
+        sender = str(self.sender_peer_ids[sender_index])
+        if not (msg.weight >= 0 and msg.weight < float("inf")):
+            raise AllreduceException(f"sender {sender_index} sent weight {msg.weight}")
+        self.ledger.accept_part(self._my_index, sender_index, part_index, msg.weight, msg.tensor_part, msg.peer_id)
+        if isinstance(decoded, AllreduceException) or not bool(torch.isfinite(decoded).all()):
+            self.ledger.garbage[sender] = (self._my_index, part_index, msg)
+            why = str(decoded) if isinstance(decoded, AllreduceException) else "non-finite values"
+            raise AllreduceException(f"{sender} signed and sent a malformed part ({why})")
+        check_part(decoded, like, sender)
+        return decoded
+
     async def _accumulate_parts_streaming(self, stream: AsyncIterator[averaging_pb2.AveragingData], sender_index: int):
         """As a reducer: add each sender's part to the sum, answer with the encoded average (not a delta).
 
@@ -330,19 +351,17 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         part_index = 0
         expected_parts = self.parts_for_local_averaging
         try:
-            async for part, msg in amap_in_executor(
-                lambda msg: (self.codec.extract(msg.tensor_part), msg),
+            async for decoded, msg in amap_in_executor(
+                lambda msg: (_try_extract(self.codec, msg.tensor_part), msg),
                 stream,
                 max_prefetch=self.tensor_part_container.prefetch,
             ):
                 faults.reached(faults.FaultPoint.ALLREDUCE_PART)
-                check_part(part, expected_parts[part_index], self.sender_peer_ids[sender_index])
-                weight = msg.weight
-                if not (weight >= 0 and weight < float("inf")):
-                    raise AllreduceException(f"sender {sender_index} sent weight {weight}")
-                self.ledger.accept_part(self._my_index, sender_index, part_index, weight, msg.tensor_part, msg.peer_id)
+                part = self._take_part(sender_index, part_index, decoded, msg, expected_parts[part_index])
                 self.bytes_received += len(msg.tensor_part.buffer)
-                averaged = await self.tensor_part_reducer.accumulate_part(sender_index, part_index, part, weight=weight)
+                averaged = await self.tensor_part_reducer.accumulate_part(
+                    sender_index, part_index, part, weight=msg.weight
+                )
                 if self.banned_senders:
                     # hivemind completes a part without a sender that dropped out; that average
                     # is partial. Sending it would let this sender apply it while the others fail.
@@ -361,6 +380,13 @@ class ConsistentAllReduceRunner(AllReduceRunner):
             if part_index != self.tensor_part_reducer.num_parts:
                 await self._ban_sender(self.sender_peer_ids[sender_index])
             answers.put_nowait(done)
+
+
+def _try_extract(codec: WireCodec, message: runtime_pb2.Tensor) -> torch.Tensor | AllreduceException:
+    try:
+        return codec.extract(message)
+    except AllreduceException as e:
+        return e
 
 
 async def _end_after(messages: AsyncIterator[Any], event: asyncio.Event) -> AsyncIterator[Any]:

@@ -27,7 +27,8 @@ from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import audit
 from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
-from p2p_diloco.swarm.evidence import Case, judge
+from p2p_diloco.swarm.evidence import Case, judge, sender_case
+from p2p_diloco.swarm.ledger import Ledger
 
 logger = get_logger(__name__)
 
@@ -49,6 +50,7 @@ class Audits:
     get_stub: Callable[..., Any]  # hivemind's ServicerBase
     convicted: set[str]
     _cases: dict[str, Case]
+    _ask_only_admitted_leaders: Callable[[], None]
     _kept: OrderedDict[bytes, ConsistentAllReduceRunner]
 
     def convicted_peers(self, timeout: float) -> frozenset[str]:
@@ -59,6 +61,20 @@ class Audits:
 
     async def _convicted_peers(self, future: MPFuture) -> None:
         future.set_result(frozenset(self.convicted))
+
+    def _settle(self, ledger: Ledger) -> None:
+        """After an all-reduce, whatever its end: refuse whoever signed what it did not send, and
+        convict, with a case, whoever signed a malformed part (evidence.sender_case)."""
+        self.convicted |= ledger.bad_signers
+        for sender in ledger.garbage:
+            if sender not in self.convicted:
+                logger.warning(
+                    "convicted sender %s: it signed a malformed part; it is refused for the rest of the run", sender
+                )
+            self.convicted.add(sender)
+            self._cases[sender] = sender_case(ledger, sender)
+        if self.convicted:
+            self._ask_only_admitted_leaders()
 
     def _keep_for_audit(self, runner: ConsistentAllReduceRunner) -> None:
         self._kept[runner.group_id] = runner

@@ -298,9 +298,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
             results = [averaged async for averaged in runner]
             await self._audit(runner)  # every other reducer's answer checked before anything is applied
         finally:
-            self.convicted |= runner.ledger.bad_signers
-            if self.convicted:
-                self._ask_only_admitted_leaders()
+            self._settle(runner.ledger)
         for tensor, averaged in zip(tensors, results):
             tensor.copy_(averaged)
         if self.residual is not None:

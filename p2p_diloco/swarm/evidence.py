@@ -28,6 +28,7 @@ from hivemind.utils.mpfuture import MPFuture
 from p2p_diloco import audit, codecs, robust
 from p2p_diloco.swarm import identity
 from p2p_diloco.swarm.allreduce import WireCodec, check_part
+from p2p_diloco.swarm.ledger import part_statement
 
 logger = get_logger(__name__)
 
@@ -48,19 +49,41 @@ class Case:
     shown: list[averaging_pb2.AveragingData]  # each sender's part: bytes, weight, signature
     answer: runtime_pb2.Tensor  # the reducer's average of that part
     answer_signature: bytes
+    sender: int | None = None  # a case against this sender (index in `senders`): `shown` is its one signed part
+
+
+def sender_case(ledger: Any, sender: str) -> Case:
+    """The case against a sender that signed a malformed part (ledger.garbage), for anyone to judge."""
+    reducer, part, message = ledger.garbage[sender]
+    empty = runtime_pb2.Tensor()
+    return Case(
+        ledger.group_id,
+        ledger.peers,
+        ledger.senders,
+        ledger.keys,
+        reducer,
+        part,
+        [message],
+        empty,
+        b"",
+        ledger.senders.index(sender),
+    )
 
 
 def judge(case: Case, codec: WireCodec, aggregation: tuple[robust.Aggregator, float, float]) -> tuple[bool, str] | None:
     """None if the reducer's average is the combination of the signed parts; otherwise (forged,
     why): `forged` when a part shown is not signed by its sender (the reducer's doing in an audit,
-    but proof of nothing in someone else's case), else the average is wrong."""
+    but proof of nothing in someone else's case), else the average is wrong. A case against a
+    sender holds if the part it signed does not decode or holds non-finite values."""
+    if case.sender is not None:
+        return _judge_sender(case, codec)
     if len(case.shown) != len(case.senders):
         return True, f"showed {len(case.shown)} parts of part {case.part} for {len(case.senders)} senders"
     answered = codec.extract(case.answer)
     parts: list[torch.Tensor] = []
     for sender, message in enumerate(case.shown):
-        statement = audit.part_statement(
-            case.group_id, case.peers[case.reducer], case.part, message.weight, message.tensor_part.buffer
+        statement = part_statement(
+            case.group_id, case.peers[case.reducer], case.part, message.weight, message.tensor_part
         )
         if not case.keys[case.senders[sender]].verify(statement, message.peer_id):
             return True, f"showed a part {case.part} that sender {case.senders[sender]} did not sign"
@@ -72,6 +95,21 @@ def judge(case: Case, codec: WireCodec, aggregation: tuple[robust.Aggregator, fl
     weights = [m.weight for m in case.shown]
     reason = audit.disagreement(parts, weights, aggregation, codecs.get(case.answer.dtype), answered)
     return None if reason is None else (False, f"part {case.part}: {reason}")
+
+
+def _judge_sender(case: Case, codec: WireCodec) -> tuple[bool, str] | None:
+    assert case.sender is not None
+    sender, message = case.senders[case.sender], case.shown[0]
+    statement = part_statement(case.group_id, case.peers[case.reducer], case.part, message.weight, message.tensor_part)
+    if not case.keys[sender].verify(statement, message.peer_id):
+        return True, f"a part {case.part} that sender {sender} did not sign"
+    try:
+        decoded = codec.extract(message.tensor_part)
+    except AllreduceException as e:
+        return False, f"signed a malformed part {case.part} ({e})"
+    if not bool(torch.isfinite(decoded).all()):
+        return False, f"signed a part {case.part} with non-finite values"
+    return None
 
 
 class Evidence:
@@ -98,7 +136,13 @@ class Evidence:
         case = self._cases.get(request.peer_id.decode(errors="replace"))
         if case is None:
             return
-        header = {"peers": case.peers, "senders": case.senders, "keys": {p: k.to_bytes() for p, k in case.keys.items()}}
+        header = {
+            "peers": case.peers,
+            "senders": case.senders,
+            "keys": {p: k.to_bytes() for p, k in case.keys.items()},
+            "reducer": case.reducer,
+            "sender": -1 if case.sender is None else case.sender,
+        }
         yield averaging_pb2.AveragingData(
             group_id=case.group_id, weight=float(case.part), peer_id=self.serializer.dumps(header)
         )
@@ -141,7 +185,25 @@ class Evidence:
         keys = {p: k for p, k in shown.items() if k is not None}
         if accused not in peers or len(keys) != len(shown) or len(peers) > MAX_GROUP:
             return None
-        part, answer = int(messages[0].weight), messages[-1]
+        part, answer, sender = int(messages[0].weight), messages[-1], int(header.get("sender", -1))
+        if sender >= 0:  # a case against a sender: its one signed part
+            if sender >= len(senders) or senders[sender] != accused or len(messages) != 3:
+                return None
+            reducer = int(header["reducer"])
+            if not 0 <= reducer < len(peers):
+                return None
+            return Case(
+                messages[0].group_id,
+                peers,
+                senders,
+                keys,
+                reducer,
+                part,
+                messages[1:2],
+                answer.tensor_part,
+                b"",
+                sender,
+            )
         statement = audit.output_statement(messages[0].group_id, accused, part, answer.tensor_part.buffer)
         if not keys[accused].verify(statement, answer.peer_id):  # not the accused's average: no case
             return None

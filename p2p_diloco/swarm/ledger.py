@@ -9,13 +9,21 @@ verify fails the all-reduce at once: nothing unsigned is ever combined or applie
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
+from typing import Any
 
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from p2p_diloco import audit
+
+
+def part_statement(group_id: bytes, reducer: str, part: int, weight: float, encoded: runtime_pb2.Tensor) -> bytes:
+    """audit.part_statement of an encoded part: its bytes, its number of values and its codec."""
+    numel = math.prod(encoded.size) if len(encoded.size) else 0
+    return audit.part_statement(group_id, reducer, part, weight, encoded.buffer, numel, encoded.dtype)
 
 
 @dataclass(frozen=True)
@@ -57,16 +65,19 @@ class Ledger:
         # a broken peer sends one (an honest one signs the very bytes it sends). Refused here from
         # then on, without a case others could check.
         self.bad_signers: set[str] = set()
+        # Senders whose signed part does not decode or holds non-finite values: sender -> (reducer
+        # index, part, the signed message), a case anyone can judge (evidence.judge_sender).
+        self.garbage: dict[str, tuple[int, int, Any]] = {}
 
     def sign_part(self, reducer: int, part: int, weight: float, encoded: runtime_pb2.Tensor) -> bytes:
-        statement = audit.part_statement(self.group_id, self.peers[reducer], part, weight, encoded.buffer)
+        statement = part_statement(self.group_id, self.peers[reducer], part, weight, encoded)
         return self._signer.sign(statement)
 
     def accept_part(
         self, reducer: int, sender: int, part: int, weight: float, encoded: runtime_pb2.Tensor, signature: bytes
     ) -> None:
         """Keep a sender's part of this member's span, once its signature verifies."""
-        statement = audit.part_statement(self.group_id, self.peers[reducer], part, weight, encoded.buffer)
+        statement = part_statement(self.group_id, self.peers[reducer], part, weight, encoded)
         if not self.keys[self.senders[sender]].verify(statement, signature):
             self.bad_signers.add(self.senders[sender])
             raise AllreduceException(f"sender {self.senders[sender]} sent part {part} without a valid signature")

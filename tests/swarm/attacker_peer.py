@@ -7,7 +7,11 @@ As a sender (its pseudo-gradient, norms and biases included, and the weight it c
 - `flip:x`      sends -x · Δ (x = 10: a sign flip);
 - `zero:x`      sends a zero Δ with x times its weight (training undone);
 - `weight:x`    claims x times its tokens;
-- `replay:0`    sends its first round's Δ every round (an old update).
+- `replay:0`    sends its first round's Δ every round (an old update);
+- `garbage:0`   sends NaN for every value, signed (a malformed part);
+- `alie:z`      "a little is enough" (Baruch et al., 2019): ATTACK_COLLUDERS attackers (default 2)
+                pool their own honest Δ of the round in a folder beside the run config, and each
+                sends μ − z·σ of the pool, coordinate-wise: a shift hidden inside the spread.
 As a reducer (the span it reduces, for every member, itself included):
 - `reducer-scale:x`   answers x · the true average;
 - `reducer-random:x`  answers random values of x times the true average's scale.
@@ -17,6 +21,8 @@ In its progress reports:
 
 import os
 import sys
+import time
+from pathlib import Path
 
 import torch
 
@@ -38,7 +44,9 @@ def lie_as_sender() -> None:
             first.setdefault("delta", delta.clone())
             first.setdefault("exact", None if exact is None else exact.clone())
             delta, exact = first["delta"], first["exact"]
-        factor = {"scale": X, "flip": -X, "zero": 0.0}.get(KIND, 1.0)
+        if KIND == "alie":
+            delta, exact = alie(self.peer_id, round_, delta, exact)
+        factor = {"scale": X, "flip": -X, "zero": 0.0, "garbage": float("nan")}.get(KIND, 1.0)
         if KIND in ("zero", "weight"):
             weight = weight * X
         delta = delta * factor
@@ -46,6 +54,36 @@ def lie_as_sender() -> None:
         return original(self, delta, weight, round_, retry, expected_group, exact)
 
     Swarm.average = average
+
+
+def _pool_folder() -> Path:
+    """A folder the colluders share: beside the run config they were all started with."""
+    config = sys.argv[sys.argv.index("--config") + 1]
+    folder = Path(config).resolve().parent / "collude"
+    folder.mkdir(exist_ok=True)
+    return folder
+
+
+def alie(peer_id: str, round_: int, delta: torch.Tensor, exact) -> tuple:
+    """μ − z·σ over the colluders' own Δ of this round (each waits, at most a minute, for all)."""
+    folder, colluders = _pool_folder(), int(os.environ.get("ATTACK_COLLUDERS", "2"))
+    mine = folder / f"{round_}-{peer_id}.pt"
+    if not mine.exists():
+        partial = folder / f"{round_}-{peer_id}.partial"
+        torch.save({"delta": delta, "exact": exact}, partial)
+        os.replace(partial, mine)
+    deadline = time.monotonic() + 60
+    while len(pool := sorted(folder.glob(f"{round_}-*.pt"))) < colluders and time.monotonic() < deadline:
+        time.sleep(0.1)  # a poll of the shared folder, bounded by the deadline
+    loaded = [torch.load(path) for path in pool]
+
+    def shifted(key: str):
+        if loaded[0][key] is None:
+            return None
+        stacked = torch.stack([item[key] for item in loaded])
+        return stacked.mean(0) - X * stacked.std(0, correction=0)
+
+    return shifted("delta"), shifted("exact")
 
 
 def lie_as_reducer() -> None:
@@ -70,7 +108,7 @@ def lie_about_progress() -> None:
     Heartbeat.report_progress = report_progress
 
 
-if KIND in ("scale", "flip", "zero", "weight", "replay"):
+if KIND in ("scale", "flip", "zero", "weight", "replay", "alie", "garbage"):
     lie_as_sender()
 elif KIND.startswith("reducer-"):
     lie_as_reducer()

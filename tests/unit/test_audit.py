@@ -51,6 +51,8 @@ def test_statements_bind_every_field():
     assert base != audit.part_statement(b"g", "s", 0, 1.0, b"bytes")  # the reducer
     assert base != audit.part_statement(b"h", "r", 0, 1.0, b"bytes")  # the group
     assert base != audit.part_statement(b"g", "r", 0, 1.0, b"other")  # the bytes
+    assert base != audit.part_statement(b"g", "r", 0, 1.0, b"bytes", 2)  # how many values they hold
+    assert base != audit.part_statement(b"g", "r", 0, 1.0, b"bytes", 0, "int4")  # their codec
     assert base != audit.output_statement(b"g", "r", 0, b"bytes")  # a part is not an average
 
 

@@ -13,6 +13,7 @@ from p2p_diloco.swarm.allreduce import WireCodec
 from p2p_diloco.swarm.convictions import MAX_PENDING, Convictions
 from p2p_diloco.swarm.evidence import Case, judge
 from p2p_diloco.swarm.gate import Gate
+from p2p_diloco.swarm.ledger import part_statement
 from tests.conftest import TINY
 
 CLIP = ("clip", 1.0, 2.0)
@@ -38,7 +39,7 @@ def case_of(group, values, average, forge_sender=None):
     for peer, value in zip(ids, values):
         encoded = CODEC.compress(torch.tensor(value), info=_Info())
         signer = private[forge_sender or peer] if peer == ids[1] else private[peer]
-        signature = signer.sign(audit.part_statement(b"g", ids[0], 0, 1.0, encoded.buffer))
+        signature = signer.sign(part_statement(b"g", ids[0], 0, 1.0, encoded))
         shown.append(averaging_pb2.AveragingData(tensor_part=encoded, weight=1.0, peer_id=signature))
     answer = CODEC.compress(torch.tensor(average), info=_Info())
     signature = private[ids[0]].sign(audit.output_statement(b"g", ids[0], 0, answer.buffer))
@@ -99,3 +100,31 @@ def test_many_accusations_are_judged_a_few_at_a_time():
     convictions._check({f"accuser{i}": [f"peer{i}"] for i in range(20)})
     assert len(convictions._pending) == MAX_PENDING
     assert codecs.get("fp32")  # the case's codec travels by name
+
+
+def signed_part(group, values, signer_index=1):
+    """Member 1's part 0 for reducer 0 (x), signed by member `signer_index`."""
+    ids, private, _ = group
+    encoded = CODEC.compress(torch.tensor(values), info=_Info())
+    signature = private[ids[signer_index]].sign(part_statement(b"g", ids[0], 0, 1.0, encoded))
+    return averaging_pb2.AveragingData(tensor_part=encoded, weight=1.0, peer_id=signature)
+
+
+def against_sender(group, message):
+    ids, _, public = group
+    return Case(b"g", ids, ids, public, 0, 0, [message], averaging_pb2.AveragingData().tensor_part, b"", 1)
+
+
+def test_a_signed_non_finite_part_convicts_its_sender_for_anyone(group):
+    verdict = judge(against_sender(group, signed_part(group, [1.0, float("nan")])), CODEC, CLIP)
+    assert verdict == (False, "signed a part 0 with non-finite values")
+    assert judge(against_sender(group, signed_part(group, [1.0, 2.0])), CODEC, CLIP) is None  # a fine part
+
+
+def test_nobody_can_make_a_senders_honest_part_look_malformed(group):
+    message = signed_part(group, [1.0, 2.0])
+    message.tensor_part.size[:] = [3]  # the reducer tells another size: the signature no longer covers it
+    verdict = judge(against_sender(group, message), CODEC, CLIP)
+    assert verdict is not None and verdict[0] is True  # forged: proof of nothing
+    forged = signed_part(group, [1.0, float("nan")], signer_index=2)  # z signs garbage as if y sent it
+    assert judge(against_sender(group, forged), CODEC, CLIP)[0] is True
