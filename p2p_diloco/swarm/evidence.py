@@ -5,7 +5,7 @@ signed average, with the group's ids and identity keys. Everything in it is sign
 can judge it again (`judge`) and nobody can make one against an honest reducer.
 
 A member that convicts a reducer keeps the case and publishes the reducer's id in the DHT, under
-its own key (records.publish_convictions). Another peer that reads the accusation asks the
+its own key, with its progress (records.publish_progress). Another peer that reads the accusation asks the
 accuser for the case (`rpc_evidence`), judges it, and convicts the reducer too only if the case
 holds: an accusation without a valid case convicts nobody.
 """

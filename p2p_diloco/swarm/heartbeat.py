@@ -66,13 +66,14 @@ class Heartbeat:
                 records.publish_round(self.dht, self.validator, self.prefix, self._last_record)
                 self._last_refresh = now
             if mine is not None:
-                records.publish_progress(self.dht, self.validator, self.prefix, replace(mine, time=now))
-            reports = records.read_progress(self.dht, self.prefix)
+                convicted = self.gate.convicted
+                records.publish_progress(self.dht, self.validator, self.prefix, replace(mine, time=now), convicted)
+            reports, accusations = records.read_progress(self.dht, self.prefix)
             rounds_seen = records.read_rounds(self.dht, self.prefix)
         if refresh:
             self.gate.publish()
         self.gate.refresh_revocations()
-        self.convictions.refresh(self.dht, self.validator, self.prefix, self._dht_lock)
+        self.convictions.refresh(accusations)
         admitted = self.gate.admitted({r.peer for r in reports} | set(rounds_seen))
         self._reports = [r for r in reports if r.peer in admitted]
         self._rounds_seen = {p: r for p, r in rounds_seen.items() if p in admitted}

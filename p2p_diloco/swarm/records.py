@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import asdict, dataclass
 from typing import Any, Protocol, TypeVar
 
@@ -133,17 +133,31 @@ def read_rounds(dht: Any, prefix: str) -> dict[str, RoundRecord]:
     return out
 
 
-def publish_progress(dht: Any, validator: Any, prefix: str, report: Progress) -> None:
-    _store(dht, validator, f"{prefix}_progress", asdict(report), ttl=PROGRESS_TTL_S)
+def publish_progress(dht: Any, validator: Any, prefix: str, report: Progress, convicted: Collection[str] = ()) -> None:
+    """This peer's progress, with the peers it convicted (its accusations, swarm/evidence.py): one
+    record that every peer reads every beat anyway."""
+    value = {**asdict(report), "convicted": sorted(convicted)[:MAX_CONVICTIONS]}
+    _store(dht, validator, f"{prefix}_progress", value, ttl=PROGRESS_TTL_S)
 
 
-def read_progress(dht: Any, prefix: str) -> list[Progress]:
-    """Every peer's latest progress report (one per peer id, the freshest)."""
+def read_progress(dht: Any, prefix: str) -> tuple[list[Progress], dict[str, list[str]]]:
+    """Every peer's latest progress report (one per peer id, the freshest), and every peer's
+    accusations ({accuser, by the key that signed them: the peers it says it convicted})."""
+    entries = _read(dht, f"{prefix}_progress")
     out: dict[str, Progress] = {}
-    for report in signed_by_their_peer(_read(dht, f"{prefix}_progress"), parse_progress):
+    for report in signed_by_their_peer(entries, parse_progress):
         if report.peer not in out or report.time > out[report.peer].time:
             out[report.peer] = report
-    return list(out.values())
+    return list(out.values()), _accusations(entries)
+
+
+def _accusations(entries: list[tuple[Any, Any]]) -> dict[str, list[str]]:
+    out: dict[str, list[str]] = {}
+    for subkey, value in entries:
+        accuser, accused = owner_peer_id(subkey), value.get("convicted") if isinstance(value, dict) else None
+        if accuser is not None and accuser not in out and isinstance(accused, list):
+            out[accuser] = [p for p in accused[:MAX_CONVICTIONS] if isinstance(p, str) and len(p) <= 128]
+    return out
 
 
 @dataclass(frozen=True)
@@ -213,6 +227,7 @@ def live_peers(dht: Any, run_id: str, fingerprint: str) -> set[str]:
     return set(read_rounds(dht, run_prefix(run_id, fingerprint)))
 
 
+MAX_CONVICTIONS = 256  # accusations per peer
 MAX_REVOCATIONS = 256  # per publisher; a run that revokes more needs a new run key
 
 
@@ -238,22 +253,3 @@ def read_revocations(dht: Any, prefix: str) -> list[str]:
         if isinstance(value, list):
             texts.update(t for t in value[:MAX_REVOCATIONS] if isinstance(t, str) and len(t) <= 4096)
     return sorted(texts)
-
-
-MAX_CONVICTIONS = 256  # per publisher
-
-
-def publish_convictions(dht: Any, validator: Any, prefix: str, peers: list[str]) -> None:
-    """The reducers this peer convicted, under its own subkey: an accusation others check against
-    the case this peer serves (swarm/evidence.py)."""
-    _store(dht, validator, f"{prefix}_convicted", sorted(peers)[:MAX_CONVICTIONS])
-
-
-def read_convictions(dht: Any, prefix: str) -> dict[str, list[str]]:
-    """{accuser (the id of the key that signed its list): the peers it says it convicted}."""
-    out: dict[str, list[str]] = {}
-    for subkey, value in _read(dht, f"{prefix}_convicted"):
-        accuser = owner_peer_id(subkey)
-        if accuser is not None and isinstance(value, list):
-            out[accuser] = [p for p in value[:MAX_CONVICTIONS] if isinstance(p, str) and len(p) <= 128]
-    return out
