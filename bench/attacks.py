@@ -45,6 +45,7 @@ PLAN = [
     # z = 1 (Baruch et al. 2019 give z_max = 0.84 for n = 5, f = 2)
     ("clip, 2 of 5", {"swarm.aggregator": "clip"}, ["clean", "flip:10", "alie:1"]),
     ("mean, 2 of 5", {"swarm.aggregator": "mean"}, ["clean", "alie:1"]),
+    ("trimmed-mean, 2 of 5", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10"]),
     ("trimmed-mean", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10", "zero:1000", "weight:1000"]),
     ("centered-clip", {"swarm.aggregator": "centered-clip"}, ["clean", "flip:10", "zero:1000"]),
     # progress reports matter only where rounds end on the swarm's tokens
