@@ -139,9 +139,13 @@ class Audits:
     def _judge(
         self, runner: ConsistentAllReduceRunner, j: int, part: int, shown: list[averaging_pb2.AveragingData]
     ) -> tuple[bool, str] | None:
-        """The audit's verdict on reducer `j` (see `_audit_one`); a conviction's case is kept for
-        peers outside the group (evidence.py)."""
+        """The audit's verdict on reducer `j` (see `_audit_one`): a conviction only on what is
+        signed; its case is kept for peers outside the group (evidence.py)."""
         ledger = runner.ledger
+        if len(shown) != len(ledger.senders):
+            # Nothing signed says so: a stream cut short looks the same (seen once, right after a
+            # peer resumed). The round fails; nobody is convicted.
+            return False, f"answered the audit of part {part} with {len(shown)} parts for {len(ledger.senders)} senders"
         average = ledger.averages[(j, part)]
         case = Case(
             ledger.group_id,
