@@ -134,7 +134,6 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         aggregation = kwargs.pop("aggregation", ("mean", 1.0, 2.0))
         super().__init__(*args, **kwargs)
         self.ledger = ledger
-        self.aggregation = aggregation
         self.tensor_part_reducer.__class__ = RobustReducer  # same state; parts are kept, then combined
         self.tensor_part_reducer.aggregation = aggregation
         self.tensor_part_reducer.accumulator = _Collected()
@@ -145,6 +144,10 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         self.residuals: dict[int, torch.Tensor] = {}  # tensor index -> what the codec lost of what we sent
         self._encoded: dict[int, Any] = {}  # part index -> serialized average of our span
         self._signatures: dict[int, bytes] = {}  # part index -> our signature of that average
+
+    @property
+    def aggregation(self) -> tuple[robust.Aggregator, float, float]:
+        return self.tensor_part_reducer.aggregation
 
     @property
     def codec(self) -> WireCodec:

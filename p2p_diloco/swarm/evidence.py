@@ -186,38 +186,20 @@ class Evidence:
         if accused not in peers or len(keys) != len(shown) or len(peers) > MAX_GROUP:
             return None
         part, answer, sender = int(messages[0].weight), messages[-1], int(header.get("sender", -1))
-        if sender >= 0:  # a case against a sender: its one signed part
-            if sender >= len(senders) or senders[sender] != accused or len(messages) != 3:
-                return None
+        group = messages[0].group_id
+        if sender >= 0:  # against a sender: its one signed part
             reducer = int(header["reducer"])
-            if not 0 <= reducer < len(peers):
-                return None
-            return Case(
-                messages[0].group_id,
-                peers,
-                senders,
-                keys,
-                reducer,
-                part,
-                messages[1:2],
-                answer.tensor_part,
-                b"",
-                sender,
-            )
-        statement = audit.output_statement(messages[0].group_id, accused, part, answer.tensor_part.buffer)
-        if not keys[accused].verify(statement, answer.peer_id):  # not the accused's average: no case
+            accused_ok = sender < len(senders) and senders[sender] == accused
+            valid = accused_ok and len(messages) == 3 and 0 <= reducer < len(peers)
+            parts, signature, against = messages[1:2], b"", sender
+        else:  # against a reducer: every sender's part, then its signed average
+            reducer = peers.index(accused)
+            statement = audit.output_statement(group, accused, part, answer.tensor_part.buffer)
+            valid = keys[accused].verify(statement, answer.peer_id)  # else not the accused's average
+            parts, signature, against = messages[1:-1], answer.peer_id, None
+        if not valid:
             return None
-        return Case(
-            messages[0].group_id,
-            peers,
-            senders,
-            keys,
-            peers.index(accused),
-            part,
-            messages[1:-1],
-            answer.tensor_part,
-            answer.peer_id,
-        )
+        return Case(group, peers, senders, keys, reducer, part, parts, answer.tensor_part, signature, against)
 
 
 async def _collect(stream: AsyncIterator[Any], limit: int) -> list[Any]:

@@ -11,19 +11,26 @@ import pytest
 from tests.swarm.conftest import wait_until
 
 
-@pytest.mark.timeout(240)
-def test_a_sender_of_a_blown_up_delta_cannot_wreck_the_honest_peers(swarm):
-    # Under the plain mean, one sender of 1e4 x its Δ among four took the honest held-out loss to
-    # 103,956 and made them exit 1 (issue 14). Here the honest peers train as usual: every round
-    # their digests agree and their held-out loss after 4 rounds is below θ(0)'s.
-    honest = [swarm.peer("a"), swarm.peer("b")]
-    swarm.peer("m", script=[sys.executable, "-m", "tests.swarm.attacker_peer"], env={"ATTACK": "scale:1e4"})
+def _honest_pair_against(swarm, attack: str, extra: dict | None = None) -> tuple[dict, dict]:
+    """Honest a and b with attacker m (attacker_peer's ATTACK); once a and b finished their 4
+    rounds, both cleanly, with equal digests in every round: their metrics records."""
+    honest = [swarm.peer("a", extra), swarm.peer("b", extra)]
+    swarm.peer("m", extra, script=[sys.executable, "-m", "tests.swarm.attacker_peer"], env={"ATTACK": attack})
     wait_until(lambda: all(p.poll() is not None for p in honest), honest, 200, "honest peers finish")
     assert [p.returncode for p in honest] == [0, 0], swarm.log("a")[-3000:]
     a, b = swarm.records("a"), swarm.records("b")
     assert max(a) == max(b) == 4
     for r in a:
         assert a[r]["digest"] == b[r]["digest"], r
+    return a, b
+
+
+@pytest.mark.timeout(240)
+def test_a_sender_of_a_blown_up_delta_cannot_wreck_the_honest_peers(swarm):
+    # Under the plain mean, one sender of 1e4 x its Δ among four took the honest held-out loss to
+    # 103,956 and made them exit 1 (issue 14). Here the honest peers train as usual: every round
+    # their digests agree and their held-out loss after 4 rounds is below θ(0)'s.
+    a, b = _honest_pair_against(swarm, "scale:1e4")
     sizes = [a[r].get("group_size", 1) for r in a if r > 0]
     assert max(sizes) == 3, f"the attacker never took part, so the test shows nothing: {sizes}"
     start, end = a[0]["eval_loss"], a[4]["eval_loss"]
@@ -38,15 +45,7 @@ def test_a_lying_reducer_is_convicted_in_the_audit_and_the_others_go_on_without_
     # No link probes: equal spans, so the liar reduces a span in every group it is in (with probes
     # the balancer may give it none for rounds, bench/attacks.py).
     even = {"swarm.probe_links": "false"}
-    honest = [swarm.peer("a", even), swarm.peer("b", even)]
-    attack = {"ATTACK": "reducer-scale:100"}
-    swarm.peer("m", even, script=[sys.executable, "-m", "tests.swarm.attacker_peer"], env=attack)
-    wait_until(lambda: all(p.poll() is not None for p in honest), honest, 200, "honest peers finish")
-    assert [p.returncode for p in honest] == [0, 0], swarm.log("a")[-3000:]
-    a, b = swarm.records("a"), swarm.records("b")
-    assert max(a) == max(b) == 4
-    for r in a:
-        assert a[r]["digest"] == b[r]["digest"], r
+    a, b = _honest_pair_against(swarm, "reducer-scale:100", even)
     # Both convicted it: in the audit of a group they were in, or on the case of a peer that was.
     for name in ("a", "b"):
         assert "convicted reducer" in swarm.log(name), f"{name} never convicted the liar"

@@ -128,3 +128,34 @@ def test_nobody_can_make_a_senders_honest_part_look_malformed(group):
     assert verdict is not None and verdict[0] is True  # forged: proof of nothing
     forged = signed_part(group, [1.0, float("nan")], signer_index=2)  # z signs garbage as if y sent it
     assert judge(against_sender(group, forged), CODEC, CLIP)[0] is True
+
+
+def _served(case):
+    """What `rpc_evidence` streams for `case`, and the averager-side object that parses it."""
+    import asyncio
+
+    from hivemind.utils.serializer import MSGPackSerializer
+
+    from p2p_diloco.swarm.evidence import Evidence
+
+    evidence = object.__new__(Evidence)
+    evidence.serializer, evidence._cases = MSGPackSerializer, {"accused": case}
+
+    async def collect():
+        request = averaging_pb2.AveragingData(peer_id=b"accused")
+        return [m async for m in evidence.rpc_evidence(request, None)]
+
+    return evidence, asyncio.run(collect())
+
+
+def test_a_served_case_parses_back_into_the_same_verdict(group):
+    ids = group[0]
+    for case, accused in [
+        (case_of(group, [[1.0, 1.0], [2.0, 2.0], [3.0, 3.0]], [500 / 3, 500 / 3]), ids[0]),  # a lying reducer
+        (against_sender(group, signed_part(group, [1.0, float("nan")])), ids[1]),  # a sender of garbage
+    ]:
+        evidence, messages = _served(case)
+        parsed = evidence._case_from(accused, messages)
+        assert parsed is not None and judge(parsed, CODEC, CLIP) == judge(case, CODEC, CLIP)
+        assert judge(parsed, CODEC, CLIP)[0] is False  # a conviction, for anyone
+        assert evidence._case_from(ids[2], messages) is None  # the case names someone else
