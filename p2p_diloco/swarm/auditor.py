@@ -26,9 +26,10 @@ from hivemind.utils import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import audit
+from p2p_diloco.swarm import streams
 from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
 from p2p_diloco.swarm.evidence import Case, judge, sender_case
-from p2p_diloco.swarm.ledger import Ledger
+from p2p_diloco.swarm.ledger import Ledger, SignedPart
 
 logger = get_logger(__name__)
 
@@ -82,25 +83,36 @@ class Audits:
             self._kept.popitem(last=False)
 
     async def rpc_audit(
-        self, request: averaging_pb2.AveragingData, context: P2PContext
+        self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
         """As a reducer: every sender's signed part of one part of this member's span, in sender
-        order. The request names the group and, in `weight`, the part index."""
-        runner = self._kept.get(request.group_id)
-        if runner is None or context.remote_id not in runner.ordered_peer_ids:
+        order. The request names the group and, in `weight`, the part index. The handler ends only
+        once the auditor holds them all (streams.py)."""
+        request = await streams.first_request(requests)
+        if request is None:
             return
-        part = request.weight
-        signed = runner.ledger.parts.get(int(part)) if part == int(part) else None
-        if signed is None or len(signed) != len(runner.sender_peer_ids):
-            return
-        for sender in range(len(runner.sender_peer_ids)):
-            shown = signed[sender]
+        for shown in self._shown_for_audit(request, context.remote_id):
             yield averaging_pb2.AveragingData(
                 code=averaging_pb2.PART_FOR_AVERAGING,
                 tensor_part=shown.encoded,
                 weight=shown.weight,
                 peer_id=shown.signature,
             )
+        await streams.linger(requests)
+
+    def _shown_for_audit(self, request: averaging_pb2.AveragingData, auditor: Any) -> list[SignedPart]:
+        """What the audit request asks for, if this member reduced it and `auditor` was in the group."""
+        runner = self._kept.get(request.group_id)
+        part = request.weight
+        signed = runner.ledger.parts.get(int(part)) if runner is not None and part == int(part) else None
+        if runner is None or auditor not in runner.ordered_peer_ids or signed is None:
+            why = "group not kept" if runner is None else "not a member, or no such part"
+            logger.warning("audit request from %s refused: %s", auditor, why)
+            return []
+        if len(signed) != len(runner.sender_peer_ids):
+            logger.warning("audit of part %s: holds %d parts of %d", part, len(signed), len(runner.sender_peer_ids))
+            return []
+        return [signed[sender] for sender in range(len(runner.sender_peer_ids))]
 
     async def _audit(self, runner: ConsistentAllReduceRunner) -> None:
         """Audit every other reducer of the group; raise if any failed (before anything is applied)."""
@@ -126,15 +138,17 @@ class Audits:
         peer = runner.ordered_peer_ids[j]
         part = audit.audited_part(seed, str(peer), runner.tensor_part_container.num_parts_by_peer[j])
         try:
-            shown = await asyncio.wait_for(self._ask(peer, runner.group_id, part), AUDIT_TIMEOUT_S)
+            shown = await asyncio.wait_for(
+                self._ask(peer, runner.group_id, part, len(runner.ledger.senders)), AUDIT_TIMEOUT_S
+            )
         except Exception as e:  # a dead, slow or garbled reducer: the round fails, nobody is convicted
             return False, f"no answer to the audit of part {part} ({type(e).__name__})"
         return self._judge(runner, j, part, shown)
 
-    async def _ask(self, peer: Any, group_id: bytes, part: int) -> list[averaging_pb2.AveragingData]:
+    async def _ask(self, peer: Any, group_id: bytes, part: int, senders: int) -> list[averaging_pb2.AveragingData]:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_audit(averaging_pb2.AveragingData(group_id=group_id, weight=float(part)))
-        return [message async for message in stream]
+        request = averaging_pb2.AveragingData(group_id=group_id, weight=float(part))
+        return await streams.ask(stub.rpc_audit, request, lambda shown: len(shown) == senders, senders)
 
     def _judge(
         self, runner: ConsistentAllReduceRunner, j: int, part: int, shown: list[averaging_pb2.AveragingData]

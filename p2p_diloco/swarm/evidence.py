@@ -26,7 +26,7 @@ from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import audit, codecs, robust
-from p2p_diloco.swarm import identity
+from p2p_diloco.swarm import identity, streams
 from p2p_diloco.swarm.allreduce import WireCodec, check_part
 from p2p_diloco.swarm.ledger import part_statement
 
@@ -129,13 +129,20 @@ class Evidence:
     _ask_only_admitted_leaders: Callable[[], None]
 
     async def rpc_evidence(
-        self, request: averaging_pb2.AveragingData, context: P2PContext
+        self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
-        """The case behind this peer's conviction of the reducer named in `peer_id`: a header
-        (group, part, ids, keys), every sender's signed part, then the signed average."""
-        case = self._cases.get(request.peer_id.decode(errors="replace"))
+        """The case behind this peer's conviction of the member named in `peer_id`: a header
+        (group, part, ids, keys), every signed part shown, then the signed average (the only
+        message with code AVERAGED_PART). Ends once the asker holds it all (streams.py)."""
+        request = await streams.first_request(requests)
+        case = None if request is None else self._cases.get(request.peer_id.decode(errors="replace"))
         if case is None:
             return
+        async for message in self._serve_case(case):
+            yield message
+        await streams.linger(requests)
+
+    async def _serve_case(self, case: Case) -> AsyncIterator[averaging_pb2.AveragingData]:
         header = {
             "peers": case.peers,
             "senders": case.senders,
@@ -146,8 +153,13 @@ class Evidence:
         yield averaging_pb2.AveragingData(
             group_id=case.group_id, weight=float(case.part), peer_id=self.serializer.dumps(header)
         )
-        for message in case.shown:
-            yield message
+        for message in case.shown:  # as signed; the code is ours (a sender's own could end the case early)
+            yield averaging_pb2.AveragingData(
+                code=averaging_pb2.PART_FOR_AVERAGING,
+                tensor_part=message.tensor_part,
+                weight=message.weight,
+                peer_id=message.peer_id,
+            )
         yield averaging_pb2.AveragingData(
             code=averaging_pb2.AVERAGED_PART, tensor_part=case.answer, peer_id=case.answer_signature
         )
@@ -162,8 +174,9 @@ class Evidence:
     async def _verify_accusation(self, accuser: str, accused: str, future: MPFuture) -> None:
         try:
             stub = self.get_stub(self._p2p, PeerID.from_base58(accuser), namespace=self.prefix)
-            stream = await stub.rpc_evidence(averaging_pb2.AveragingData(peer_id=accused.encode()))
-            messages = await asyncio.wait_for(_collect(stream, MAX_GROUP + 2), EVIDENCE_TIMEOUT_S)
+            request = averaging_pb2.AveragingData(peer_id=accused.encode())
+            asked = streams.ask(stub.rpc_evidence, request, _case_complete, MAX_GROUP + 2)
+            messages = await asyncio.wait_for(asked, EVIDENCE_TIMEOUT_S)
             case = self._case_from(accused, messages)
             verdict = judge(case, self.allreduce_kwargs["compression"], self._aggregation) if case else None
         except Exception as e:  # an accuser that does not answer, or answers garbage, convicts nobody
@@ -202,10 +215,6 @@ class Evidence:
         return Case(group, peers, senders, keys, reducer, part, parts, answer.tensor_part, signature, against)
 
 
-async def _collect(stream: AsyncIterator[Any], limit: int) -> list[Any]:
-    out = []
-    async for message in stream:
-        out.append(message)
-        if len(out) > limit:
-            raise ValueError(f"more than {limit} messages")
-    return out
+def _case_complete(messages: list[averaging_pb2.AveragingData]) -> bool:
+    """A case ends with its signed average, the one message after the header coded AVERAGED_PART."""
+    return len(messages) >= 2 and messages[-1].code == averaging_pb2.AVERAGED_PART

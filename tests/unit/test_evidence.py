@@ -136,14 +136,20 @@ def _served(case):
 
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from p2p_diloco.swarm.evidence import Evidence
+    from p2p_diloco.swarm import streams
+    from p2p_diloco.swarm.evidence import Evidence, _case_complete
 
     evidence = object.__new__(Evidence)
     evidence.serializer, evidence._cases = MSGPackSerializer, {"accused": case}
 
     async def collect():
+        # The asker's side of streams.py: the handler lingers until the asker ends its request
+        # stream, which it does once it holds the signed average; both ends well within 5 s.
+        async def call(requests):
+            return evidence.rpc_evidence(requests, None)
+
         request = averaging_pb2.AveragingData(peer_id=b"accused")
-        return [m async for m in evidence.rpc_evidence(request, None)]
+        return await asyncio.wait_for(streams.ask(call, request, _case_complete, 10), 5)
 
     return evidence, asyncio.run(collect())
 

@@ -1,0 +1,65 @@
+"""Reply streams that end only once the caller holds every reply.
+
+p2pd may drop replies still in flight when a handler returns and its side of the stream closes:
+the caller then sees a stream that ends early, with no error. Measured: an all-reduce answer lost
+on a slow link (allreduce._send_and_receive, which keeps its stream open the same way), and in CI
+an audit answered with 0 of 3 signed parts, and once with 1 of 2, by an honest reducer that held
+them all. So here the caller keeps its request stream open until it holds every reply it expects,
+and the handler, after its last reply, waits for that end (at most LINGER_S) before it returns.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+LINGER_S = 30.0  # at most, for a caller to end its stream once it holds every reply
+
+
+async def first_request(requests: AsyncIterator[Any]) -> Any | None:
+    """The caller's request, or None if its stream ended without one."""
+    return await anext(aiter(requests), None)
+
+
+async def linger(requests: AsyncIterator[Any]) -> None:
+    """After a handler's last reply: until the caller ends its stream, at most LINGER_S. Anything
+    more it sends is ignored."""
+
+    async def drain() -> None:
+        async for _ in requests:
+            pass
+
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(drain(), LINGER_S)
+
+
+async def ask(
+    call: Callable[[AsyncIterator[Any]], Awaitable[AsyncIterator[Any]]],
+    request: Any,
+    complete: Callable[[list[Any]], bool],
+    limit: int,
+) -> list[Any]:
+    """Send `request` through `call` (a stub method taking a request stream) and collect the replies
+    until `complete(replies)`; only then end the request stream, and read on until the handler
+    ends. Raises ValueError on more than `limit` replies. The caller bounds the time."""
+    received = asyncio.Event()
+
+    async def requests() -> AsyncIterator[Any]:
+        yield request
+        await received.wait()
+
+    replies: list[Any] = []
+    try:
+        async for reply in await call(requests()):
+            if received.is_set():
+                continue  # after a complete answer: nothing counts
+            replies.append(reply)
+            if len(replies) > limit:
+                raise ValueError(f"more than {limit} replies")
+            if complete(replies):
+                received.set()
+    finally:
+        received.set()
+    return replies
