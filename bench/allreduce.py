@@ -15,6 +15,8 @@ from the bytes_sent that p2p_diloco/swarm/allreduce.py reports.
 
     .venv/bin/python bench/allreduce.py                   # as root; k = 2, 4, 8; all codecs; ~13 min here
     .venv/bin/python bench/allreduce.py --ks 2 4 --codecs fp32 scaled-fp16 --repeats 3
+    .venv/bin/python bench/allreduce.py --ks 4 --codecs int8 --aggregators mean clip centered-clip trimmed-mean \
+        --out bench/results/allreduce_aggregators    # what robust reduction costs (issue 14)
 
 Writes bench/results/allreduce.json and allreduce.png. Needs root (namespaces). On a 2-core
 machine the CPUs, not the links, limit all-reduce above a few hundred Mbit/s in total; timings are
@@ -53,6 +55,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--numel-k8", type=float, default=10e6, help="values when k >= 8 (8 peers on 2 cores)")
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="group sizes")
     p.add_argument("--codecs", nargs="+", default=CODECS, help="pseudo-gradient codecs (swarm.compression)")
+    p.add_argument("--aggregators", nargs="+", default=["clip"], help="how reducers combine parts (swarm.aggregator)")
     p.add_argument("--repeats", type=int, default=3, help="all-reduces per setting; the median is reported")
     p.add_argument(
         "--out", default=str(ROOT / "bench" / "results" / "allreduce"), help="path of the .json/.png, no suffix"
@@ -107,7 +110,7 @@ def bound_s(k: int, wire_bytes: float, rate_mbit: float) -> float:
 
 
 def run_setting(
-    lab: NetLab, maddr: str, k: int, codec: str, numel: int, args: argparse.Namespace, folder: Path
+    lab: NetLab, maddr: str, k: int, codec: str, numel: int, args: argparse.Namespace, folder: Path, aggregator: str
 ) -> dict:
     """k workers, `args.repeats` all-reduces; every member must hold the same bytes after each."""
     # The swarm's averaging deadline: generous, this measures the all-reduce, it does not police it.
@@ -124,15 +127,16 @@ def run_setting(
                 str(k),
                 codec,
                 str(numel),
-                str(folder / f"k{k}-{codec}-w{i}"),
+                str(folder / f"k{k}-{codec}-{aggregator}-w{i}"),
                 str(timeout_s),
+                aggregator,
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
             env=ENV,
             cwd=ROOT,
-            stderr=open(folder / f"k{k}-{codec}-w{i}.log", "w"),
+            stderr=open(folder / f"k{k}-{codec}-{aggregator}-w{i}.log", "w"),
         )
         for i in range(k)
     ]
@@ -150,7 +154,7 @@ def run_setting(
             w.stdin.close()
         for w in workers:
             lab.end(w, grace_s=20)
-    return summarize(k, codec, numel, args.rate, runs)
+    return {**summarize(k, codec, numel, args.rate, runs), "aggregator": aggregator}
 
 
 def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> dict:
@@ -216,12 +220,16 @@ def plot(results: list[dict], path: Path, rate: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for codec in dict.fromkeys(r["codec"] for r in results):
-        rows = [r for r in results if r["codec"] == codec and "median_s" in r]
+    settings = dict.fromkeys((r["codec"], r.get("aggregator", "clip")) for r in results)
+    for codec, aggregator in settings:
+        rows = [
+            r for r in results if (r["codec"], r.get("aggregator", "clip")) == (codec, aggregator) and "median_s" in r
+        ]
         ks = [r["k"] for r in rows]
-        (line,) = left.plot(ks, [r["median_s"] for r in rows], "o-", label=codec)
+        label = codec if len({a for _, a in settings}) == 1 else f"{codec}, {aggregator}"
+        (line,) = left.plot(ks, [r["median_s"] for r in rows], "o-", label=label)
         left.plot(ks, [r["bound_s"] for r in rows], "--", color=line.get_color(), alpha=0.6)
-        right.plot(ks, [r["ratio"] for r in rows], "o-", label=codec)
+        right.plot(ks, [r["ratio"] for r in rows], "o-", label=label)
     right.axhline(1.0, color="gray", ls=":", label="bound")
     left.set(xlabel="peers k", ylabel="all-reduce time, s (dashed: bound)", title=f"time at {rate:g} Mbit/s per peer")
     right.set(xlabel="peers k", ylabel="measured / bound", title="ratio to 2(k-1)/k · bytes on wire / rate")
@@ -251,9 +259,10 @@ def main() -> int:
         for k in args.ks:
             numel = int(args.numel_k8 if k >= 8 else args.numel)
             for codec in codecs:
-                print(f"k={k} {codec} numel={numel:,}", flush=True)
-                results.append(run_setting(lab, maddr, k, codec, numel, args, folder))
-                print(f"  -> {json.dumps(results[-1])}", flush=True)
+                for aggregator in args.aggregators:
+                    print(f"k={k} {codec} {aggregator} numel={numel:,}", flush=True)
+                    results.append(run_setting(lab, maddr, k, codec, numel, args, folder, aggregator))
+                    print(f"  -> {json.dumps(results[-1])}", flush=True)
         prefix = lab.prefix
     assert not namespaces(prefix), f"namespaces left behind: {namespaces(prefix)}"
     out = Path(args.out)

@@ -1,7 +1,7 @@
 """One peer of bench/allreduce.py: joins the swarm from its lab address and averages a large
 random pseudo-gradient once per "go" line on stdin.
 
-    python bench/allreduce_worker.py MADDR HOST_IP INDEX GROUP CODEC NUMEL RUN_DIR AVERAGING_TIMEOUT_S
+    python bench/allreduce_worker.py MADDR HOST_IP INDEX GROUP CODEC NUMEL RUN_DIR AVERAGING_TIMEOUT_S [AGGREGATOR]
 Prints "ready" once joined; for each "go" prints one JSON line: allreduce_s, bytes_sent,
 bytes_received, group (size), its measured link (bytes/s), sha256 (of the averaged bytes: equal
 on every member), or error.
@@ -21,7 +21,15 @@ from p2p_diloco.swarm import Swarm
 
 
 def main(
-    maddr: str, host: str, index: int, group: int, codec: str, numel: int, run_dir: Path, timeout_s: float
+    maddr: str,
+    host: str,
+    index: int,
+    group: int,
+    codec: str,
+    numel: int,
+    run_dir: Path,
+    timeout_s: float,
+    aggregator: str = "clip",
 ) -> None:
     cfg = config.load(
         None,
@@ -31,6 +39,7 @@ def main(
             "swarm.compression": codec,
             "swarm.matchmaking_time_s": "5",
             "swarm.averaging_timeout_s": str(timeout_s),
+            "swarm.aggregator": aggregator,
             "run.dir": str(run_dir),
         },
     )
@@ -80,4 +89,5 @@ def wait_for_probes(swarm: Swarm) -> dict | None:
 
 if __name__ == "__main__":
     maddr, host, index, group, codec, numel, run_dir, timeout_s = sys.argv[1:9]
-    main(maddr, host, int(index), int(group), codec, int(numel), Path(run_dir), float(timeout_s))
+    aggregator = sys.argv[9] if len(sys.argv) > 9 else "clip"
+    main(maddr, host, int(index), int(group), codec, int(numel), Path(run_dir), float(timeout_s), aggregator)

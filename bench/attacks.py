@@ -32,7 +32,7 @@ ROUNDS = 8
 HONEST = ("a", "b", "c")
 CONFIG = {"run.run_id": "attacks", "run.rounds": str(ROUNDS), **TINY_FIXED_H}
 SENDER_ATTACKS = ["scale:1e4", "flip:10", "zero:1000", "weight:1000", "replay:0"]
-REDUCER_ATTACKS = ["reducer-scale:100", "reducer-random:1"]
+REDUCER_ATTACKS = ["reducer-scale:100", "reducer-random:1", "reducer-mute:0"]
 # (label, settings, runs): "clean..." is a run without an attack, anything else attacker_peer's ATTACK
 PLAN = [
     ("mean", {"swarm.aggregator": "mean"}, ["clean", "scale:1e4", "flip:10", "zero:1000"]),
@@ -46,6 +46,7 @@ PLAN = [
     ("clip, 2 of 5", {"swarm.aggregator": "clip"}, ["clean", "flip:10", "alie:1"]),
     ("mean, 2 of 5", {"swarm.aggregator": "mean"}, ["clean", "alie:1"]),
     ("trimmed-mean, 2 of 5", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10"]),
+    ("centered-clip, 2 of 5", {"swarm.aggregator": "centered-clip"}, ["clean", "flip:10", "alie:1"]),
     ("trimmed-mean", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10", "zero:1000", "weight:1000"]),
     ("centered-clip", {"swarm.aggregator": "centered-clip"}, ["clean", "flip:10", "zero:1000"]),
     # progress reports matter only where rounds end on the swarm's tokens

@@ -99,3 +99,15 @@ def disagreement(
     if error > TOLERANCE * scale + 1e-12:
         return f"an average off by {error:.4g} (norm of the true one: {scale:.4g})"
     return None
+
+
+BENCH_S = 120.0  # a reducer's first unanswered audit: left out of this member's groups this long
+BENCH_MAX_S = 3600.0
+
+
+def bench_s(offences: int) -> float:
+    """How long a reducer is left out after its `offences`-th unanswered audit (1, 2, ...): BENCH_S,
+    doubled at each repeat up to BENCH_MAX_S. Not a conviction (nothing signed says it lied: it may be
+    slow or gone), but a reducer that never answers costs each honest peer one failed round per
+    period, and the periods grow, instead of failing every round."""
+    return min(BENCH_MAX_S, BENCH_S * 2.0 ** max(0, offences - 1))

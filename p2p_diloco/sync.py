@@ -7,6 +7,7 @@ adopting a whole verified state (`Peer.adopt`), never part of one.
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -40,6 +41,7 @@ class StateSync:
     def __init__(self, peer: Peer):
         self.peer = peer
         self.failed_catch_up = -1  # the latest round a catch-up failed to download
+        self.first_seen: dict[str, int] = {}  # peer -> this peer's round when it first read its record
 
     # --- agreement after the outer step ----------------------------------------------------
 
@@ -96,6 +98,8 @@ class StateSync:
 
     def _adopt_majority(self, majority: str, holders: list[str], phase: PhaseResult) -> bool:
         peer = self.peer
+        if not self._vouched(holders, "the group's majority"):
+            return False
         peer.log.warning(
             "digest %s differs from the group's majority %s: reloading its state",
             peer.state.digest()[:12],
@@ -133,8 +137,29 @@ class StateSync:
 
     def _target(self) -> agreement.Reference | None:
         peer = self.peer
-        latest = agreement.latest(peer.swarm.peers().values())
-        return agreement.catch_up_target(latest, peer.state.round, peer.state.digest(), peer.config.swarm.client_mode)
+        records = peer.swarm.peers()
+        self._remember(records)  # every round, before any catch-up: who is known, and since when
+        latest = agreement.latest(records.values())
+        target = agreement.catch_up_target(latest, peer.state.round, peer.state.digest(), peer.config.swarm.client_mode)
+        return target if target is None or self._vouched(target.holders, f"round {target.round}") else None
+
+    def _remember(self, records: Iterable[str]) -> None:
+        for other in records:
+            if other != self.peer.peer_id:
+                self.first_seen.setdefault(other, self.peer.state.round)
+
+    def _vouched(self, holders: Iterable[str], what: str) -> bool:
+        """agreement.vouched, with the peers this one knows from its records; says so if not."""
+        peer = self.peer
+        self._remember(peer.swarm.peers())
+        if agreement.vouched(holders, agreement.known_peers(self.first_seen, peer.state.round)):
+            return True
+        peer.log.warning(
+            "%s is held only by peers first seen in this round (%s): keeping this peer's own state",
+            what,
+            ", ".join(sorted(h[-4:] for h in holders)),
+        )
+        return False
 
     def try_adopt(self, round_: int, digest: str, holders: list[str]) -> bool:
         """Download and adopt a verified state; on failure keep this peer's own and say so.

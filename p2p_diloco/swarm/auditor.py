@@ -7,7 +7,9 @@ signatures, recomputes the combination and compares it with the signed average i
 - A reducer whose average does not match, or that shows a part its sender did not sign, is
   **convicted**: the all-reduce fails (nothing applied, I2), and this member refuses the reducer
   at every door for the rest of the run (`convicted`). The retry of the round forms without it.
-- A reducer that does not answer within AUDIT_TIMEOUT_S fails the round only: it may be slow.
+- A reducer that does not answer within AUDIT_TIMEOUT_S, or answers with too few parts, fails the
+  round and is left out of this member's groups for a while (`audit.bench_s`: 2 minutes, doubled at
+  each repeat): it may be slow or gone, not lying, but it must not fail every round.
 
 A reducer serves the parts of its KEEP_GROUPS latest groups, to members of that group only.
 """
@@ -15,6 +17,7 @@ A reducer serves the parts of its KEEP_GROUPS latest groups, to members of that 
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
@@ -53,6 +56,23 @@ class Audits:
     _cases: dict[str, Case]
     _ask_only_admitted_leaders: Callable[[], None]
     _kept: OrderedDict[bytes, ConsistentAllReduceRunner]
+    _benched: dict[str, tuple[int, float]]  # reducer -> (unanswered audits, left out until: monotonic s)
+
+    def left_out(self, peer: Any) -> str | None:
+        """Why `peer` is kept out of this member's groups (at every door), or None."""
+        if str(peer) in self.convicted:
+            return "it failed an audit as a reducer"
+        offences, until = self._benched.get(str(peer), (0, 0.0))
+        if time.monotonic() < until:
+            return f"it did not answer its audit; left out for {until - time.monotonic():.0f} s more"
+        return None
+
+    def _bench(self, peer: str, reason: str) -> None:
+        offences = self._benched.get(peer, (0, 0.0))[0] + 1
+        period = audit.bench_s(offences)
+        self._benched[peer] = (offences, time.monotonic() + period)
+        logger.warning("reducer %s: %s; left out of this peer's groups for %.0f s", peer, reason, period)
+        self._ask_only_admitted_leaders()
 
     def convicted_peers(self, timeout: float) -> frozenset[str]:
         """The reducers this averager convicted, asked from the host process."""
@@ -91,12 +111,15 @@ class Audits:
         request = await streams.first_request(requests)
         if request is None:
             return
-        for shown in self._shown_for_audit(request, context.remote_id):
+        shown = self._shown_for_audit(request, context.remote_id)
+        if not shown:
+            return  # a refusal ends at once
+        for part in shown:
             yield averaging_pb2.AveragingData(
                 code=averaging_pb2.PART_FOR_AVERAGING,
-                tensor_part=shown.encoded,
-                weight=shown.weight,
-                peer_id=shown.signature,
+                tensor_part=part.encoded,
+                weight=part.weight,
+                peer_id=part.signature,
             )
         await streams.linger(requests)
 
@@ -129,6 +152,8 @@ class Audits:
             j, reason = convictions[0]
             raise ReducerConvicted(f"reducer {runner.ordered_peer_ids[j]} failed the audit: {reason}; nothing applied")
         unanswered = [(j, v[1]) for j, v in zip(reducers, verdicts) if v is not None]
+        for j, reason in unanswered:
+            self._bench(str(runner.ordered_peer_ids[j]), reason)
         if unanswered:
             j, reason = unanswered[0]
             raise AllreduceException(f"reducer {runner.ordered_peer_ids[j]}: {reason}; nothing applied")

@@ -84,6 +84,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         self._signer = signer
         self.convicted: set[str] = set()  # reducers this peer convicted in an audit (auditor.py)
         self._kept: OrderedDict[bytes, ConsistentAllReduceRunner] = OrderedDict()
+        self._benched: dict[str, tuple[int, float]] = {}  # reducers that did not answer an audit (auditor.py)
         self._cases: dict[str, Case] = {}  # convicted reducer -> the case (evidence.py)
         self._aggregation = aggregation  # (robust.Aggregator, clip, weight cap): how this peer reduces
         self._max_share = max_reduce_share  # no member reduces more of the vector than this
@@ -100,11 +101,12 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         return records.certificates_in(found)
 
     async def may_enter(self, peer: Any, door: str) -> bool:
-        """Whether `peer` may come through `door`: not if it was convicted in an audit; otherwise
-        always in open runs, and if admitted in certified ones."""
-        if str(peer) in self.convicted:
+        """Whether `peer` may come through `door`: not if it was convicted in an audit or left out
+        after an unanswered one (auditor.py); otherwise always in open runs, and if admitted in
+        certified ones."""
+        if (reason := self.left_out(peer)) is not None:
             if self._doors is not None:
-                self._doors.log_refusal(str(peer), door, "it failed an audit as a reducer")
+                self._doors.log_refusal(str(peer), door, reason)
             return False
         if self._doors is None or await self._doors.admitted(str(peer)):
             return True
@@ -131,8 +133,8 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """As a leader: a join request from a peer that is not admitted is refused before hivemind
         sees it (its certificate comes with the request, checked against its transport id). A peer
-        this one convicted in an audit is refused too."""
-        if str(context.remote_id) in self.convicted:
+        this one convicted in an audit, or left out after an unanswered one, is refused too."""
+        if self.left_out(context.remote_id) is not None:
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
         if self._doors is not None:
@@ -260,9 +262,9 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         started = time.perf_counter()
         if self._doors is not None:
             self._doors.check_group(group_info, self.serializer)
-        convicted = [str(p) for p in group_info.peer_ids if str(p) in self.convicted]
-        if convicted:  # a leader that let a convicted reducer in: fail the group before a part is sent
-            raise AllreduceException(f"group members {convicted} failed an audit earlier: nothing averaged")
+        left_out = {str(p): why for p in group_info.peer_ids if (why := self.left_out(p)) is not None}
+        if left_out:  # a leader that let a convicted or benched reducer in: fail before a part is sent
+            raise AllreduceException(f"group members left out by this peer's audits: {left_out}; nothing averaged")
         gathered = await super()._aggregate_with_group(_fair(group_info, self.serializer), min_vector_size, **kwargs)
         stats = getattr(self, "_last_runner_stats", {})
         return {"gathered": gathered, "allreduce_s": time.perf_counter() - started, **stats}

@@ -14,7 +14,8 @@ As a sender (its pseudo-gradient, norms and biases included, and the weight it c
                 sends μ − z·σ of the pool, coordinate-wise: a shift hidden inside the spread.
 As a reducer (the span it reduces, for every member, itself included):
 - `reducer-scale:x`   answers x · the true average;
-- `reducer-random:x`  answers random values of x times the true average's scale.
+- `reducer-random:x`  answers random values of x times the true average's scale;
+- `reducer-mute:0`    answers true averages, but no audit (a standing denial of averaging).
 In its progress reports:
 - `progress:x`  reports x times the tokens it trained.
 """
@@ -29,6 +30,7 @@ import torch
 from p2p_diloco import cli
 from p2p_diloco.swarm import Swarm
 from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
+from p2p_diloco.swarm.auditor import Audits
 from p2p_diloco.swarm.heartbeat import Heartbeat
 
 KIND, X = os.environ["ATTACK"].split(":")
@@ -87,6 +89,9 @@ def alie(peer_id: str, round_: int, delta: torch.Tensor, exact) -> tuple:
 
 
 def lie_as_reducer() -> None:
+    if KIND == "reducer-mute":
+        Audits._shown_for_audit = lambda self, request, auditor: []
+        return
     original = ConsistentAllReduceRunner._encode_average
 
     def encode_average(self, part_index, averaged):

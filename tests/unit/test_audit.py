@@ -99,3 +99,29 @@ def test_the_ledger_keeps_only_parts_and_averages_their_signers_signed(keys):
         )
     assert at_x.seed() == at_y.seed()  # both hold the same average: the same audit
     assert isinstance(kx, RSAPrivateKey)
+
+
+def test_a_silent_reducer_is_left_out_for_a_period_that_doubles_up_to_an_hour():
+    assert [audit.bench_s(n) for n in (1, 2, 3, 4)] == [120.0, 240.0, 480.0, 960.0]
+    assert audit.bench_s(6) == 3600.0 and audit.bench_s(50) == 3600.0  # capped, no overflow
+
+
+def test_left_out_names_convictions_and_benches_until_they_expire(monkeypatch):
+    import time as clock
+
+    from p2p_diloco.swarm.auditor import Audits
+
+    audits = object.__new__(Audits)
+    audits.convicted, audits._benched = {"liar"}, {}
+    audits._ask_only_admitted_leaders = lambda: None
+    now = [1000.0]
+    monkeypatch.setattr(clock, "monotonic", lambda: now[0])
+    assert audits.left_out("liar") == "it failed an audit as a reducer"
+    assert audits.left_out("slow") is None
+    audits._bench("slow", "no answer")
+    assert "left out for 120 s more" in audits.left_out("slow")
+    now[0] += 121
+    assert audits.left_out("slow") is None  # served its period
+    audits._bench("slow", "no answer again")
+    now[0] += 121
+    assert "left out for 119 s more" in audits.left_out("slow")  # the second period is 240 s
