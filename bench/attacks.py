@@ -35,6 +35,17 @@ SENDER_ATTACKS = ["scale:1e4", "flip:10", "zero:1000", "weight:1000", "replay:0"
 REDUCER_ATTACKS = ["reducer-scale:100", "reducer-random:1", "reducer-mute:0"]
 # (label, settings, runs): "clean..." is a run without an attack, anything else attacker_peer's ATTACK
 PLAN = [
+    # the default: every attack by 1 of 4
+    (
+        "aligned-clip",
+        {"swarm.aggregator": "aligned-clip"},
+        ["clean", *SENDER_ATTACKS, *REDUCER_ATTACKS, "garbage:0"],
+    ),
+    (
+        "aligned-clip, speed-aware rounds",
+        {"swarm.aggregator": "aligned-clip", "swarm.speed_aware": "true"},
+        ["clean", "progress:1000"],
+    ),
     ("mean", {"swarm.aggregator": "mean"}, ["clean", "scale:1e4", "flip:10", "zero:1000"]),
     ("clip", {"swarm.aggregator": "clip"}, ["clean", "clean (repeat)", *SENDER_ATTACKS]),
     # reducers audited (audit.py): the same clip runs, measured again with the audit in place
@@ -47,6 +58,9 @@ PLAN = [
     ("mean, 2 of 5", {"swarm.aggregator": "mean"}, ["clean", "alie:1"]),
     ("trimmed-mean, 2 of 5", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10"]),
     ("centered-clip, 2 of 5", {"swarm.aggregator": "centered-clip"}, ["clean", "flip:10", "alie:1"]),
+    ("aligned-clip, 2 of 5", {"swarm.aggregator": "aligned-clip"}, ["clean", "flip:10", "alie:1"]),
+    # what a perfect defence against 2 of 5 leaves: the 3 honest peers alone (no attacker runs)
+    ("aligned-clip, 3 honest alone", {"swarm.aggregator": "aligned-clip"}, ["clean"]),
     ("trimmed-mean", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10", "zero:1000", "weight:1000"]),
     ("centered-clip", {"swarm.aggregator": "centered-clip"}, ["clean", "flip:10", "zero:1000"]),
     # progress reports matter only where rounds end on the swarm's tokens
@@ -117,7 +131,8 @@ def main() -> None:
             for name in names:
                 folder = Path(tmp) / f"{label}-{name}".replace(" ", "_").replace(":", "_").replace(",", "")
                 attack = None if name.startswith("clean") else name
-                runs[name] = run(folder, keys, settings, attack, ("m", "n") if "2 of 5" in label else ("m",))
+                attackers = ("m", "n") if "2 of 5" in label else () if "honest alone" in label else ("m",)
+                runs[name] = run(folder, keys, settings, attack, attackers)
                 print(label, name, json.dumps(runs[name]), flush=True)
             clean = runs["clean"]["final_eval_loss"]
             for result in runs.values():

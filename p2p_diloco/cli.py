@@ -89,6 +89,12 @@ def _add_admission_command(sub: _Commands) -> None:
     revoke.add_argument("--folder", default="certs", help="certificates folder; the revocation goes to its revoked/")
     revoke.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the run")
     revoke.add_argument("--wait", type=float, default=60.0, metavar="SECONDS", help="wait this long for peers")
+    convictions = what.add_parser(
+        "convictions", help="who the run's peers convicted in audits, and who says so (through the run's DHT)"
+    )
+    convictions.add_argument("--config", required=True, metavar="RUN_TOML", help="the run's config")
+    convictions.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any peer of the run")
+    convictions.add_argument("--wait", type=float, default=20.0, metavar="SECONDS", help="read for this long at most")
     sign = what.add_parser("sign-config", help="sign the run config; prints the line for its [admission] section")
     sign.add_argument("--key", default="run.key", help="the run key file")
     sign.add_argument("--config", required=True, metavar="RUN_TOML", help="the run's config")
@@ -294,6 +300,8 @@ def cmd_admission(args: argparse.Namespace) -> int:
         return 0
     if args.action == "revoke":
         return _revoke(args, cfg)
+    if args.action == "convictions":
+        return _convictions(args, cfg)
     if args.action == "sign-config":
         signed = admission.sign_config(Path(args.key), cfg.run.run_id, cfg.admission.organiser_key, cfg.fingerprint())
         print(f"config {cfg.fingerprint()} of run {cfg.run.run_id!r} signed; put this in the [admission] section:")
@@ -323,6 +331,26 @@ def _revoke(args: argparse.Namespace, cfg: config_mod.Config) -> int:
         )
         return 1
     print(f"revoked {args.peer_id}: {len(holders)} peer(s) of the run hold the revocation now; copy in {out}")
+    return 0
+
+
+def _convictions(args: argparse.Namespace, cfg: config_mod.Config) -> int:
+    """Each convicted peer, by how many peers convicted it, with the command that revokes it."""
+    from p2p_diloco.swarm.bootstrap import read_convictions
+
+    reach = config_mod.load(args.config, {"swarm.initial_peers": ",".join(args.initial_peers), "swarm.port": "0"})
+    found = read_convictions(reach, args.wait)
+    if not found:
+        print(f"no convictions published in run {cfg.run.run_id!r} (read for up to {args.wait:g} s)")
+        return 0
+    peers = " ".join(args.initial_peers)
+    for accused, by in sorted(found.items(), key=lambda item: (-len(item[1]), item[0])):
+        print(f"{accused}: convicted by {len(by)} peer(s): {', '.join(by)}")
+        reason = f"convicted in audits by {len(by)} peer(s)"
+        print(
+            f"  revoke: p2p-diloco admission revoke --config {args.config} --peer-id {accused} "
+            f'--reason "{reason}" --initial-peers {peers}'
+        )
     return 0
 
 

@@ -137,11 +137,14 @@ class SwarmSection:
     )
     error_feedback: bool = shared(True, "add what the codec failed to send to the next round's pseudo-gradient")
     aggregator: robust.Aggregator = shared(
-        "clip",
+        "aligned-clip",
         "how a reducer combines its span's parts (docs/design.md: robust averaging): mean, clip "
-        "(weights capped, outsized parts clipped), centered-clip or trimmed-mean",
+        "(weights capped, outsized parts clipped), aligned-clip (clip, and parts pointing against the "
+        "coordinate-wise median dropped), centered-clip or trimmed-mean",
     )
-    clip: float = shared(1.0, "clip and centered-clip: a part counts up to this x the median norm of its span's parts")
+    clip: float = shared(
+        1.0, "clip, aligned-clip and centered-clip: a part counts up to this x the median norm of its span's parts"
+    )
     weight_cap: float = shared(2.0, "robust aggregators: a sender's weight counts up to this x the group's median")
     max_reduce_share: float = shared(
         0.5, "no member reduces more than this share of the vector, whatever its measured bandwidth"
@@ -581,7 +584,7 @@ def _validate_swarm(s: SwarmSection) -> None:
         s.aggregator in robust.AGGREGATORS,
         "swarm.aggregator",
         f"must be one of {', '.join(robust.AGGREGATORS)}, got {s.aggregator!r}",
-        "clip is the default",
+        "aligned-clip is the default",
     )
     for name in ("clip", "weight_cap"):
         value = getattr(s, name)

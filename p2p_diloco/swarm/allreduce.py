@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import asyncio
 import math
+from collections import Counter
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
 import torch
@@ -86,15 +87,19 @@ class WireCodec(CompressionBase):
 
 class _Collected:
     """Stands in for hivemind's accumulator tensor: keeps each sender's part and weight of the
-    current part index instead of adding them up, so the reducer can combine them robustly."""
+    current part index instead of adding them up, so the reducer can combine them robustly, in
+    sender order whatever order they arrived in."""
 
-    def __init__(self) -> None:
-        self.parts: list[torch.Tensor] = []
-        self.weights: list[float] = []
+    def __init__(self, sender_of: dict[int, int]) -> None:
+        self.sender_of = sender_of  # id(part) -> sender index, noted by RobustReducer.accumulate_part
+        self.parts: dict[int, tuple[torch.Tensor, float]] = {}  # sender index -> (part, weight)
 
     def add_(self, part: torch.Tensor, alpha: float) -> None:
-        self.parts.append(part)
-        self.weights.append(float(alpha))
+        self.parts[self.sender_of.pop(id(part), -1 - len(self.parts))] = (part, float(alpha))
+
+    def in_sender_order(self) -> tuple[list[int], list[torch.Tensor], list[float]]:
+        senders = sorted(self.parts)
+        return senders, [self.parts[i][0] for i in senders], [self.parts[i][1] for i in senders]
 
 
 class RobustReducer(TensorPartReducer):
@@ -105,23 +110,35 @@ class RobustReducer(TensorPartReducer):
     outer.drop_rate, and so may all of them)."""
 
     aggregation: tuple[robust.Aggregator, float, float] = ("mean", 1.0, 2.0)  # (how, clip, weight cap)
+    sender_of: dict[int, int]
+    fates: Counter  # (sender index, "clipped" or "dropped") -> parts of this span
+
+    def collecting(self) -> None:
+        """Become the reducer of this class (its __class__ is set on hivemind's instance)."""
+        self.sender_of, self.fates = {}, Counter()
+        self.accumulator = _Collected(self.sender_of)
 
     def reset_accumulators(self) -> None:
         super().reset_accumulators()
         if not self.finished.is_set():
-            self.accumulator = _Collected()
+            self.accumulator = _Collected(self.sender_of)
+
+    async def accumulate_part(
+        self, sender_index: int, part_index: int, tensor_part: torch.Tensor, weight: float = 1.0
+    ) -> torch.Tensor:
+        self.sender_of[id(tensor_part)] = sender_index
+        return await super().accumulate_part(sender_index, part_index, tensor_part, weight)
 
     def check_current_part_finished(self) -> None:
         assert self.current_part_accumulated_from <= self.num_current_senders
         if self.current_part_accumulated_from == self.num_current_senders:
-            collected = self.accumulator
+            senders, parts, weights = self.accumulator.in_sender_order()
             how, clip, cap = self.aggregation
-            shape = self.part_shapes[self.current_part_index]
-            result = (
-                robust.aggregate(collected.parts, collected.weights, how, clip, cap)
-                if collected.parts
-                else torch.zeros(shape)
-            )
+            if parts:
+                result, fates = robust.combine(parts, weights, how, clip, cap)
+                self.fates.update((sender, fate) for sender, fate in zip(senders, fates) if fate)
+            else:
+                result = torch.zeros(self.part_shapes[self.current_part_index])
             self.current_part_future.set_result(result)
             self.reset_accumulators()
 
@@ -136,7 +153,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         self.ledger = ledger
         self.tensor_part_reducer.__class__ = RobustReducer  # same state; parts are kept, then combined
         self.tensor_part_reducer.aggregation = aggregation
-        self.tensor_part_reducer.accumulator = _Collected()
+        self.tensor_part_reducer.collecting()
         self.tensor_part_container.return_deltas = False  # results are averages, not deltas
         self.failures: list[str] = []
         self.bytes_sent = 0
@@ -148,6 +165,16 @@ class ConsistentAllReduceRunner(AllReduceRunner):
     @property
     def aggregation(self) -> tuple[robust.Aggregator, float, float]:
         return self.tensor_part_reducer.aggregation
+
+    def fates(self) -> str:
+        """What this member's reduction did to the senders' parts of its span, for the log ('' if
+        nothing): parts clipped to the clip norm, parts dropped for pointing against the median."""
+        by_sender: dict[int, list[str]] = {}
+        for (sender, fate), count in sorted(self.tensor_part_reducer.fates.items()):
+            if 0 <= sender < len(self.sender_peer_ids):
+                by_sender.setdefault(sender, []).append(f"{count} {fate}")
+        total = self.tensor_part_reducer.num_parts
+        return "; ".join(f"{self.sender_peer_ids[s]}: {', '.join(v)} of {total}" for s, v in by_sender.items())
 
     @property
     def codec(self) -> WireCodec:

@@ -97,5 +97,23 @@ def publish_revocation(config: Config, revocation: str, timeout_s: float) -> set
             dht.shutdown()
 
 
+def read_convictions(config: Config, timeout_s: float) -> dict[str, list[str]]:
+    """{accused: accusers} from the run's progress records (records.convicted_by), read from a
+    throwaway client node; empty if none was published within `timeout_s`."""
+    prefix = records.run_prefix(config.run.run_id, config.fingerprint())
+    with tempfile.TemporaryDirectory() as folder:
+        identity = Path(folder) / "organiser-node.key"
+        dht = start_dht(config.swarm, identity, config.swarm.initial_peers, True, [make_validator(identity)])
+        try:
+            deadline = time.monotonic() + timeout_s
+            while True:
+                found = records.convicted_by(records.read_progress(dht, prefix)[1])
+                if found or time.monotonic() >= deadline:
+                    return found
+                time.sleep(1.0)  # a DHT poll interval, bounded by the deadline above
+        finally:
+            dht.shutdown()
+
+
 async def _routing_table_size(_dht: DHT, node: DHTNode) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)

@@ -160,6 +160,17 @@ def _accusations(entries: list[tuple[Any, Any]]) -> dict[str, list[str]]:
     return out
 
 
+def convicted_by(accusations: dict[str, list[str]]) -> dict[str, list[str]]:
+    """{accused: the peers that say they convicted it, sorted}. A peer lists only those it convicted
+    in its own audit or after judging the accuser's signed case again (convictions.py)."""
+    out: dict[str, set[str]] = {}
+    for accuser, accused in accusations.items():
+        for peer in accused:
+            if peer != accuser:
+                out.setdefault(peer, set()).add(accuser)
+    return {peer: sorted(by) for peer, by in out.items()}
+
+
 @dataclass(frozen=True)
 class _Published:
     """A certificate as a peer published it: the JSON text and the peer id it names."""

@@ -13,7 +13,7 @@ all-reduce, after it already answered for its first part.
 With `probe` the peer waits for the probe sweep its all-reduce started and averages again, and
 reports what it measured of the others' links (bytes/s) and the figure it then announced.
 
-With `mean` the reducers take the plain weighted mean (swarm.aggregator), else the default clip.
+With `mean` the reducers take the plain weighted mean (swarm.aggregator), else `clip`.
 
 With `kill-averager` the peer SIGKILLs its own averager process right after handing it the step:
 the averaging process dying under a peer that is waiting for its result.

@@ -1,14 +1,16 @@
-"""A malicious member with real processes: the robust reducer (swarm.aggregator = clip, the
-default) bounds what a blown-up pseudo-gradient does to the honest peers. The full set of attacks
-and aggregators is bench/attacks.py; forged records are tests/swarm/test_identity.py."""
+"""A malicious member with real processes: the robust reducer (swarm.aggregator = aligned-clip,
+the default) bounds what a blown-up pseudo-gradient does to the honest peers, and the audit
+convicts a lying reducer. The full set of attacks and aggregators is bench/attacks.py; forged
+records are tests/swarm/test_identity.py."""
 
 import math
 import re
+import subprocess
 import sys
 
 import pytest
 
-from tests.swarm.conftest import wait_until
+from tests.swarm.conftest import CLI, ENV, wait_until
 
 
 def _honest_pair_against(swarm, attack: str, extra: dict | None = None) -> tuple[dict, dict]:
@@ -58,3 +60,13 @@ def test_a_lying_reducer_is_convicted_in_the_audit_and_the_others_go_on_without_
     assert failed, "no all-reduce failed its audit"
     after = [r for r in a if r > int(failed.group(1))]
     assert after and all(rec.get("group_size", 1) <= 2 for recs in (a, b) for r, rec in recs.items() if r in after)
+    # The organiser sees the conviction, and who vouches for it, in the run's DHT (while the
+    # accusers' progress records live: 30 s after they stopped).
+    liar = re.search(r"convicted reducer (\S+)", swarm.log("a")).group(1)
+    command = [*CLI, "admission", "convictions", "--config", str(swarm.folder / "run.toml")]
+    shown = subprocess.run(
+        [*command, "--initial-peers", swarm.maddr, "--wait", "15"], capture_output=True, text=True, env=ENV, timeout=60
+    )
+    assert shown.returncode == 0, shown.stderr[-2000:]
+    assert re.search(rf"^{liar}: convicted by [12] peer\(s\)", shown.stdout, re.M), shown.stdout
+    assert f"admission revoke --config {swarm.folder / 'run.toml'} --peer-id {liar}" in shown.stdout

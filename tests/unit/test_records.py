@@ -2,7 +2,7 @@
 
 from p2p_diloco.agreement import Reference, latest, majority
 from p2p_diloco.network import RoundRecord
-from p2p_diloco.swarm.records import round_bits, run_prefix
+from p2p_diloco.swarm.records import convicted_by, round_bits, run_prefix
 
 D1, D2 = "a" * 32, "b" * 32
 
@@ -40,3 +40,10 @@ def test_ties_go_to_the_smallest_digest_so_every_peer_picks_the_same():
 def test_keys_separate_runs_configs_and_rounds():
     assert run_prefix("my run.v2", "abc") == "my_run_v2-abc"
     assert round_bits(5) == "0" * 29 + "101" and len({round_bits(r) for r in range(100)}) == 100
+
+
+def test_convictions_are_listed_by_accused_with_who_says_so():
+    accusations = {"a": ["m", "x"], "b": ["m"], "m": ["m", "a"], "c": []}
+    # m "convicting" itself counts for nothing; m accusing a is listed as it is (the organiser
+    # reads how many peers vouch for each, and each accuser judged a signed case first).
+    assert convicted_by(accusations) == {"m": ["a", "b"], "x": ["a"], "a": ["m"]}

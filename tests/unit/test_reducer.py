@@ -8,19 +8,23 @@ import pytest
 import torch
 from hivemind.averaging.partition import TensorPartReducer
 
-from p2p_diloco.swarm.allreduce import RobustReducer, _Collected
+from p2p_diloco.swarm.allreduce import RobustReducer
 
 
-def reduce(parts, weights, aggregation=("mean", 1.0, 2.0)):
-    """Run one reducer over one part per sender, all senders concurrently; every sender's result."""
+def reduce(parts, weights, aggregation=("mean", 1.0, 2.0), order=None, reducer_out=None):
+    """Run one reducer over one part per sender, all senders concurrently (their parts arriving in
+    `order`, else sender order); every sender's result."""
+    order = list(range(len(parts))) if order is None else order
 
     async def main():
         reducer = TensorPartReducer([parts[0].shape], len(parts))
         reducer.__class__ = RobustReducer  # as ConsistentAllReduceRunner does
-        reducer.aggregation, reducer.accumulator = aggregation, _Collected()
-        return await asyncio.gather(
-            *(reducer.accumulate_part(i, 0, p, weight=w) for i, (p, w) in enumerate(zip(parts, weights)))
-        )
+        reducer.aggregation = aggregation
+        reducer.collecting()
+        if reducer_out is not None:
+            reducer_out.append(reducer)
+        results = await asyncio.gather(*(reducer.accumulate_part(i, 0, parts[i], weight=weights[i]) for i in order))
+        return [results[order.index(i)] for i in range(len(parts))]
 
     return asyncio.run(main())
 
@@ -40,7 +44,7 @@ def test_weighted_mean_with_dropped_senders(weights, expected):
         assert result.tolist() == expected
 
 
-@pytest.mark.parametrize("how", ["mean", "clip", "centered-clip", "trimmed-mean"])
+@pytest.mark.parametrize("how", ["mean", "clip", "aligned-clip", "centered-clip", "trimmed-mean"])
 def test_the_reducer_answers_every_sender_the_same_robust_combination(how):
     # One sender x 1e4 with weight x 1000: every sender gets the same bytes (I1); every robust
     # combination keeps the result near the honest parts, the mean does not.
@@ -74,3 +78,16 @@ def test_every_rpc_handler_of_the_averager_streams_as_hivemind_expects():
         request = next(v for k, v in hints.items() if k != "context" and k != "return")
         assert ServicerBase._strip_iterator_hint(request)[1] is stream_in, name
         assert ServicerBase._strip_iterator_hint(hints["return"])[1] is stream_out, name
+
+
+def test_parts_are_combined_in_sender_order_whatever_order_they_arrive_in_and_fates_are_counted():
+    # Two colluders (senders 1 and 3) send -10 x an honest part: aligned-clip drops them (the
+    # coordinate-wise median of the five is (1, 1)) and answers the mean of the honest three.
+    honest = [torch.tensor([1.0, 2.0]), torch.tensor([2.0, 1.0]), torch.tensor([1.0, 1.0])]
+    parts = [honest[0], -10 * honest[0], honest[1], -10 * honest[1], honest[2]]
+    reducers: list = []
+    forward = reduce(parts, [1.0] * 5, ("aligned-clip", 1.0, 2.0), reducer_out=reducers)
+    backward = reduce(parts, [1.0] * 5, ("aligned-clip", 1.0, 2.0), order=[4, 3, 2, 1, 0])
+    assert all(torch.equal(r, forward[0]) for r in forward + backward)  # the same bytes either way
+    torch.testing.assert_close(forward[0], torch.tensor([4 / 3, 4 / 3]))
+    assert reducers[0].fates == {(1, "dropped"): 1, (3, "dropped"): 1}

@@ -57,5 +57,25 @@ def test_centered_clip_ignores_a_far_outlier_among_agreeing_parts():
 
 
 def test_an_unknown_aggregator_is_a_clear_error():
-    with pytest.raises(ValueError, match="choose one of mean, clip, centered-clip, trimmed-mean"):
+    with pytest.raises(ValueError, match="choose one of mean, clip, aligned-clip, centered-clip, trimmed-mean"):
         robust.aggregate([t(1)], [1], "median", 1, 2)
+
+
+def test_aligned_clip_drops_parts_that_point_against_the_coordinate_wise_median():
+    # Three honest parts and two colluders sending -10 x their own. Coordinate-wise lower median of
+    # (1, 2), (2, 1), (1, 1), (-10, -20), (-20, -10): (1, 1). Dot products with it: 3, 3, 2, -30, -30:
+    # the colluders count for nothing, and the rest is clip's mean of the honest three: (4/3, 4/3).
+    honest = [t(1, 2), t(2, 1), t(1, 1)]
+    parts = [*honest, t(-10, -20), t(-20, -10)]
+    assert robust.aligned(parts, [1, 1, 1, 1, 1]) == [1, 1, 1, 0, 0]
+    got = robust.aggregate(parts, [1, 1, 1, 1, 1], "aligned-clip", 1.0, 2.0)
+    torch.testing.assert_close(got, t(4 / 3, 4 / 3))
+    # clip alone lets them pull back: each is scaled to the median norm sqrt(5), not dropped
+    assert float(robust.aggregate(parts, [1] * 5, "clip", 1.0, 2.0).sum()) < 0.5
+    # A zero update with a large weight points nowhere: dropped too; zero weights stay zero.
+    assert robust.aligned([*honest, t(0, 0)], [1, 1, 0, 1000]) == [1, 1, 0, 0]
+    # Without an attacker nothing is dropped: the same bytes as clip.
+    assert torch.equal(
+        robust.aggregate(honest, [1, 1, 1], "aligned-clip", 1.0, 2.0),
+        robust.aggregate(honest, [1, 1, 1], "clip", 1.0, 2.0),
+    )
