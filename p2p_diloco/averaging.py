@@ -3,8 +3,10 @@
 - `Averaged`: the group's all-reduce succeeded; every member holds the same bytes (I1).
 - `Alone`: nobody else reached the round within the matchmaking window (or the peer has no swarm):
   the average of one pseudo-gradient is itself.
-- `Failed`: every attempt at the group's all-reduce failed. Nothing of it was applied (I2): the
-  peer uses its own Δ, and agreement after the outer step brings it back to the group's state.
+- `Failed`: every attempt at the group's all-reduce failed, or its average pointed against this
+  peer's own Δ (`AgainstOwn`: a group whose majority pulls back). Nothing of it was applied (I2):
+  the peer uses its own Δ, and agreement after the outer step brings it back to the group's state
+  (never to a state made with an average that points against its own Δ: sync.py).
 - `Overtaken`: the swarm already published the round's result; averaging alone would only make a
   state nobody else holds, so the peer catches up instead.
 """
@@ -84,6 +86,10 @@ class Overtaken:
 Outcome = Averaged | Alone | Failed | Overtaken
 
 
+class AgainstOwn(AveragingError):
+    """A group's average that points against this peer's own pseudo-gradient."""
+
+
 def average(
     swarm: Swarm,
     config: Config,
@@ -116,6 +122,8 @@ def average(
     )
     if isinstance(result, Overtaken):
         return result
+    if isinstance(result, AgainstOwn):  # the group's own state is not caught up to either
+        return Failed(own, (swarm.peer_id,), alone)
     if not isinstance(result, AllReduced) and swarm.wait_for_round(round_ + 1, 0.0):
         # Averaging alone now would only make a state nobody else holds: catch up instead.
         log.info("the swarm is already past round %d: catching up instead of averaging alone", round_)
@@ -138,7 +146,8 @@ def _with_retries(
     expected: int,
     log: logging.LoggerAdapter,
 ) -> AllReduced | AveragingError | Overtaken | None:
-    """The group's all-reduce; None if nobody else came; the last AveragingError if every attempt failed.
+    """The group's all-reduce; None if nobody else came; the last AveragingError if every attempt
+    failed, or AgainstOwn at once if the average points against this peer's own Δ.
 
     A failed all-reduce applied nothing and left `flat` as it was (I2), so the survivors, who all
     saw the failure, match again for the same round and retry with the same Δ.
@@ -147,7 +156,7 @@ def _with_retries(
     error = AveragingError(f"round {round_}: no attempt")
     for attempt in range(1, attempts + 1):
         try:
-            return swarm.average(
+            got = swarm.average(
                 flat,
                 tokens,
                 round_,
@@ -155,6 +164,10 @@ def _with_retries(
                 expected_group=expected if attempt == 1 else 0,
                 exact=flat_exact,
             )
+            return got if got is None else _not_against_own(got, flat, flat_exact, round_)
+        except AgainstOwn as e:
+            log.warning("%s: using this peer's own pseudo-gradient", e)
+            return e  # not retried, and no state of that group is adopted (sync.StateSync._against_own)
         except AveragingError as e:
             error = e
             # A member whose all-reduce completed publishes the round's result within moments
@@ -166,6 +179,23 @@ def _with_retries(
             more = "retrying among the survivors" if attempt < attempts else "using this peer's own pseudo-gradient"
             log.warning("%s (attempt %d of %d); %s", e, attempt, attempts, more)
     return error
+
+
+def _not_against_own(got: AllReduced, flat: torch.Tensor, flat_exact: torch.Tensor | None, round_: int) -> AllReduced:
+    """The group's average, unless it points against this peer's own Δ (cosine ≤ 0): honest
+    pseudo-gradients point the same way (pairwise cosine about 0.7, bench/delta_alignment.py), so
+    such an average comes from a group whose majority pulls back (attackers that met fewer honest
+    members than themselves). It is not applied (I2): the round goes on as a failed all-reduce."""
+    mine, theirs = {"lossy": flat}, {"lossy": got.delta}
+    if flat_exact is not None and got.exact is not None:
+        mine["exact"], theirs["exact"] = flat_exact, got.exact
+    cosine = outer.cosine(theirs, mine)
+    if cosine <= 0 and outer.norm(mine) > 0:
+        raise AgainstOwn(
+            f"round {round_}: the group's average points against this peer's own pseudo-gradient "
+            f"(cosine {cosine:.2f}); nothing applied"
+        )
+    return got
 
 
 def _unflatten(result: AllReduced, delta: outer.Tensors, lossy: outer.Tensors, exact: outer.Tensors) -> outer.Tensors:

@@ -79,6 +79,25 @@ def norm(tensors: Mapping[str, torch.Tensor]) -> float:
     return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
 
 
+def cosine(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
+    """The cosine of two updates over all their tensors (float64); 0 if either is zero."""
+    dot = sum(float((a[name].double() * b[name].double()).sum()) for name in a)
+    scale = norm(a) * norm(b)
+    return dot / scale if scale > 0 else 0.0
+
+
+def implied_average(theirs: GlobalState, mine: GlobalState, momentum: float, applied: Tensors | None) -> Tensors | None:
+    """The averaged Δ another state's group applied to the round this peer applied `applied` to
+    (or is still at), recovered from the momentum buffers, which every outer step updates as
+    buf ← μ·buf + Δ: from the round's start, Δ = buf' − μ·buf; from the state this peer made of
+    that start with `applied`, Δ = applied + (buf' − buf_mine). None if the rounds do not fit."""
+    if theirs.round == mine.round + 1:
+        return {n: theirs.momentum[n] - momentum * mine.momentum[n] for n in mine.momentum}
+    if theirs.round == mine.round and applied is not None:
+        return {n: applied[n] + theirs.momentum[n] - mine.momentum[n] for n in mine.momentum}
+    return None
+
+
 def check_pseudo_gradient(delta: Tensors, lr_sum: float, weight_decay: float = 0.0) -> float:
     """Raise PseudoGradError unless Δ is finite and its RMS is plausible for the round; return its norm.
 

@@ -133,6 +133,7 @@ class RoundDriver:
         blocked_from = time.perf_counter() if pending.in_background else pending.started
         outcome = pending.join()
         if isinstance(outcome, Overtaken):
+            self.peer.sync.note_round(self.peer.state.round, in_flight.trained.delta)
             self.peer.load_theta()  # the next round starts by catching up with the round's result
             return False
         now = time.perf_counter()
@@ -155,6 +156,7 @@ class RoundDriver:
         seen = agreement.live_at(peer.swarm.peers(), peer.swarm.stale_peers(), r, r + 1)
         expected = agreement.whom_to_wait_for(peer.peer_id, outcome.group, seen)
         oc = peer.config.outer
+        peer.sync.note_round(r, trained.delta, outcome.delta)  # a state offered for r + 1 must agree with it
         peer.state = outer.outer_step(peer.state, outcome.delta, oc.lr, oc.momentum, oc.nesterov)
         peer.load_theta()
         collecting = peer.sync.agree_later(expected, trained.phase) if defer else None

@@ -35,6 +35,16 @@ class Unsettled:
     record: dict[str, Any]  # the round's metrics record, rewritten if the peer adopts another state
 
 
+@dataclass(frozen=True)
+class OwnRound:
+    """This peer's own pseudo-gradient of a round, and the Δ it applied to the round's start (None
+    while it has not): what a state offered for the round's end must not point against."""
+
+    round: int  # the round Δ was trained in: offered states are of round + 1
+    own: outer.Tensors
+    applied: outer.Tensors | None
+
+
 class StateSync:
     """One peer's agreement with its group and catch-up with the swarm."""
 
@@ -42,6 +52,11 @@ class StateSync:
         self.peer = peer
         self.failed_catch_up = -1  # the latest round a catch-up failed to download
         self.first_seen: dict[str, int] = {}  # peer -> this peer's round when it first read its record
+        self.own_round: OwnRound | None = None  # the latest round this peer trained (note_round)
+
+    def note_round(self, round_: int, own: outer.Tensors, applied: outer.Tensors | None = None) -> None:
+        """This peer trained `own` in `round_` (and applied `applied` to the round's start, if it did)."""
+        self.own_round = OwnRound(round_, own, applied)
 
     # --- agreement after the outer step ----------------------------------------------------
 
@@ -175,8 +190,30 @@ class StateSync:
             peer.log.warning("%s; keeping this peer's own state (round %d)", e, peer.state.round)
             return False
         like = peer.state.params
-        peer.adopt(outer.GlobalState(round_, outer.unflatten(theta, like), outer.unflatten(momentum, like)))
+        offered = outer.GlobalState(round_, outer.unflatten(theta, like), outer.unflatten(momentum, like))
+        if (cosine := self._against_own(offered)) is not None:
+            peer.log.warning(
+                "the state of round %d that %s hold was made with an average pointing against this peer's own "
+                "pseudo-gradient (cosine %.2f): keeping this peer's own state",
+                round_,
+                ", ".join(h[-4:] for h in holders),
+                cosine,
+            )
+            return False
+        peer.adopt(offered)
         return True
+
+    def _against_own(self, offered: outer.GlobalState) -> float | None:
+        """The cosine of the average that made `offered` with this peer's own Δ of that round, if ≤ 0.
+        A state of a later round than this peer trained is not checked: it has no Δ of its own there."""
+        noted, mine = self.own_round, self.peer.state
+        if noted is None or offered.round != noted.round + 1:
+            return None
+        implied = outer.implied_average(offered, mine, self.peer.config.outer.momentum, noted.applied)
+        if implied is None:
+            return None
+        cosine = outer.cosine(implied, noted.own)
+        return cosine if cosine <= 0 and outer.norm(noted.own) > 0 else None
 
     def verify_state(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:
         """The digest of a downloaded state, or "malformed" if it does not even have this model's shape."""

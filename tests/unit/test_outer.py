@@ -123,3 +123,19 @@ def test_dropped_pseudo_gradients_follow_the_rate_and_are_reproducible():
     assert draws == [outer.is_dropped(0.5, 0, f"peer{p}", r) for p in range(20) for r in range(100)]
     assert draws != [outer.is_dropped(0.5, 1, f"peer{p}", r) for p in range(20) for r in range(100)]
     assert not any(outer.is_dropped(0.0, 0, f"peer{p}", r) for p in range(20) for r in range(100))
+
+
+def test_the_average_another_group_applied_is_recovered_from_the_momentum_buffers():
+    # One tensor, lr 0.7, μ 0.9, Nesterov. From a state with momentum m, the group applied Δ_b and
+    # this peer Δ_a: their momentum is 0.9·m + Δ_b, ours 0.9·m + Δ_a.
+    m, delta_a, delta_b = torch.tensor([1.0, -2.0]), torch.tensor([0.5, 0.5]), torch.tensor([-3.0, 1.0])
+    start = outer.GlobalState(4, {"w": torch.tensor([10.0, 10.0])}, {"w": m})
+    mine = outer.outer_step(start, {"w": delta_a}, 0.7, 0.9, True)
+    theirs = outer.outer_step(start, {"w": delta_b}, 0.7, 0.9, True)
+    torch.testing.assert_close(outer.implied_average(theirs, start, 0.9, None)["w"], delta_b)  # from the start
+    torch.testing.assert_close(outer.implied_average(theirs, mine, 0.9, {"w": delta_a})["w"], delta_b)  # from ours
+    assert outer.implied_average(theirs, mine, 0.9, None) is None  # ours without what we applied: unknown
+    assert outer.implied_average(outer.outer_step(theirs, {"w": delta_b}, 0.7, 0.9, True), start, 0.9, None) is None
+    # cosine by hand: (0.5·-3 + 0.5·1) / (|(0.5, 0.5)|·|(-3, 1)|) = -1 / (0.7071·3.1623) = -0.4472
+    assert abs(outer.cosine({"w": delta_a}, {"w": delta_b}) - (-1 / (0.5**0.5 * 10**0.5))) < 1e-9
+    assert outer.cosine({"w": delta_a}, {"w": torch.zeros(2)}) == 0.0

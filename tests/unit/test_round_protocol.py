@@ -17,6 +17,7 @@ import torch
 
 from p2p_diloco import checkpoint, config, outer
 from p2p_diloco.errors import AveragingError
+from p2p_diloco.network import AllReduced
 from p2p_diloco.peer import Peer
 from tests.conftest import TINY
 from tests.unit.fake_swarm import ME, FakeSwarm
@@ -308,3 +309,31 @@ def test_a_later_state_held_only_by_ids_first_seen_this_round_is_not_caught_up_t
     assert fake.downloads == [], "nothing is downloaded on the word of fresh ids alone"
     assert "round 5 is held only by peers first seen in this round" in caplog.text
     assert peer.state.round == 3 and [r["round"] for r in records(peer)][-1] == 3
+
+
+def test_an_average_and_a_state_that_point_against_the_own_delta_are_refused(tmp_path, caplog):
+    # Two colluders m1, m2 met this peer without its honest partners: their group's average is
+    # -10 x this peer's Δ, and they publish the state it makes. The peer applies its own Δ instead,
+    # and does not adopt the colluders' state although they are the majority of its group.
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+    # (short deadlines: at the end the peer lingers for the colluders, who hold another state)
+    short = {"run.rounds": "1", "swarm.agreement_timeout_s": "1", "swarm.join_timeout_s": "1"}
+    peer = make_peer(tmp_path, fake, **short)
+    start, theta0 = peer.state, peer.state.params
+
+    def pulled_back(call):
+        sent = sent_delta(fake, theta0)
+        poisoned = outer.outer_step(start, {name: -10 * sent[name] for name in sent}, LR, MU, True)
+        for member in ("m1", "m2"):
+            fake.publish_other(member, poisoned)
+        exact = None if call.exact is None else -10 * call.exact
+        return AllReduced(-10 * call.delta, exact, tuple(sorted((ME, "m1", "m2"))), 0.1, 100, 100)
+
+    fake.script = [pulled_back]
+    run(peer)
+    assert "the group's average points against this peer's own pseudo-gradient (cosine -1.00)" in caplog.text
+    assert "made with an average pointing against this peer's own pseudo-gradient (cosine -1.00)" in caplog.text
+    expected = first_step(theta0, sent_delta(fake, theta0))
+    assert all(torch.allclose(peer.state.params[name], expected[name]) for name in theta0)
+    assert len(fake.calls) == 1, "not retried: the same colluders would answer"
