@@ -58,9 +58,12 @@ PLAN = [
     ("mean, 2 of 5", {"swarm.aggregator": "mean"}, ["clean", "alie:1"]),
     ("trimmed-mean, 2 of 5", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10"]),
     ("centered-clip, 2 of 5", {"swarm.aggregator": "centered-clip"}, ["clean", "flip:10", "alie:1"]),
-    ("aligned-clip, 2 of 5", {"swarm.aggregator": "aligned-clip"}, ["clean", "flip:10", "alie:1"]),
-    # what a perfect defence against 2 of 5 leaves: the 3 honest peers alone (no attacker runs)
-    ("aligned-clip, 3 honest alone", {"swarm.aggregator": "aligned-clip"}, ["clean"]),
+    # "clean, 3 honest alone": no attacker runs at all, what a perfect defence would leave
+    (
+        "aligned-clip, 2 of 5",
+        {"swarm.aggregator": "aligned-clip"},
+        ["clean", "clean, 3 honest alone", "flip:10", "alie:1"],
+    ),
     ("trimmed-mean", {"swarm.aggregator": "trimmed-mean"}, ["clean", "flip:10", "zero:1000", "weight:1000"]),
     ("centered-clip", {"swarm.aggregator": "centered-clip"}, ["clean", "flip:10", "zero:1000"]),
     # progress reports matter only where rounds end on the swarm's tokens
@@ -131,7 +134,7 @@ def main() -> None:
             for name in names:
                 folder = Path(tmp) / f"{label}-{name}".replace(" ", "_").replace(":", "_").replace(",", "")
                 attack = None if name.startswith("clean") else name
-                attackers = ("m", "n") if "2 of 5" in label else () if "honest alone" in label else ("m",)
+                attackers = () if "honest alone" in name else ("m", "n") if "2 of 5" in label else ("m",)
                 runs[name] = run(folder, keys, settings, attack, attackers)
                 print(label, name, json.dumps(runs[name]), flush=True)
             clean = runs["clean"]["final_eval_loss"]

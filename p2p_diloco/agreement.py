@@ -79,11 +79,13 @@ def reference(digests: Mapping[str, str], cannot_serve: set[str]) -> tuple[str, 
 
 
 def vouched(holders: Iterable[str], known: set[str]) -> bool:
-    """Whether a state may be adopted on the word of `holders`: not when every one of them is an id
-    this peer first saw in its current round (a flood of fresh identities in an open run, all
-    claiming one state), unless this peer knows nobody from an earlier round yet (a joiner must
-    trust someone). Identities that wait a round become known: certified runs are the defence
-    against sybils (admission.py); this only stops a flood from taking over at once."""
+    """Whether a later round's state may be caught up to on the word of `holders`: not when every
+    one of them is an id this peer first saw in its current round (a flood of fresh identities in
+    an open run, all claiming one state), unless this peer knows nobody from an earlier round yet
+    (a joiner must trust someone). Same-round majorities (agreement) are not subject to it: early
+    in a run a peer may not have read every member's record yet. Identities that wait a round
+    become known: certified runs are the defence against sybils (admission.py); this only stops a
+    flood from taking over at once."""
     return not known or not set(holders).isdisjoint(known)
 
 

@@ -113,8 +113,6 @@ class StateSync:
 
     def _adopt_majority(self, majority: str, holders: list[str], phase: PhaseResult) -> bool:
         peer = self.peer
-        if not self._vouched(holders, "the group's majority"):
-            return False
         peer.log.warning(
             "digest %s differs from the group's majority %s: reloading its state",
             peer.state.digest()[:12],
@@ -156,7 +154,9 @@ class StateSync:
         self._remember(records)  # every round, before any catch-up: who is known, and since when
         latest = agreement.latest(records.values())
         target = agreement.catch_up_target(latest, peer.state.round, peer.state.digest(), peer.config.swarm.client_mode)
-        return target if target is None or self._vouched(target.holders, f"round {target.round}") else None
+        if target is None or target.round <= peer.state.round:  # a later round than this peer's: vouched for?
+            return target
+        return target if self._vouched(target.holders, f"round {target.round}") else None
 
     def _remember(self, records: Iterable[str]) -> None:
         for other in records:
