@@ -137,10 +137,11 @@ def main() -> None:
                 attackers = () if "honest alone" in name else ("m", "n") if "2 of 5" in label else ("m",)
                 runs[name] = run(folder, keys, settings, attack, attackers)
                 print(label, name, json.dumps(runs[name]), flush=True)
-            clean = runs["clean"]["final_eval_loss"]
-            for result in runs.values():
-                loss = result["final_eval_loss"]
-                result["vs_clean"] = loss / clean - 1 if clean and loss is not None else None
+            for reference, key in (("clean", "vs_clean"), ("clean, 3 honest alone", "vs_3_honest_alone")):
+                base = runs.get(reference, {}).get("final_eval_loss")
+                for result in runs.values() if base else ():
+                    loss = result["final_eval_loss"]
+                    result[key] = loss / base - 1 if loss is not None else None
     out.write_text(json.dumps(results, indent=1) + "\n")
     plot(results)
 
