@@ -6,7 +6,7 @@ downloads the majority's state (I1). A peer that finds the swarm at a later roun
 round's state instead of training a round nobody else is in. This module decides:
 - whom to wait for (`whom_to_wait_for`, `still_waiting`);
 - what the majority is, with the tie-break every peer computes the same way (`majority`, `reference`);
-- adopt or keep (`should_adopt`, `catch_up_target`, `moved_on`), and on whose word (`vouched`);
+- adopt or keep (`should_adopt`, `catch_up_target`, `moved_on`);
 - which holders to download from (`download_sources`).
 sync.py carries the decisions out; the `Swarm` (network.py) only reads and writes.
 
@@ -76,22 +76,6 @@ def reference(digests: Mapping[str, str], cannot_serve: set[str]) -> tuple[str, 
     counted = {p: d for p, d in digests.items() if p not in cannot_serve} or dict(digests)
     winner = majority(counted)
     return winner, sorted(p for p, d in digests.items() if d == winner and p not in cannot_serve)
-
-
-def vouched(holders: Iterable[str], known: set[str]) -> bool:
-    """Whether a later round's state may be caught up to on the word of `holders`: not when every
-    one of them is an id this peer first saw in its current round (a flood of fresh identities in
-    an open run, all claiming one state), unless this peer knows nobody from an earlier round yet
-    (a joiner must trust someone). Same-round majorities (agreement) are not subject to it: early
-    in a run a peer may not have read every member's record yet. Identities that wait a round
-    become known: certified runs are the defence against sybils (admission.py); this only stops a
-    flood from taking over at once."""
-    return not known or not set(holders).isdisjoint(known)
-
-
-def known_peers(first_seen: Mapping[str, int], my_round: int) -> set[str]:
-    """The peers this one first saw before its current round."""
-    return {p for p, seen in first_seen.items() if seen < my_round}
 
 
 def should_adopt(mine: str, majority_digest: str) -> bool:

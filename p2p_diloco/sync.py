@@ -7,7 +7,6 @@ adopting a whole verified state (`Peer.adopt`), never part of one.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -51,7 +50,6 @@ class StateSync:
     def __init__(self, peer: Peer):
         self.peer = peer
         self.failed_catch_up = -1  # the latest round a catch-up failed to download
-        self.first_seen: dict[str, int] = {}  # peer -> this peer's round when it first read its record
         self.own_round: OwnRound | None = None  # the latest round this peer trained (note_round)
 
     def note_round(self, round_: int, own: outer.Tensors, applied: outer.Tensors | None = None) -> None:
@@ -150,31 +148,8 @@ class StateSync:
 
     def _target(self) -> agreement.Reference | None:
         peer = self.peer
-        records = peer.swarm.peers()
-        self._remember(records)  # every round, before any catch-up: who is known, and since when
-        latest = agreement.latest(records.values())
-        target = agreement.catch_up_target(latest, peer.state.round, peer.state.digest(), peer.config.swarm.client_mode)
-        if target is None or target.round <= peer.state.round:  # a later round than this peer's: vouched for?
-            return target
-        return target if self._vouched(target.holders, f"round {target.round}") else None
-
-    def _remember(self, records: Iterable[str]) -> None:
-        for other in records:
-            if other != self.peer.peer_id:
-                self.first_seen.setdefault(other, self.peer.state.round)
-
-    def _vouched(self, holders: Iterable[str], what: str) -> bool:
-        """agreement.vouched, with the peers this one knows from its records; says so if not."""
-        peer = self.peer
-        self._remember(peer.swarm.peers())
-        if agreement.vouched(holders, agreement.known_peers(self.first_seen, peer.state.round)):
-            return True
-        peer.log.warning(
-            "%s is held only by peers first seen in this round (%s): keeping this peer's own state",
-            what,
-            ", ".join(sorted(h[-4:] for h in holders)),
-        )
-        return False
+        latest = agreement.latest(peer.swarm.peers().values())
+        return agreement.catch_up_target(latest, peer.state.round, peer.state.digest(), peer.config.swarm.client_mode)
 
     def try_adopt(self, round_: int, digest: str, holders: list[str]) -> bool:
         """Download and adopt a verified state; on failure keep this peer's own and say so.

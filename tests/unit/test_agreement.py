@@ -258,14 +258,3 @@ def test_a_peer_defers_to_another_config_only_when_nobody_runs_its_own():
     # Several others: the most live peers, then the smallest fingerprint.
     assert agreement.config_to_defer_to("cccc", {"aaaa": 2, "bbbb": 4, "dddd": 4}) == "bbbb"
     assert agreement.config_to_defer_to("cccc", {}) is None
-
-
-def test_a_state_held_only_by_ids_first_seen_this_round_is_not_adopted():
-    # Peer at round 5 saw a and b from round 2 on, and s1, s2 (a flood of fresh ids) only now.
-    first_seen = {"a": 2, "b": 2, "s1": 5, "s2": 5}
-    known = agreement.known_peers(first_seen, 5)
-    assert known == {"a", "b"}
-    assert not agreement.vouched(["s1", "s2"], known)  # only fresh ids: keep own state
-    assert agreement.vouched(["s1", "s2", "b"], known)  # one known holder is enough
-    assert agreement.vouched(["s1"], set())  # a joiner knows nobody yet: it must trust someone
-    assert agreement.known_peers(first_seen, 6) == {"a", "b", "s1", "s2"}  # a round later they are known

@@ -290,27 +290,6 @@ def test_peers_in_lockstep_end_every_round_on_the_states_they_published(tmp_path
     assert [r["digest"] for r in records(peer)] == [r.digest for r in fake.published]
 
 
-def test_a_later_state_held_only_by_ids_first_seen_this_round_is_not_caught_up_to(tmp_path, caplog):
-    # p1 averages with the peer from round 0 on; during round 1, three fresh ids publish a round-5
-    # state (a sybil flood in an open run). At round 2 the peer knows p1, and nobody among them.
-    caplog.set_level(logging.INFO)
-    fake = FakeSwarm()
-    peer = make_peer(tmp_path, fake, **{"run.rounds": "3"})
-    flood = moved(peer.state, 0.5, 5)
-    in_lockstep = fake.group("p1")
-
-    def flooded(call):
-        for sybil in ("s1", "s2", "s3"):
-            fake.publish_other(sybil, flood)
-        return in_lockstep(call)
-
-    fake.script = [in_lockstep, flooded, in_lockstep]
-    run(peer)
-    assert fake.downloads == [], "nothing is downloaded on the word of fresh ids alone"
-    assert "round 5 is held only by peers first seen in this round" in caplog.text
-    assert peer.state.round == 3 and [r["round"] for r in records(peer)][-1] == 3
-
-
 def test_an_average_and_a_state_that_point_against_the_own_delta_are_refused(tmp_path, caplog):
     # Two colluders m1, m2 met this peer without its honest partners: their group's average is
     # -10 x this peer's Δ, and they publish the state it makes. The peer applies its own Δ instead,
