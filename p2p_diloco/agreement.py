@@ -6,6 +6,8 @@ downloads the majority's state (I1). A peer that finds the swarm at a later roun
 round's state instead of training a round nobody else is in. This module decides:
 - whom to wait for (`whom_to_wait_for`, `still_waiting`);
 - what the majority is, with the tie-break every peer computes the same way (`majority`, `reference`);
+- the swarm's state, backed by at least half of the live peers (`backed`), and whether this
+  peer ran ahead of it (`runs_ahead`);
 - adopt or keep (`should_adopt`, `catch_up_target`, `moved_on`);
 - which holders to download from (`download_sources`).
 sync.py carries the decisions out; the `Swarm` (network.py) only reads and writes.
@@ -83,31 +85,67 @@ def should_adopt(mine: str, majority_digest: str) -> bool:
     return majority_digest != mine
 
 
-def latest(records: Iterable[RoundRecord]) -> Reference | None:
-    """The swarm's latest state: the highest round published by a peer that serves its state, with
-    the digest most of them hold there (ties: the smallest). None if no such peer is known."""
-    serving = [r for r in records if r.serves]
-    if not serving:
+def counted(records: Mapping[str, RoundRecord], stale: set[str], fresh: set[str]) -> set[str]:
+    """The peers whose records count in the swarm's state: live (heartbeat fresh), and not an
+    identity this peer first saw only moments ago (`fresh`: a flood of new ids cannot outvote
+    the peers it knows; see the threat model)."""
+    return set(records) - stale - fresh
+
+
+def backed(
+    records: Mapping[str, RoundRecord], counted: set[str], me: str, mine: RoundRecord | None = None
+) -> Reference | None:
+    """The swarm's state: the latest (round, digest) that at least half of the counted peers hold,
+    this peer counted too, as `mine` (default: its own record, if any). None if no state has that
+    backing. Two states of one round with half each: the smallest digest, as `majority`.
+    Client-mode peers count only while no peer that serves its state does (as in `reference`).
+
+    A peer catches up only to a backed state, so f < k/2 attackers who claim a later round, with
+    a state they serve and that verifies, move nobody (threat model): one peer is one vote."""
+    voters = {p: r for p, r in records.items() if p in counted and p != me}
+    if (mine := mine or records.get(me)) is not None:
+        voters[me] = mine
+    voters = {p: r for p, r in voters.items() if r.serves} or voters
+    counts = Counter((r.round, r.digest) for r in voters.values())
+    states = [state for state, n in counts.items() if 2 * n >= len(voters)]
+    if not states:
         return None
-    top = max(r.round for r in serving)
-    digest = majority({r.peer: r.digest for r in serving if r.round == top})
-    return Reference(top, digest, tuple(sorted(r.peer for r in serving if r.round == top and r.digest == digest)))
+    top = max(r for r, _ in states)
+    digest = min(d for r, d in states if r == top)
+    holders = sorted(p for p, r in voters.items() if r.serves and (r.round, r.digest) == (top, digest))
+    return Reference(top, digest, tuple(holders))
 
 
-def catch_up_target(swarm_latest: Reference | None, my_round: int, my_digest: str, me_client: bool) -> Reference | None:
+def runs_ahead(
+    swarm_state: Reference | None, records: Mapping[str, RoundRecord], counted: set[str], my_round: int, mine: str
+) -> bool:
+    """Whether this peer, at `my_round` with digest `mine`, is ahead of the swarm without its
+    backing: its state is not the backed one, and some counted peer that serves its state is at
+    an earlier round. Such
+    a peer waits for the others to reach its round (bounded) before it trains the next one: a
+    peer that ran ahead alone (a resume from a later checkpoint than the others', a round the
+    others' group failed) rejoins the majority at its round instead of splitting the swarm."""
+    if swarm_state is not None and (swarm_state.round, swarm_state.digest) == (my_round, mine):
+        return False
+    if swarm_state is not None and swarm_state.round > my_round:
+        return False
+    return any(records[p].round < my_round and records[p].serves for p in counted if p in records)
+
+
+def catch_up_target(swarm_state: Reference | None, my_round: int, my_digest: str, me_client: bool) -> Reference | None:
     """The state to download before the next round, or None to keep this peer's own.
 
-    A later round, or the same round with another majority digest, is downloaded. An earlier
-    one is not, except by a client-mode peer: it follows the reachable peers even when it ran
-    ahead of them alone.
+    `swarm_state` is the backed state (`backed`). A later round, or the same round with another
+    digest, is downloaded; none that no peer can serve. An earlier one is not, except by a
+    client-mode peer: it follows the reachable peers even when it ran ahead of them alone.
     """
-    if swarm_latest is None:
+    if swarm_state is None or not swarm_state.holders:
         return None
-    if swarm_latest.round == my_round and swarm_latest.digest == my_digest:
+    if swarm_state.round == my_round and swarm_state.digest == my_digest:
         return None
-    if swarm_latest.round < my_round and not me_client:
+    if swarm_state.round < my_round and not me_client:
         return None
-    return swarm_latest
+    return swarm_state
 
 
 def moved_on(failed: Reference, now: Reference | None) -> bool:

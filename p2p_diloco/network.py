@@ -108,8 +108,14 @@ class Swarm(Protocol):
         """Peers whose heartbeat stopped: dead, hung or asleep. Nobody waits for them."""
         ...
 
+    def fresh_peers(self) -> set[str]:
+        """Ids this peer first saw only moments ago, well after it started: they do not count in
+        the swarm's state yet (agreement.counted)."""
+        ...
+
     def wait_for_round(self, round_: int, timeout: float) -> bool:
-        """Whether a peer that serves its state publishes round `round_` (or later) within `timeout` s."""
+        """Whether the swarm's backed state (agreement.backed) reaches round `round_` (or later)
+        within `timeout` s, with a peer that serves it."""
         ...
 
     def wait_for_digests(self, round_: int, expected: tuple[str, ...]) -> dict[str, str]:
@@ -125,7 +131,7 @@ class Swarm(Protocol):
         ...
 
     def swarm_round(self) -> int | None:
-        """The latest round a peer that serves its state has published, as last heard."""
+        """The round of the swarm's backed state (agreement.backed) as last heard, if a peer serves it."""
         ...
 
     def average(
@@ -179,6 +185,9 @@ class Solo:
         return {}
 
     def stale_peers(self) -> set[str]:
+        return set()
+
+    def fresh_peers(self) -> set[str]:
         return set()
 
     def wait_for_round(self, round_: int, timeout: float) -> bool:

@@ -153,7 +153,7 @@ class RoundDriver:
         """
         peer, r = self.peer, self.peer.state.round
         # Who should agree on the round's result: the group, and every live peer that was at this round.
-        seen = agreement.live_at(peer.swarm.peers(), peer.swarm.stale_peers(), r, r + 1)
+        seen = agreement.live_at(peer.swarm.peers(), peer.swarm.stale_peers() | peer.swarm.fresh_peers(), r, r + 1)
         expected = agreement.whom_to_wait_for(peer.peer_id, outcome.group, seen)
         oc = peer.config.outer
         peer.sync.note_round(r, trained.delta, outcome.delta)  # a state offered for r + 1 must agree with it

@@ -7,6 +7,7 @@ adopting a whole verified state (`Peer.adopt`), never part of one.
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
@@ -15,11 +16,13 @@ import torch
 from p2p_diloco import agreement, outer
 from p2p_diloco.errors import StateDownloadError
 from p2p_diloco.inner import PhaseResult
+from p2p_diloco.network import RoundRecord
 from p2p_diloco.pending import Pending
 
 if TYPE_CHECKING:
     from p2p_diloco.peer import Peer
 
+POLL_S = 0.5  # how often a peer that runs ahead of the swarm reads the others' records
 CATCH_UP_ATTEMPTS = 3  # downloads of a catch-up whose holders moved on to a later round meanwhile
 
 
@@ -147,9 +150,37 @@ class StateSync:
         return False
 
     def _target(self) -> agreement.Reference | None:
+        """The backed state to catch up to, if any. A peer ahead of the swarm's backed state waits
+        first, at most swarm.agreement_timeout_s, for the others to reach its round
+        (`agreement.runs_ahead`): then agreement at that round decides whose state goes on."""
         peer = self.peer
-        latest = agreement.latest(peer.swarm.peers().values())
-        return agreement.catch_up_target(latest, peer.state.round, peer.state.digest(), peer.config.swarm.client_mode)
+        wait = peer.config.swarm.agreement_timeout_s
+        deadline = time.monotonic() + wait
+        target, ahead = self._look()
+        if ahead:
+            peer.log.info(
+                "round %d: this peer's state is not backed by half of the live peers and some are at earlier "
+                "rounds: waiting up to %g s for them to reach its round",
+                peer.state.round,
+                wait,
+            )
+        while ahead and time.monotonic() < deadline:
+            time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
+            target, ahead = self._look()
+        if ahead:
+            peer.log.info("nobody else reached round %d within %g s: going on", peer.state.round, wait)
+        return target
+
+    def _look(self) -> tuple[agreement.Reference | None, bool]:
+        """(the backed state to catch up to, or None; whether this peer runs ahead of the swarm)."""
+        peer = self.peer
+        seen = peer.swarm.peers()
+        counted = agreement.counted(seen, peer.swarm.stale_peers(), peer.swarm.fresh_peers())
+        client, round_, digest = peer.config.swarm.client_mode, peer.state.round, peer.state.digest()
+        mine = RoundRecord(peer.peer_id, round_, digest, 0, 0.0, serves=not client)
+        swarm_state = agreement.backed(seen, counted, peer.peer_id, mine)
+        target = agreement.catch_up_target(swarm_state, round_, digest, client)
+        return target, target is None and agreement.runs_ahead(swarm_state, seen, counted, round_, digest)
 
     def try_adopt(self, round_: int, digest: str, holders: list[str]) -> bool:
         """Download and adopt a verified state; on failure keep this peer's own and say so.

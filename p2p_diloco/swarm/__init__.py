@@ -130,6 +130,9 @@ class Swarm:
     def stale_peers(self) -> set[str]:
         return self.heartbeat.stale_peers()
 
+    def fresh_peers(self) -> set[str]:
+        return self.heartbeat.fresh_peers()
+
     def swarm_round(self) -> int | None:
         return self.heartbeat.swarm_round()
 
@@ -191,11 +194,14 @@ class Swarm:
         return {p: r for p, r in found.items() if p in admitted}
 
     def wait_for_round(self, round_: int, timeout: float) -> bool:
-        """Whether a peer that serves its state publishes round `round_` (or later) within `timeout` s."""
+        """Whether the swarm's backed state (agreement.backed) reaches round `round_` (or later)
+        within `timeout` s, with a peer that serves it."""
         deadline = time.monotonic() + timeout
         while True:
-            latest = agreement.latest(self.peers().values())
-            if latest is not None and latest.round >= round_:
+            seen = self.peers()
+            counted = agreement.counted(seen, self.stale_peers(), self.fresh_peers())
+            latest = agreement.backed(seen, counted, self.peer_id)
+            if latest is not None and latest.holders and latest.round >= round_:
                 return True
             if time.monotonic() > deadline:
                 return False

@@ -14,6 +14,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
+from p2p_diloco import agreement
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress, SwarmProgress, swarm_progress
 from p2p_diloco.swarm import records
@@ -24,6 +25,9 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 1.0  # how often a peer publishes its progress and reads everyone's
 STALE_S = 10.0  # a peer whose progress report is older than this no longer counts in the round
+# An id first seen this long after this peer started is new to it for this long: it does not count
+# in the swarm's state (agreement.counted) until then. The peers a starting peer finds are known.
+FRESH_S = 120.0
 
 
 class Heartbeat:
@@ -39,6 +43,8 @@ class Heartbeat:
         self._my_progress: Progress | None = None
         self._reports: list[Progress] = []
         self._rounds_seen: dict[str, RoundRecord] = {}
+        self._started = time.time()
+        self._first_seen: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="swarm-heartbeat", daemon=True)
 
@@ -77,6 +83,8 @@ class Heartbeat:
         admitted = self.gate.admitted({r.peer for r in reports} | set(rounds_seen))
         self._reports = [r for r in reports if r.peer in admitted]
         self._rounds_seen = {p: r for p, r in rounds_seen.items() if p in admitted}
+        for p in admitted:
+            self._first_seen.setdefault(p, now)
 
     def published(self, record: RoundRecord) -> None:
         """This peer just published `record`: refresh it from now on; a new round has no tokens yet."""
@@ -101,7 +109,14 @@ class Heartbeat:
         now = time.time()
         return {r.peer for r in self._reports if now - r.time > STALE_S}
 
+    def fresh_peers(self) -> set[str]:
+        """Ids first seen less than FRESH_S ago, and more than FRESH_S after this peer started."""
+        now = time.time()
+        return {p for p, t in self._first_seen.items() if t - self._started > FRESH_S and now - t < FRESH_S}
+
     def swarm_round(self) -> int | None:
-        """The latest round a peer that serves its state has published, as of the last beat."""
-        served = [r.round for r in self._rounds_seen.values() if r.serves and r.peer not in self.gate.convicted]
-        return max(served) if served else None
+        """The round of the swarm's backed state (agreement.backed), as of the last beat."""
+        seen = {p: r for p, r in self._rounds_seen.items() if p not in self.gate.convicted}
+        counted = agreement.counted(seen, self.stale_peers(), self.fresh_peers())
+        state = agreement.backed(seen, counted, self.peer_id, self._last_record)
+        return None if state is None or not state.holders else state.round

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p_diloco import outer
+from p2p_diloco import agreement, outer
 from p2p_diloco.errors import StateDownloadError
 from p2p_diloco.network import AllReduced, RoundRecord, ServedState, StateCheck
 from p2p_diloco.rounds import SwarmProgress
@@ -46,10 +46,13 @@ class FakeSwarm:
     records: dict[str, RoundRecord] = field(default_factory=dict)
     states: dict[str, ServedState] = field(default_factory=dict)
     stale: set[str] = field(default_factory=set)
+    fresh: set[str] = field(default_factory=set)
     agreeing: set[str] = field(default_factory=set)
     ahead: int | None = None  # what swarm_round() says while a phase trains (a swarm that went on)
     on_progress: Callable[[int, int], None] | None = None  # called with (round, tokens) as the peer reports
     on_download: Callable[[int], None] | None = None  # called with the round the peer asks for
+    on_read: Callable[[int], None] | None = None  # called with the count of the peer's reads of peers()
+    reads: int = 0
     calls: list[Call] = field(default_factory=list)
     results: list[AllReduced | None] = field(default_factory=list)
     published: list[RoundRecord] = field(default_factory=list)
@@ -95,6 +98,9 @@ class FakeSwarm:
             self.published.append(RoundRecord(self.peer_id, round_, digest, tokens, loss))
 
     def peers(self) -> dict[str, RoundRecord]:
+        self.reads += 1
+        if self.on_read is not None:
+            self.on_read(self.reads)
         with self._lock:
             if not self.published:
                 return dict(self.records)
@@ -109,8 +115,13 @@ class FakeSwarm:
     def stale_peers(self) -> set[str]:
         return set(self.stale)
 
+    def fresh_peers(self) -> set[str]:
+        return set(self.fresh)
+
     def wait_for_round(self, round_: int, timeout: float) -> bool:
-        return any(r.serves and r.round >= round_ for r in self.records.values())
+        seen = self.peers()
+        state = agreement.backed(seen, agreement.counted(seen, self.stale, self.fresh), self.peer_id)
+        return state is not None and bool(state.holders) and state.round >= round_
 
     def wait_for_digests(self, round_: int, expected: tuple[str, ...]) -> dict[str, str]:
         return {p: r.digest for p, r in self.peers().items() if p in expected and r.round == round_}

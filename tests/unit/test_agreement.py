@@ -152,28 +152,98 @@ def test_a_peer_that_holds_the_majority_keeps_its_state():
     assert agreement.should_adopt(A, A) is False
 
 
-# latest
+# counted, backed: the swarm's state is what at least half of the counted peers hold
 
 
-def test_latest_is_the_highest_serving_round_with_its_majority_digest_and_sorted_holders():
-    rs = [rec("p3", 5, B), rec("p1", 5, B), rec("p2", 5, A), rec("p4", 4, C)]
-    assert agreement.latest(rs) == Reference(5, B, ("p1", "p3"))
+def test_stale_and_fresh_peers_do_not_count():
+    rs = records(rec("p1", 5, A), rec("p2", 5, A), rec("p3", 9, C), rec("p4", 9, C))
+    assert agreement.counted(rs, stale={"p2"}, fresh={"p3"}) == {"p1", "p4"}
 
 
-def test_latest_tie_at_the_top_round_goes_to_the_smallest_digest():
-    rs = [rec("p1", 7, B), rec("p2", 7, A), rec("p3", 6, A), rec("p4", 6, A)]
-    assert agreement.latest(rs) == Reference(7, A, ("p2",))
+def test_one_attacker_claiming_a_later_round_backs_nothing_among_four():
+    # me + p1 + p2 at (5, A), the attacker m at (9, C): 3 of 4 hold (5, A), 1 of 4 holds (9, C)
+    rs = records(rec("p1", 5, A), rec("p2", 5, A), rec("m", 9, C))
+    mine = rec("me", 5, A)
+    assert agreement.backed(rs, {"p1", "p2", "m"}, "me", mine) == Reference(5, A, ("me", "p1", "p2"))
 
 
-def test_latest_ignores_client_mode_records():
+def test_two_colluders_among_five_back_nothing_either():
+    rs = records(rec("p1", 5, A), rec("p2", 5, A), rec("m", 9, C), rec("n", 9, C))
+    assert agreement.backed(rs, set(rs), "me", rec("me", 5, A)).round == 5  # 2 of 5 < half
+
+
+def test_a_joiner_follows_the_state_half_of_the_swarm_holds():
+    # the joiner at round 0 and two peers at (5, A): 2 of 3 voters hold it
+    rs = records(rec("p1", 5, A), rec("p2", 5, A))
+    assert agreement.backed(rs, set(rs), "j", rec("j", 0, B)) == Reference(5, A, ("p1", "p2"))
+
+
+def test_of_two_peers_each_backs_itself_and_the_later_round_wins():
+    rs = records(rec("p1", 6, B))
+    assert agreement.backed(rs, {"p1"}, "me", rec("me", 5, A)) == Reference(6, B, ("p1",))
+
+
+def test_two_halves_of_one_round_go_to_the_smallest_digest():
+    rs = records(rec("p1", 5, B), rec("p2", 5, B), rec("p3", 5, A))
+    assert agreement.backed(rs, set(rs), "me", rec("me", 5, A)) == Reference(5, A, ("me", "p3"))
+
+
+def test_three_peers_at_three_rounds_back_nothing():
+    rs = records(rec("p1", 7, A), rec("p2", 6, B))
+    assert agreement.backed(rs, set(rs), "me", rec("me", 5, C)) is None
+
+
+def test_a_sybil_flood_of_fresh_ids_is_not_counted():
+    rs = records(rec("p1", 5, A), *(rec(f"s{i}", 9, C) for i in range(5)))
+    assert agreement.backed(rs, {"p1"}, "me", rec("me", 5, A)) == Reference(5, A, ("me", "p1"))
+
+
+def test_without_a_state_given_this_peers_own_record_votes():
+    rs = records(rec("me", 5, A), rec("p1", 5, A), rec("m", 6, C))
+    assert agreement.backed(rs, {"p1", "m"}, "me") == Reference(5, A, ("me", "p1"))
+    assert agreement.backed(records(rec("p1", 6, C)), {"p1"}, "me") == Reference(6, C, ("p1",))
+
+
+def test_clients_count_only_while_no_serving_peer_does():
     # the client is at a later round, and its digest would win round 5 too: neither counts
-    rs = [rec("p1", 5, A), rec("p2", 9, C, serves=False), rec("p3", 5, C, serves=False), rec("p4", 5, C, serves=False)]
-    assert agreement.latest(rs) == Reference(5, A, ("p1",))
+    rs = records(rec("p1", 5, A), rec("p2", 9, C, serves=False), rec("p3", 5, C, serves=False))
+    assert agreement.backed(rs, set(rs), "me") == Reference(5, A, ("p1",))
+    # a client follows the reachable peer: its own state does not vote
+    assert agreement.backed(rs, set(rs), "p3", rec("p3", 5, C, serves=False)) == Reference(5, A, ("p1",))
+    only_clients = records(rec("p2", 5, C, serves=False))
+    assert agreement.backed(only_clients, {"p2"}, "me") == Reference(5, C, ())
 
 
-def test_latest_is_none_when_no_peer_serves():
-    assert agreement.latest([]) is None
-    assert agreement.latest([rec("p1", 3, A, serves=False)]) is None
+# runs_ahead
+
+
+def test_a_peer_alone_ahead_of_the_backed_state_runs_ahead():
+    rs = records(rec("p1", 5, B), rec("p2", 5, B))
+    state = agreement.backed(rs, set(rs), "me", rec("me", 6, A))
+    assert state == Reference(5, B, ("p1", "p2"))
+    assert agreement.runs_ahead(state, rs, set(rs), 6, A) is True
+
+
+def test_a_peer_whose_state_is_backed_does_not_run_ahead():
+    rs = records(rec("p1", 6, A), rec("p2", 5, B))
+    assert agreement.runs_ahead(Reference(6, A, ("me", "p1")), rs, set(rs), 6, A) is False
+
+
+def test_a_peer_behind_the_backed_state_catches_up_instead():
+    rs = records(rec("p1", 6, B), rec("p2", 6, B))
+    assert agreement.runs_ahead(Reference(6, B, ("p1", "p2")), rs, set(rs), 5, A) is False
+
+
+def test_with_nothing_backed_only_peers_with_someone_behind_them_wait():
+    rs = records(rec("p1", 7, A), rec("p2", 6, B), rec("p3", 5, C))
+    assert agreement.runs_ahead(None, rs, set(rs), 7, A) is True
+    assert agreement.runs_ahead(None, rs, set(rs), 5, C) is False
+
+
+def test_peers_behind_that_do_not_count_or_cannot_serve_are_not_waited_for():
+    rs = records(rec("p1", 5, B), rec("p2", 4, B, serves=False))
+    assert agreement.runs_ahead(None, rs, {"p2"}, 6, A) is False
+    assert agreement.runs_ahead(None, rs, set(), 6, A) is False
 
 
 # catch_up_target
@@ -202,9 +272,10 @@ def test_a_client_follows_the_reachable_peers_even_to_an_earlier_round():
     assert agreement.catch_up_target(ref, 5, A, True) is ref
 
 
-def test_no_target_when_the_swarm_has_no_latest_state():
+def test_no_target_when_the_swarm_has_no_backed_state_or_nobody_serves_it():
     assert agreement.catch_up_target(None, 5, A, False) is None
     assert agreement.catch_up_target(None, 5, A, True) is None
+    assert agreement.catch_up_target(Reference(6, B, ()), 5, A, False) is None
 
 
 # download_sources

@@ -1,6 +1,6 @@
 """DHT records from other peers are untrusted: malformed ones are dropped; majorities are deterministic."""
 
-from p2p_diloco.agreement import Reference, latest, majority
+from p2p_diloco.agreement import majority
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.swarm.records import convicted_by, round_bits, run_prefix
 
@@ -24,12 +24,6 @@ def test_parse_keeps_good_records_and_drops_malformed_ones():
         {**good, "peer": "x" * 500},
     ]:
         assert RoundRecord.parse(bad) is None, bad
-
-
-def test_latest_majority_takes_the_highest_round_and_its_most_common_digest():
-    recs = [rec("p1", 4, D2), rec("p2", 5, D1), rec("p3", 5, D2), rec("p4", 5, D1)]
-    assert latest(recs) == Reference(5, D1, ("p2", "p4"))
-    assert latest([]) is None
 
 
 def test_ties_go_to_the_smallest_digest_so_every_peer_picks_the_same():

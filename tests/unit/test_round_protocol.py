@@ -26,10 +26,10 @@ LR, MU = 0.7, 0.9  # the paper's outer step, the config's default
 TOKENS = 2 * 4 * 32  # H x batch x seq_len of the tiny run
 
 
-def make_peer(tmp_path, fake: FakeSwarm | None, **overrides: str) -> Peer:
+def make_peer(tmp_path, fake: FakeSwarm | None, resume: bool = False, **overrides: str) -> Peer:
     options = {**TINY, "run.dir": str(tmp_path / "run"), "swarm.speed_aware": "false", **overrides}
     cfg = config.load(None, options)
-    return Peer(cfg) if fake is None else Peer(cfg, join=lambda *args: fake)
+    return Peer(cfg, resume) if fake is None else Peer(cfg, resume, join=lambda *args: fake)
 
 
 def run(peer: Peer, stop: threading.Event | None = None) -> Peer:
@@ -316,3 +316,60 @@ def test_an_average_and_a_state_that_point_against_the_own_delta_are_refused(tmp
     expected = first_step(theta0, sent_delta(fake, theta0))
     assert all(torch.allclose(peer.state.params[name], expected[name]) for name in theta0)
     assert len(fake.calls) == 1, "not retried: the same colluders would answer"
+
+
+def lockstep(fake: FakeSwarm, *others: str):
+    """A group step with `others`, who from then on hold whatever this peer holds."""
+
+    def step(call):
+        for other in others:
+            fake.records.pop(other, None)
+        return fake.group(*others)(call)
+
+    return step
+
+
+def test_a_peer_that_claims_a_later_round_with_a_state_it_serves_moves_nobody(tmp_path, caplog):
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "2"})
+    for other in ("p1", "p2"):
+        fake.publish_other(other, peer.state)
+    fake.publish_other("m", moved(peer.state, 5.0, 50))  # it verifies, but it is one peer's vote of 4
+    fake.script = [lockstep(fake, "p1", "p2"), lockstep(fake, "p1", "p2")]
+    run(peer)
+    assert fake.downloads == [], "nobody downloads the state only the attacker holds"
+    assert [c.round for c in fake.calls] == [0, 1]
+    assert peer.state.round == 2 and "caught up" not in caplog.text
+
+
+@pytest.mark.parametrize("they_come", [True, False])
+def test_a_peer_ahead_of_the_swarm_alone_waits_for_it_then_takes_its_state(tmp_path, caplog, they_come):
+    caplog.set_level(logging.INFO)
+    settings = {"run.rounds": "2", "swarm.agreement_timeout_s": "1"}
+    run(make_peer(tmp_path, None, **settings))  # alone; then its last checkpoint is lost
+    (tmp_path / "run" / "checkpoints" / "round-000002.pt").unlink()
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, resume=True, **settings)
+    assert peer.state.round == 1
+    theirs = moved(peer.state, 0.01, 1)
+    for other in ("p1", "p2"):  # the others resumed from round 0: they train round 0 again
+        fake.publish_other(other, moved(peer.state, 0.02, 0))
+
+    def they_finish_round_0(reads):  # once this peer waits for them
+        if they_come and "waiting up to" in caplog.text and "p1" not in fake.agreeing:
+            for other in ("p1", "p2"):
+                fake.publish_other(other, theirs)
+
+    fake.on_read = they_finish_round_0
+    fake.script = [lockstep(fake, "p1", "p2")]
+    run(peer)
+    assert "waiting up to 1 s for them to reach its round" in caplog.text
+    if they_come:
+        assert fake.downloads == [(1, theirs.digest(), ["p1", "p2"])]
+        assert "caught up with the swarm at round 1" in caplog.text
+        assert records(peer)[-2]["digest"] == theirs.digest()
+    else:
+        assert "nobody else reached round 1 within 1 s: going on" in caplog.text
+        assert fake.downloads == []
+    assert [c.round for c in fake.calls] == [1] and peer.state.round == 2
