@@ -31,10 +31,21 @@ HERE = Path(__file__).resolve().parent
 ROUNDS = 8
 HONEST = ("a", "b", "c")
 CONFIG = {"run.run_id": "attacks", "run.rounds": str(ROUNDS), **TINY_FIXED_H}
+# Runs whose settings differ from their label's (the same identities and shards: one invocation)
+RUN_SETTINGS = {"clean, mean": {"swarm.aggregator": "mean"}, "clean, clip": {"swarm.aggregator": "clip"}}
+STATE_ATTACKS = ["state-malformed:0", "state-huge:20", "state-tamper:0"]
 SENDER_ATTACKS = ["scale:1e4", "flip:10", "zero:1000", "weight:1000", "replay:0"]
 REDUCER_ATTACKS = ["reducer-scale:100", "reducer-random:1", "reducer-mute:0"]
 # (label, settings, runs): "clean..." is a run without an attack, anything else attacker_peer's ATTACK
 PLAN = [
+    # no attacker: the default against the plain mean (target: within 1 %)
+    ("no attacker", {}, ["clean", "clean, mean", "clean, clip"]),
+    # forged round records (a later round, with a state the attacker serves and that verifies)
+    # and a faked link figure, by an admitted member
+    ("aligned-clip, records and links", {}, ["clean", "ahead:1", "ahead:50", "link:1000"]),
+    # peer c joins after round 2 and catches up; the attacker's id sorts first among the holders,
+    # so c asks it first (a malformed state, a state 20 x the model's size, a tampered one)
+    ("aligned-clip, a late joiner and bad state servers", {}, ["clean", *STATE_ATTACKS]),
     # the default: every attack by 1 of 4
     (
         "aligned-clip",
@@ -44,7 +55,7 @@ PLAN = [
     (
         "aligned-clip, speed-aware rounds",
         {"swarm.aggregator": "aligned-clip", "swarm.speed_aware": "true"},
-        ["clean", "progress:1000"],
+        ["clean", "progress:1000", "progress-inf:0"],
     ),
     ("mean", {"swarm.aggregator": "mean"}, ["clean", "scale:1e4", "flip:10", "zero:1000"]),
     ("clip", {"swarm.aggregator": "clip"}, ["clean", "clean (repeat)", *SENDER_ATTACKS]),
@@ -71,17 +82,22 @@ PLAN = [
 ]
 
 
-def run(folder: Path, keys: dict[str, Path], settings: dict[str, str], attack: str | None, attackers=("m",)) -> dict:
-    """One run: the honest peers a, b, c and `attackers`, who lie with `attack` (None: honest)."""
+def run(
+    folder: Path, keys: dict[str, Path], settings: dict[str, str], attack: str | None, attackers=("m",), late=None
+) -> dict:
+    """One run: the honest peers a, b, c and `attackers`, who lie with `attack` (None: honest);
+    the honest peer `late` (if any) starts once a finished round 2, and catches up."""
     started = time.monotonic()
     with LocalSwarm(folder, {**CONFIG, **settings}) as lab:
-        for name in HONEST:
-            lab.start(name, {"swarm.identity_path": str(keys[name])})
-        for name in attackers:
-            lab.start(name, {"swarm.identity_path": str(keys[name])}, attack=attack)
+        for name in (*(p for p in HONEST if p != late), *attackers):
+            lab.start(name, {"swarm.identity_path": str(keys[name])}, attack=attack if name in attackers else None)
+        if late is not None:
+            lab.wait(lambda: max(lab.records("a"), default=0) >= 2, 600, "a finishes round 2")
+            lab.start(late, {"swarm.identity_path": str(keys[late])})
         lab.wait(lambda: all(not lab.running(p) for p in HONEST), 900, "honest peers finish")
         exits = {p: lab.procs[p].returncode for p in HONEST}
         recs = {p: lab.records(p) for p in HONEST}
+        logs = {p: (folder / f"{p}.log").read_text(errors="replace") for p in HONEST}
     rounds = sorted(set.intersection(*(set(r) for r in recs.values())))
     finals = [recs[p].get(ROUNDS, {}).get("eval_loss") for p in HONEST]
     losses = [x for x in finals if isinstance(x, (int, float)) and math.isfinite(x)]
@@ -96,8 +112,17 @@ def run(folder: Path, keys: dict[str, Path], settings: dict[str, str], attack: s
         "excluded_from_round": _excluded_from(recs["a"], rounds, len(HONEST) + len(attackers)),
         "allreduce_s_median": _median_allreduce(recs["a"], rounds),
         "eval_loss": [recs["a"][n].get("eval_loss") for n in rounds],
+        "catch_ups": {p: logs[p].count("caught up with the swarm") for p in HONEST},
+        "refused_states": {p: _refused(logs[p]) for p in HONEST},
+        "waits_ahead": {p: logs[p].count("waiting up to") for p in HONEST},
         "wall_s": round(time.monotonic() - started, 1),
     }
+
+
+def _refused(log: str) -> int:
+    """States a peer refused from one server (swarm.download_state logs each), or kept its own over."""
+    marks = ("state download from", "rejected the state offered by", "keeping this peer's own state")
+    return sum(1 for line in log.splitlines() if any(mark in line for mark in marks))
 
 
 def _excluded_from(recs: dict[int, dict], rounds: list[int], everyone: int) -> int | None:
@@ -116,7 +141,7 @@ def _median_allreduce(recs: dict[int, dict], rounds: list[int]) -> float | None:
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--only", help="one label's runs (e.g. clip)")
+    parser.add_argument("--only", action="append", help="one label's runs (e.g. clip); may be repeated")
     parser.add_argument("--plot", action="store_true", help="only draw the plot from the results file")
     args = parser.parse_args()
     out = HERE / "results" / "attacks.json"
@@ -125,25 +150,45 @@ def main() -> None:
     results = json.loads(out.read_text()) if args.only and out.exists() else {}
     results.update({"machine": platform.processor() or platform.machine(), "rounds": ROUNDS})
     with tempfile.TemporaryDirectory() as tmp:
-        # The same four identities in every run: the same data shards, so runs differ only by the attack.
-        keys = {name: Path(tmp) / "keys" / f"{name}.key" for name in (*HONEST, "m", "n")}
+        keys = identities(Path(tmp) / "keys")
         for label, settings, names in PLAN:
-            if args.only and label != args.only:
+            if args.only and label not in args.only:
                 continue
             runs = results[label] = {}
             for name in names:
                 folder = Path(tmp) / f"{label}-{name}".replace(" ", "_").replace(":", "_").replace(",", "")
                 attack = None if name.startswith("clean") else name
                 attackers = () if "honest alone" in name else ("m", "n") if "2 of 5" in label else ("m",)
-                runs[name] = run(folder, keys, settings, attack, attackers)
+                late = "c" if "late joiner" in label else None
+                runs[name] = run(folder, keys, {**settings, **RUN_SETTINGS.get(name, {})}, attack, attackers, late)
                 print(label, name, json.dumps(runs[name]), flush=True)
-            for reference, key in (("clean", "vs_clean"), ("clean, 3 honest alone", "vs_3_honest_alone")):
-                base = runs.get(reference, {}).get("final_eval_loss")
-                for result in runs.values() if base else ():
-                    loss = result["final_eval_loss"]
-                    result[key] = loss / base - 1 if loss is not None else None
+            compare(runs)
     out.write_text(json.dumps(results, indent=1) + "\n")
     plot(results)
+
+
+def identities(folder: Path) -> dict[str, Path]:
+    """The same five identities in every run: the same data shards, so runs differ only by the
+    attack. The attacker m's id sorts before a's and b's, so a peer that catches up asks it first
+    (holders are asked in id order)."""
+    from p2p_diloco.swarm.identity import peer_id_of  # imports hivemind: only here
+
+    keys = {name: folder / f"{name}.key" for name in (*HONEST, "m", "n")}
+    while peer_id_of(keys["m"]) > min(peer_id_of(keys["a"]), peer_id_of(keys["b"])):
+        keys["m"].unlink()
+    return keys
+
+
+def compare(runs: dict[str, dict]) -> None:
+    """Each run against its label's references: held-out loss, and seconds of wall time lost."""
+    for reference, key in (("clean", "vs_clean"), ("clean, 3 honest alone", "vs_3_honest_alone")):
+        base = runs.get(reference, {}).get("final_eval_loss")
+        for result in runs.values() if base else ():
+            loss = result["final_eval_loss"]
+            result[key] = loss / base - 1 if loss is not None else None
+    clean = runs.get("clean", {}).get("wall_s")
+    for result in runs.values() if clean else ():
+        result["seconds_lost"] = round(result["wall_s"] - clean, 1)
 
 
 def plot(results: dict) -> None:

@@ -212,8 +212,11 @@ class Swarm:
         heartbeat stopped is not waited for) or swarm.agreement_timeout_s."""
         deadline = time.monotonic() + self.config.swarm.agreement_timeout_s
         while True:
-            found = {p: r.digest for p, r in self.peers().items() if p in expected and r.round == round_}
-            if not agreement.still_waiting(expected, found, self.stale_peers()) or time.monotonic() > deadline:
+            seen = self.peers()
+            found = {p: r.digest for p, r in seen.items() if p in expected and r.round == round_}
+            # One record per peer: one already past the round will never show its digest of it.
+            past = {p for p, r in seen.items() if r.round > round_}
+            if not agreement.still_waiting(expected, found, self.stale_peers() | past) or time.monotonic() > deadline:
                 return found
             time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
 
@@ -269,11 +272,13 @@ class Swarm:
         for peer in from_peers:
             try:
                 got = self.averager.download_state_from(peer, timeout=self.config.swarm.join_timeout_s)
-            except Exception as e:  # a dead, slow or refusing peer: try the next one
+            except Exception as e:  # a dead, slow, refusing or misbehaving peer: try the next one
                 problems.append(f"{peer[-6:]}: {type(e).__name__} {str(e)[:80]}")
+                logger.warning("state download from %s failed: %s", peer, problems[-1])
                 continue
             if got is None:
                 problems.append(f"{peer[-6:]}: sent nothing")
+                logger.warning("state download from %s failed: it sent no state", peer)
                 continue
             metadata, tensors = got
             actual = verify(metadata, tensors)

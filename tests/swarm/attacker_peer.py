@@ -17,21 +17,33 @@ As a reducer (the span it reduces, for every member, itself included):
 - `reducer-random:x`  answers random values of x times the true average's scale;
 - `reducer-mute:0`    answers true averages, but no audit (a standing denial of averaging).
 In its progress reports:
-- `progress:x`  reports x times the tokens it trained.
+- `progress:x`      reports x times the tokens it trained;
+- `progress-inf:0`  reports infinite tokens at an infinite rate (written raw into its record).
+In its round records and the states it serves:
+- `ahead:x`     publishes every round as x rounds later, with the digest of a state of its own
+                making (θ negated, momentum zero) that it serves and that verifies.
+As a server of its state to peers that catch up (it trains and publishes honestly):
+- `state-malformed:0`  metadata whose round is not a number;
+- `state-huge:x`       a state x times the model's size (a stream without end, to the downloader);
+- `state-tamper:0`     θ + 1e-3 (it does not hash to the digest it published).
+In link probes:
+- `link:x`      announces x times the link figure it measured (10 Gbit/s before it measured one).
 """
 
 import os
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
-from p2p_diloco import cli
-from p2p_diloco.swarm import Swarm
+from p2p_diloco import cli, outer, peer
+from p2p_diloco.swarm import Swarm, records
 from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
 from p2p_diloco.swarm.auditor import Audits
 from p2p_diloco.swarm.heartbeat import Heartbeat
+from p2p_diloco.swarm.step import AveragingStep
 
 KIND, X = os.environ["ATTACK"].split(":")
 X = float(X)
@@ -113,12 +125,78 @@ def lie_about_progress() -> None:
     Heartbeat.report_progress = report_progress
 
 
+def lie_about_progress_without_bounds() -> None:
+    original = records.publish_progress
+
+    def publish_progress(dht, validator, prefix, report, convicted=()):
+        infinite = replace(report, tokens=float("inf"), tokens_per_s=float("inf"))
+        return original(dht, validator, prefix, infinite, convicted)
+
+    records.publish_progress = publish_progress
+
+
+def lie_about_rounds() -> None:
+    me: list[peer.Peer] = []
+    original_init, original_publish = peer.Peer.__init__, Swarm.publish_round
+
+    def init(self, *args, **kwargs):
+        me.append(self)
+        original_init(self, *args, **kwargs)
+
+    def made_up() -> outer.GlobalState:
+        state = me[0].state
+        negated = {name: -t for name, t in state.params.items()}
+        return outer.GlobalState(state.round + int(X), negated, {name: t * 0 for name, t in state.params.items()})
+
+    def publish_round(self, round_, digest, tokens, loss):
+        lie = made_up()
+        return original_publish(self, lie.round, lie.digest(), tokens, loss)
+
+    def serve_state(self):
+        lie = made_up()
+        return {"round": lie.round, "digest": lie.digest()}, [outer.flatten(lie.params), outer.flatten(lie.momentum)]
+
+    peer.Peer.__init__, Swarm.publish_round, peer.Peer.serve_state = init, publish_round, serve_state
+
+
+def serve_bad_states() -> None:
+    honest = peer.Peer.serve_state
+
+    def serve_state(self):
+        metadata, (theta, momentum) = honest(self)
+        if KIND == "state-malformed":
+            return {**metadata, "round": "many"}, [theta, momentum]
+        if KIND == "state-huge":
+            return metadata, [theta.repeat(int(X)), momentum.repeat(int(X))]
+        return metadata, [theta + 1e-3, momentum]
+
+    peer.Peer.serve_state = serve_state
+
+
+def lie_about_the_link() -> None:
+    original = AveragingStep._link_report
+
+    def link_report(self):
+        figure, seen = original(self)
+        return (1e10 if figure is None else figure * X), seen
+
+    AveragingStep._link_report = link_report
+
+
 if KIND in ("scale", "flip", "zero", "weight", "replay", "alie", "garbage"):
     lie_as_sender()
 elif KIND.startswith("reducer-"):
     lie_as_reducer()
 elif KIND == "progress":
     lie_about_progress()
+elif KIND == "progress-inf":
+    lie_about_progress_without_bounds()
+elif KIND == "ahead":
+    lie_about_rounds()
+elif KIND == "link":
+    lie_about_the_link()
+elif KIND.startswith("state-"):
+    serve_bad_states()
 else:
     raise SystemExit(f"unknown ATTACK {KIND!r}")
 
