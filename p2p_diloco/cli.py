@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import signal
 import sys
 import threading
 from collections.abc import Sequence
+from typing import Any, NoReturn
 
+from p2p_diloco import __version__
 from p2p_diloco import config as config_mod
 from p2p_diloco.errors import P2PDilocoError
 
@@ -39,10 +42,34 @@ def _metavar(typ: type) -> str:
 _Commands = argparse._SubParsersAction  # what add_subparsers returns; add_parser adds one command
 
 
+class _Parser(argparse.ArgumentParser):
+    """argparse without prefix matching (`--inner.step` is not `--inner.steps`), and with the
+    nearest known option suggested for an unknown one."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
+
+    def error(self, message: str) -> NoReturn:
+        unknown = [word.split("=")[0] for word in message.split() if word.startswith("--")]
+        for option in unknown:
+            near = difflib.get_close_matches(option, sorted(self._every_option()), n=1, cutoff=0.75)
+            if near:
+                message += f" (did you mean {near[0]}?)"
+        super().error(message)
+
+    def _every_option(self) -> set[str]:
+        found = {o for action in self._actions for o in action.option_strings}
+        for action in self._actions:
+            if isinstance(action, argparse._SubParsersAction):
+                for sub in action.choices.values():
+                    found |= sub._every_option() if isinstance(sub, _Parser) else set()
+        return found
+
+
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="p2p-diloco", description="Peer-to-peer, serverless DiLoCo training of language models."
-    )
+    parser = _Parser(prog="p2p-diloco", description="Peer-to-peer, serverless DiLoCo training of language models.")
+    parser.add_argument("--version", action="version", version=f"p2p-diloco {__version__}")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     # the order of the commands is the order `p2p-diloco --help` lists them in
     _add_peer_command(sub)
@@ -171,6 +198,12 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     setup_logging(cfg.log.level)
+    if args.config is None:
+        print(
+            f"no --config given: run {cfg.run.run_id!r} with the built-in defaults (model preset {cfg.model.preset}, "
+            f"{cfg.run.rounds} rounds); to join an organiser's run, pass --config with its run.toml",
+            file=sys.stderr,
+        )
     stop = threading.Event()
     peer = Peer(cfg, resume=args.resume)
     _install_stop_handlers(stop)  # after Peer(): hivemind's averager resets SIGINT when it starts

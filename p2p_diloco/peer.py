@@ -187,6 +187,27 @@ class Peer:
             self.record_start()
             self.save()
         self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
+        self._say_whom_it_joined()
+
+    def _say_whom_it_joined(self) -> None:
+        """One line: the swarm this peer found, or that it found none (a solo peer says nothing)."""
+        if self.swarm.solo:
+            return
+        others = {p: r.round for p, r in self.swarm.peers().items() if p != self.peer_id}
+        if not others:
+            self.log.info(
+                "no other peer of run %r found yet: training from round %d, averaging with peers as they come",
+                self.config.run.run_id,
+                self.state.round,
+            )
+            return
+        rounds = sorted(set(others.values()))
+        self.log.info(
+            "joined the swarm of run %r: %d other peer(s), at round %s",
+            self.config.run.run_id,
+            len(others),
+            ", ".join(map(str, rounds[-3:])),
+        )
 
     def record_start(self) -> None:
         """The metrics record of the state this peer starts from: θ(0), or the round it caught up to."""
@@ -304,8 +325,11 @@ class Peer:
 
     def log_round(self, record: dict[str, Any]) -> None:
         evaluated = f", held-out loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+        size = record.get("group_size", 1)
+        group = "" if self.swarm.solo else " (averaged alone)" if size == 1 else f" (group of {size})"
         self.log.info(
-            "round done: train loss %.4f%s, %s tokens at %s tok/s, |delta| %.3g, digest %s",
+            "round done%s: train loss %.4f%s, %s tokens at %s tok/s, |delta| %.3g, digest %s",
+            group,
             record["train_loss"],
             evaluated,
             f"{record['tokens']:,}",

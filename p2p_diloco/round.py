@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 # A speed-aware peer runs at most this many times H steps in one round: the share of a fast peer in
 # a swarm of slow ones (which the round's token budget already bounds) and a guard against a bug.
 MAX_ROUND_SHARE = 16
+ALONE_WARN = 3  # a swarm peer that averaged alone this many rounds in a row says so, every round
 
 
 @dataclass(frozen=True)
@@ -73,6 +74,7 @@ class RoundDriver:
         self.in_flight: InFlight | None = None  # the all-reduce in flight (overlapped rounds)
         self.last: LastRound | None = None
         self.unsettled: Unsettled | None = None  # an agreement settled one phase late
+        self.alone = 0  # rounds in a row this swarm peer averaged alone and kept its own state
 
     def run_round(self, stop: threading.Event) -> bool:
         """One round: commits a new state, metrics record and checkpoint, or (if stopped) changes nothing durable.
@@ -160,8 +162,8 @@ class RoundDriver:
         peer.state = outer.outer_step(peer.state, outcome.delta, oc.lr, oc.momentum, oc.nesterov)
         peer.load_theta()
         collecting = peer.sync.agree_later(expected, trained.phase) if defer else None
-        if not defer:
-            peer.sync.agree(expected, trained.phase)
+        adopted = not defer and peer.sync.agree(expected, trained.phase)
+        self.alone = self.alone + 1 if len(outcome.group) == 1 and not adopted else 0
         record = self._record(trained, outcome, started)
         peer.metrics.append(record)
         if collecting is not None:
@@ -169,6 +171,15 @@ class RoundDriver:
         peer.save()
         peer.log.round = peer.state.round
         peer.log_round(record)
+        if self.alone >= ALONE_WARN and not peer.swarm.solo:
+            peer.log.warning(
+                "no other peer of run %r at round %d: %d rounds in a row alone. Is the bootstrap node up, and are "
+                "this peer's run id and config the organiser's? (`p2p-diloco config --config run.toml` prints "
+                "the fingerprint to compare)",
+                peer.config.run.run_id,
+                r,
+                self.alone,
+            )
 
     def _record(self, trained: Trained, outcome: Applied, started: float) -> dict[str, Any]:
         """The round's metrics record; adds the round to the peer's totals."""
@@ -183,6 +194,8 @@ class RoundDriver:
         }
         if self.phases.speed_aware:
             record["swarm_peers"] = self.phases.view.peers if self.phases.view else 1
+        if not peer.swarm.solo:
+            record["alone_rounds"] = self.alone
         record["wall_s"] = time.perf_counter() - started
         return record
 

@@ -108,9 +108,24 @@ def test_baseline_refuses_what_cannot_run(tmp_path):
     assert not run_dir.exists()
 
 
-def test_unknown_option_is_refused():
+def test_unknown_option_is_refused_with_the_nearest_one_and_no_prefix_is_taken(capsys):
     result = run_cli("peer", "--inner.lrr=1")
-    assert result.returncode == 2 and "unrecognized arguments: --inner.lrr=1" in result.stderr
+    assert (
+        result.returncode == 2 and "unrecognized arguments: --inner.lrr=1 (did you mean --inner.lr?)" in result.stderr
+    )
+    # argparse would take a prefix of one option for it: `--inner.step 5` set inner.steps
+    with pytest.raises(SystemExit) as stopped:
+        main_in_process(capsys, "peer", "--inner.step", "5")
+    assert stopped.value.code == 2
+    assert "unrecognized arguments: --inner.step 5 (did you mean --inner.steps?)" in capsys.readouterr().err
+
+
+def test_version(capsys):
+    from p2p_diloco import __version__
+
+    with pytest.raises(SystemExit) as stopped:
+        main_in_process(capsys, "--version")
+    assert stopped.value.code == 0 and capsys.readouterr().out == f"p2p-diloco {__version__}\n"
 
 
 @pytest.fixture(scope="module")

@@ -47,3 +47,15 @@ def test_the_project_points_to_nothing_outside_itself():
     outside = re.compile(r"\.\./shared|shared/(DESIGN|STYLE)\.md|\b(DESIGN|STYLE)\.md|STYLE rule")
     offenders = [str(p.relative_to(ROOT)) for p in sources if p != Path(__file__) and outside.search(p.read_text())]
     assert not offenders, offenders
+
+
+def test_the_readme_status_the_package_and_version_agree():
+    import tomllib
+
+    from p2p_diloco import __version__
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["version"]
+    status = re.search(r"\*\*Status \(v(\d+\.\d+)\)\.\*\*", README)
+    assert status, "README lost its status line"
+    assert declared.startswith(status.group(1) + "."), (declared, status.group(1))
+    assert __version__ in (declared, "unknown"), "reinstall: pip install -e ."
