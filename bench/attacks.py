@@ -42,7 +42,7 @@ PLAN = [
     ("no attacker", {}, ["clean", "clean, mean", "clean, clip"]),
     # forged round records (a later round, with a state the attacker serves and that verifies)
     # and a faked link figure, by an admitted member
-    ("aligned-clip, records and links", {}, ["clean", "ahead:1", "ahead:50", "link:1000"]),
+    ("aligned-clip, records and links", {}, ["clean", "clean, 3 honest alone", "ahead:1", "ahead:50", "link:1000"]),
     # peer c joins after round 2 and catches up; the attacker's id sorts first among the holders,
     # so c asks it first (a malformed state, a state 20 x the model's size, a tampered one)
     ("aligned-clip, a late joiner and bad state servers", {}, ["clean", *STATE_ATTACKS]),

@@ -99,6 +99,7 @@ def backed(
     this peer counted too, as `mine` (default: its own record, if any). None if no state has that
     backing. Two states of one round with half each: the smallest digest, as `majority`.
     Client-mode peers count only while no peer that serves its state does (as in `reference`).
+    Every counted peer votes; only the peers that made a state back it (`RoundRecord.copied`).
 
     A peer catches up only to a backed state, so f < k/2 attackers who claim a later round, with
     a state they serve and that verifies, move nobody (threat model): one peer is one vote."""
@@ -106,7 +107,10 @@ def backed(
     if (mine := mine or records.get(me)) is not None:
         voters[me] = mine
     voters = {p: r for p, r in voters.items() if r.serves} or voters
-    counts = Counter((r.round, r.digest) for r in voters.values())
+    # A state counts the peers that made it by their own outer step, not those that copied it: an
+    # honest peer that caught up to an attacker's state (in the seconds after a start, when it
+    # saw nobody else yet) must not become the attacker's second vote.
+    counts = Counter((r.round, r.digest) for r in voters.values() if not r.copied)
     states = [state for state, n in counts.items() if 2 * n >= len(voters)]
     if not states:
         return None

@@ -44,6 +44,7 @@ class RoundRecord:
     loss: float
     addrs: tuple[str, ...] = ()  # where the peer listens (its multiaddrs), for operators and dashboards
     serves: bool = True  # False for client-mode peers: nobody can connect to them to download a state
+    copied: bool = False  # the peer holds this state by download (catch-up, agreement), not by its own outer step
 
     @classmethod
     def parse(cls, value: Any) -> RoundRecord | None:
@@ -60,6 +61,7 @@ class RoundRecord:
                 float(value["loss"]),
                 addrs,
                 bool(value.get("serves", True)),
+                bool(value.get("copied", False)),
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -97,8 +99,9 @@ class Swarm(Protocol):
     def wait_for_reachable_peer(self) -> None:
         """Client mode: block until a peer others can reach is in the run, or raise SwarmError."""
 
-    def publish_round(self, round_: int, digest: str, tokens: int, loss: float) -> None:
-        """Publish this peer's latest round record (kept fresh until the next one)."""
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, copied: bool = False) -> None:
+        """Publish this peer's latest round record (kept fresh until the next one); `copied`: the
+        state was downloaded, not made by this peer's own outer step."""
 
     def peers(self) -> dict[str, RoundRecord]:
         """The latest round record of every live peer of the run, by peer id."""
@@ -178,7 +181,7 @@ class Solo:
     def wait_for_reachable_peer(self) -> None:
         return None
 
-    def publish_round(self, round_: int, digest: str, tokens: int, loss: float) -> None:
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, copied: bool = False) -> None:
         return None
 
     def peers(self) -> dict[str, RoundRecord]:

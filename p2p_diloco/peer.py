@@ -186,7 +186,7 @@ class Peer:
         if path is None or caught_up:
             self.record_start()
             self.save()
-        self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
+        self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), copied=caught_up)
         self._say_whom_it_joined()
 
     def _say_whom_it_joined(self) -> None:
@@ -265,7 +265,7 @@ class Peer:
         digest), recorded and checkpointed like any."""
         if not self.sync.catch_up():
             return False
-        self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
+        self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), copied=True)
         self.record_start()
         self.save()
         return True

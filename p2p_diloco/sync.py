@@ -54,10 +54,13 @@ class StateSync:
         self.peer = peer
         self.failed_catch_up = -1  # the latest round a catch-up failed to download
         self.own_round: OwnRound | None = None  # the latest round this peer trained (note_round)
+        self.copied = False  # this peer's state was downloaded (try_adopt), not made by its own outer step
 
     def note_round(self, round_: int, own: outer.Tensors, applied: outer.Tensors | None = None) -> None:
         """This peer trained `own` in `round_` (and applied `applied` to the round's start, if it did)."""
         self.own_round = OwnRound(round_, own, applied)
+        if applied is not None:  # the outer step about to be applied makes a state of this peer's own
+            self.copied = False
 
     # --- agreement after the outer step ----------------------------------------------------
 
@@ -121,7 +124,7 @@ class StateSync:
         )
         if not self.try_adopt(peer.state.round, majority, holders):
             return False
-        peer.swarm.publish_round(peer.state.round, peer.state.digest(), phase.tokens, phase.mean_loss)
+        peer.swarm.publish_round(peer.state.round, peer.state.digest(), phase.tokens, phase.mean_loss, copied=True)
         return True
 
     # --- catch-up ------------------------------------------------------------------------------
@@ -177,7 +180,7 @@ class StateSync:
         seen = peer.swarm.peers()
         counted = agreement.counted(seen, peer.swarm.stale_peers(), peer.swarm.fresh_peers())
         client, round_, digest = peer.config.swarm.client_mode, peer.state.round, peer.state.digest()
-        mine = RoundRecord(peer.peer_id, round_, digest, 0, 0.0, serves=not client)
+        mine = RoundRecord(peer.peer_id, round_, digest, 0, 0.0, serves=not client, copied=self.copied)
         swarm_state = agreement.backed(seen, counted, peer.peer_id, mine)
         target = agreement.catch_up_target(swarm_state, round_, digest, client)
         return target, target is None and agreement.runs_ahead(swarm_state, seen, counted, round_, digest)
@@ -207,6 +210,7 @@ class StateSync:
             )
             return False
         peer.adopt(offered)
+        self.copied = True
         return True
 
     def _against_own(self, offered: outer.GlobalState) -> float | None:

@@ -172,7 +172,7 @@ class Swarm:
                 records.PublishedConfig(mine, self.config.shared_dict(), self.config.admission.config_signature),
             )
 
-    def publish_round(self, round_: int, digest: str, tokens: int, loss: float) -> None:
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, copied: bool = False) -> None:
         record = RoundRecord(
             peer=self.peer_id,
             round=round_,
@@ -181,6 +181,7 @@ class Swarm:
             loss=loss if math.isfinite(loss) else -1.0,
             addrs=tuple(self.visible_maddrs()),
             serves=not self.config.swarm.client_mode,
+            copied=copied,
         )
         with self._dht_lock:
             records.publish_round(self.dht, self.validator, self.prefix, record)

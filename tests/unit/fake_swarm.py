@@ -93,9 +93,9 @@ class FakeSwarm:
     def wait_for_reachable_peer(self) -> None:
         return None
 
-    def publish_round(self, round_: int, digest: str, tokens: int, loss: float) -> None:
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, copied: bool = False) -> None:
         with self._lock:
-            self.published.append(RoundRecord(self.peer_id, round_, digest, tokens, loss))
+            self.published.append(RoundRecord(self.peer_id, round_, digest, tokens, loss, copied=copied))
 
     def peers(self) -> dict[str, RoundRecord]:
         self.reads += 1

@@ -329,3 +329,19 @@ def test_a_peer_defers_to_another_config_only_when_nobody_runs_its_own():
     # Several others: the most live peers, then the smallest fingerprint.
     assert agreement.config_to_defer_to("cccc", {"aaaa": 2, "bbbb": 4, "dddd": 4}) == "bbbb"
     assert agreement.config_to_defer_to("cccc", {}) is None
+
+
+def test_a_state_an_honest_peer_copied_is_not_a_second_vote_for_it():
+    # a caught up to the attacker's state in the seconds after the start, when it saw only m: the
+    # state has one peer that made it (m) of four voters, so c does not follow, and a is ahead alone
+    rs = records(rec("a", 1, C), rec("m", 1, C), rec("b", 0, A))
+    rs["a"] = RoundRecord("a", 1, C, tokens=0, loss=0.0, copied=True)
+    state = agreement.backed(rs, set(rs), "c", rec("c", 0, A))
+    assert state == Reference(0, A, ("b", "c"))
+    assert agreement.runs_ahead(state, rs, set(rs) | {"c"}, 1, C) is True
+
+
+def test_a_record_says_whether_its_state_was_copied_and_old_records_made_theirs():
+    good = {"peer": "p1", "round": 3, "digest": A, "tokens": 5, "loss": 2.5}
+    assert RoundRecord.parse(good).copied is False
+    assert RoundRecord.parse({**good, "copied": True}).copied is True
