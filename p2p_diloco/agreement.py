@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from p2p_diloco.network import RoundRecord
 
@@ -32,6 +32,7 @@ class Reference:
     round: int
     digest: str
     holders: tuple[str, ...]
+    backers: int = field(default=0, compare=False)  # peers that made it (`backed`): 0 when not counted
 
 
 def majority(digests: Mapping[str, str]) -> str:
@@ -117,7 +118,7 @@ def backed(
     top = max(r for r, _ in states)
     digest = min(d for r, d in states if r == top)
     holders = sorted(p for p, r in voters.items() if r.serves and (r.round, r.digest) == (top, digest))
-    return Reference(top, digest, tuple(holders))
+    return Reference(top, digest, tuple(holders), counts[(top, digest)])
 
 
 def runs_ahead(

@@ -146,7 +146,19 @@ def _add_bootstrap_command(sub: _Commands) -> None:
     boot.add_argument(
         "--announce", default="", metavar="PUBLIC_IP", help="public IP to announce, if it differs from --host"
     )
-    boot.add_argument("--config", metavar="RUN_TOML", help="the run's config: report the rounds its peers are at")
+    boot.add_argument(
+        "--initial-peers",
+        nargs="+",
+        metavar="MADDR",
+        help="other entry nodes (or peers) of the swarm: entry nodes that know each other chain, and any one lets a "
+        "volunteer in",
+    )
+    boot.add_argument(
+        "--config",
+        metavar="RUN_TOML",
+        help="the run's config: report the rounds its peers are at, and remember where they listen (a restarted node "
+        "finds them again)",
+    )
     boot.add_argument(
         "--report-every", type=float, default=30.0, metavar="SECONDS", help="log the swarm status this often"
     )
@@ -235,6 +247,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     from p2p_diloco.swarm.bootstrap import Bootstrap
 
     overrides = {"swarm.host": args.host, "swarm.port": str(args.port), "swarm.announce_host": args.announce}
+    if args.initial_peers:
+        overrides["swarm.initial_peers"] = ",".join(args.initial_peers)
     cfg = config_mod.load(args.config, overrides)
     setup_logging(cfg.log.level)
     node = Bootstrap(cfg, Path(args.identity), watch_run=args.config is not None)

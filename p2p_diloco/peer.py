@@ -180,7 +180,7 @@ class Peer:
             # Announce first, so reachable peers know to wait for this one at the next matchmaking.
             self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
             self.swarm.wait_for_reachable_peer()
-        caught_up = self.sync.catch_up()
+        caught_up = self.sync.catch_up(starting=True)
         if path is None:
             self.metrics.truncate_after(-1)
         if path is None or caught_up:

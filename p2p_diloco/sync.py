@@ -23,6 +23,10 @@ if TYPE_CHECKING:
     from p2p_diloco.peer import Peer
 
 POLL_S = 0.5  # how often a peer that runs ahead of the swarm reads the others' records
+# A starting peer looks this long at the swarm before it follows a state that a single peer backs:
+# peers started at the same moment publish their first records within seconds of each other, and
+# one that saw only an attacker's later round would otherwise follow it (bench/attacks.py ahead:50).
+SETTLE_S = 10.0
 CATCH_UP_ATTEMPTS = 3  # downloads of a catch-up whose holders moved on to a later round meanwhile
 
 
@@ -129,15 +133,16 @@ class StateSync:
 
     # --- catch-up ------------------------------------------------------------------------------
 
-    def catch_up(self) -> bool:
+    def catch_up(self, starting: bool = False) -> bool:
         """If the swarm is at a later round (or the same round with another majority digest),
         download its state. Returns whether this peer adopted one.
 
         In a swarm whose rounds are short, the holders may have moved on while this peer asked
         them: they serve a later round than the one it asked for. It then asks again for the round
-        they published since, at most CATCH_UP_ATTEMPTS times."""
+        they published since, at most CATCH_UP_ATTEMPTS times. `starting`: the peer's first
+        catch-up, which follows a state that one peer alone backs only after SETTLE_S."""
         peer = self.peer
-        target = self._target()
+        target = self._settled() if starting else self._target()
         for _ in range(CATCH_UP_ATTEMPTS):
             if target is None:
                 return False
@@ -172,6 +177,23 @@ class StateSync:
             target, ahead = self._look()
         if ahead:
             peer.log.info("nobody else reached round %d within %g s: going on", peer.state.round, wait)
+        return target
+
+    def _settled(self) -> agreement.Reference | None:
+        """The first catch-up's target: one that a single peer backs is looked at for SETTLE_S
+        first, while the peers started with this one publish their own first records."""
+        deadline = time.monotonic() + SETTLE_S
+        target = self._target()
+        if target is not None and target.backers < 2:
+            self.peer.log.info(
+                "one peer alone holds round %d as the swarm's state: looking at the swarm for up to %g s before "
+                "following it",
+                target.round,
+                SETTLE_S,
+            )
+        while target is not None and target.backers < 2 and time.monotonic() < deadline:
+            time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
+            target = self._target()
         return target
 
     def _look(self) -> tuple[agreement.Reference | None, bool]:

@@ -29,11 +29,11 @@ from p2p_diloco.config import Config, diff_shared
 from p2p_diloco.errors import AveragingError, RunConfigMismatch, StateDownloadError, SwarmError
 from p2p_diloco.network import AllReduced, RoundRecord, ServedState, StateCheck
 from p2p_diloco.rounds import SwarmProgress
-from p2p_diloco.swarm import records
+from p2p_diloco.swarm import entry, records
 from p2p_diloco.swarm.allreduce import WireCodec
 from p2p_diloco.swarm.averager import DiLoCoAverager
 from p2p_diloco.swarm.gate import Gate
-from p2p_diloco.swarm.heartbeat import Heartbeat
+from p2p_diloco.swarm.heartbeat import Entries, Heartbeat
 from p2p_diloco.swarm.identity import load_identity, make_validator, peer_id_of, public_key_bytes
 from p2p_diloco.swarm.node import start_dht
 from p2p_diloco.swarm.step import AveragingStep
@@ -62,7 +62,10 @@ class Swarm:
         self.gate = Gate(config, peer_id_of(identity))
         self.validator = make_validator(identity)  # the peer id signs its records: one key, one id
         self._signer = load_identity(identity)  # ... and every part and average it sends (ledger.py)
-        self.dht = start_dht(sc, identity, sc.initial_peers, sc.client_mode, [self.validator])
+        # The entry nodes given, then the peers this run dir saw last time (entry.py): a peer finds
+        # the swarm even if its entry nodes are down when it restarts.
+        initial = list(dict.fromkeys([*sc.initial_peers, *entry.remembered(identity)]))
+        self.dht = start_dht(sc, identity, initial, sc.client_mode, [self.validator])
         self.peer_id = str(self.dht.peer_id)
         self.buffer = torch.zeros(numel, dtype=torch.float32)
         self.exact_buffer = torch.zeros(exact_numel, dtype=torch.float32) if exact_numel else None
@@ -72,7 +75,10 @@ class Swarm:
         self.residual = torch.zeros(numel, dtype=torch.float32).share_memory_() if lossy else None
         self._dht_lock = threading.Lock()  # hivemind's DHT handle is one pipe: threads take turns
         self.gate.attach(self.dht, self.validator, self.prefix, self._dht_lock)
-        self.heartbeat = Heartbeat(self.dht, self.validator, self.prefix, self.peer_id, self._dht_lock, self.gate)
+        entries = Entries(self.dht, list(sc.initial_peers), identity)
+        self.heartbeat = Heartbeat(
+            self.dht, self.validator, self.prefix, self.peer_id, self._dht_lock, self.gate, entries
+        )
         self.averager = self._start_averager(state_provider)
         self.heartbeat.convictions.verify = self.averager.verify_accusation
         payload_bytes = codecs.get(sc.compression).encoded_size(numel) + 4 * exact_numel

@@ -19,8 +19,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from p2p_diloco.config import Config
-from p2p_diloco.swarm import records
+from p2p_diloco.swarm import entry, records
 from p2p_diloco.swarm.gate import REVOCATIONS_POLL_S, Gate
+from p2p_diloco.swarm.heartbeat import Entries
 from p2p_diloco.swarm.identity import make_validator
 from p2p_diloco.swarm.node import start_dht
 
@@ -41,6 +42,10 @@ class Bootstrap:
         # A certified run's bootstrap node counts only admitted peers and logs the ones it refused.
         self.gate = Gate(config, str(self.dht.peer_id), member=False)
         self.gate.attach(self.dht, validator, self.prefix, threading.Lock())
+        # Other entry nodes (--initial-peers) are pinged every entry.REATTACH_S, and so are the
+        # peers this node saw before a restart: it knows the swarm again within seconds (entry.py).
+        self.entries = Entries(self.dht, list(config.swarm.initial_peers), identity_path)
+        self.remembered = tuple(entry.remembered(identity_path))
 
     def initial_peers(self) -> list[str]:
         """The multiaddrs to hand out: `--initial-peers` takes any of them."""
@@ -65,6 +70,8 @@ class Bootstrap:
         publish again) the organiser's revocations."""
         last_report = time.monotonic()
         while not stop.wait(min(report_every_s, REVOCATIONS_POLL_S)):
+            seen = records.read_rounds(self.dht, self.prefix) if self.watch_run else {}
+            self.entries.tend(time.time(), seen, str(self.dht.peer_id), also=self.remembered)
             if self.watch_run:
                 self.gate.refresh_revocations()
             if time.monotonic() - last_report >= report_every_s:

@@ -17,7 +17,7 @@ from typing import Any
 from p2p_diloco import agreement
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress, SwarmProgress, swarm_progress
-from p2p_diloco.swarm import records
+from p2p_diloco.swarm import entry, records
 from p2p_diloco.swarm.convictions import Convictions
 from p2p_diloco.swarm.gate import Gate
 
@@ -33,8 +33,18 @@ FRESH_S = 120.0
 class Heartbeat:
     """This peer's published round and progress, and the latest view of everyone's."""
 
-    def __init__(self, dht: Any, validator: Any, prefix: str, peer_id: str, dht_lock: threading.Lock, gate: Gate):
+    def __init__(
+        self,
+        dht: Any,
+        validator: Any,
+        prefix: str,
+        peer_id: str,
+        dht_lock: threading.Lock,
+        gate: Gate,
+        entries: Entries | None = None,
+    ):
         self.dht, self.validator, self.prefix, self.peer_id = dht, validator, prefix, peer_id
+        self.entries = entries or Entries(dht)  # the entry nodes to ping, and the address book to keep
         self.gate = gate  # only admitted peers' records count (certified runs), and not the convicted
         self.convictions = Convictions(gate, peer_id)
         self._dht_lock = dht_lock  # hivemind's DHT handle is one pipe: this thread and the peer's take turns
@@ -83,6 +93,8 @@ class Heartbeat:
         admitted = self.gate.admitted({r.peer for r in reports} | set(rounds_seen))
         self._reports = [r for r in reports if r.peer in admitted]
         self._rounds_seen = {p: r for p, r in rounds_seen.items() if p in admitted}
+        with self._dht_lock:
+            self.entries.tend(now, self._rounds_seen, self.peer_id)
         for p in admitted:
             self._first_seen.setdefault(p, now)
 
@@ -120,3 +132,23 @@ class Heartbeat:
         counted = agreement.counted(seen, self.stale_peers(), self.fresh_peers())
         state = agreement.backed(seen, counted, self.peer_id, self._last_record)
         return None if state is None or not state.holders else state.round
+
+
+class Entries:
+    """A node's entry nodes, pinged every entry.REATTACH_S (a restarted one knows the swarm again
+    within seconds), and its address book, written every entry.REMEMBER_S (entry.py)."""
+
+    def __init__(self, dht: Any, initial_peers: list[str] | None = None, identity_path: Any = None):
+        self.dht, self.initial_peers, self.identity_path = dht, list(initial_peers or []), identity_path
+        self._pinging: Any = None
+        self._last_ping, self._last_book = 0.0, time.time()  # the first ping at once
+
+    def tend(self, now: float, seen: dict[str, RoundRecord], me: str, also: tuple[str, ...] = ()) -> None:
+        """Called with the DHT handle held: ping the entry nodes (and `also`) if it is time and no
+        ping is in flight; write the address book if it is time."""
+        targets = [*self.initial_peers, *also]
+        if targets and now - self._last_ping >= entry.REATTACH_S and (self._pinging is None or self._pinging.done()):
+            self._pinging, self._last_ping = entry.start_pings(self.dht, targets), now
+        if now - self._last_book >= entry.REMEMBER_S:
+            entry.remember(self.identity_path, entry.addresses_of(seen, me))
+            self._last_book = now

@@ -54,11 +54,16 @@ class Swarm:
         self.sessions: set[int] = set()  # process groups we started, ended as a whole at the end
         self.fault_sessions: set[int] = set()  # of those, the fault subjects (maybe stopped)
         self.maddr = None
+        self.nodes: dict[str, subprocess.Popen] = {}  # bootstrap nodes by name
 
-    def bootstrap(self) -> str:
-        log = open(self.folder / "bootstrap.log", "w")
-        run_toml = self.folder / "run.toml"
-        config.save(config.load(None, SWARM), run_toml)  # the bootstrap node reports this run's rounds
+    def bootstrap(
+        self, name: str = "bootstrap", port: int = 0, initial_peers: tuple[str, ...] = (), run: dict | None = None
+    ) -> str:
+        """A bootstrap node (`name` keeps its key and log; the same name and port restart it):
+        its address; the first one's is what peers are given. It watches the run of SWARM + `run`."""
+        log = open(self.folder / f"{name}.log", "a")
+        run_toml = self.folder / ("run.toml" if name == "bootstrap" else f"{name}.toml")
+        config.save(config.load(None, {**SWARM, **(run or {})}), run_toml)  # it reports this run's rounds
         proc = subprocess.Popen(
             [
                 *CLI,
@@ -66,13 +71,14 @@ class Swarm:
                 "--host",
                 "127.0.0.1",
                 "--port",
-                "0",
+                str(port),
                 "--report-every",
                 "2",
                 "--identity",
-                str(self.folder / "bootstrap.key"),
+                str(self.folder / f"{name}.key"),
                 "--config",
                 str(run_toml),
+                *(["--initial-peers", *initial_peers] if initial_peers else []),
             ],
             stdout=subprocess.PIPE,
             stderr=log,
@@ -82,11 +88,12 @@ class Swarm:
         )
         self.procs.append(proc)
         self.sessions.add(proc.pid)
+        self.nodes[name] = proc
         deadline = time.monotonic() + 60
         for line in proc.stdout:  # the node prints its address as soon as it is up
             if line.strip().startswith("--initial-peers"):
-                self.maddr = line.split()[1]
-                return self.maddr
+                self.maddr = self.maddr or line.split()[1]
+                return line.split()[1]
             assert time.monotonic() < deadline, "bootstrap node did not print its address"
         raise AssertionError(f"bootstrap node exited: {proc.wait(timeout=10)}")
 
@@ -98,12 +105,15 @@ class Swarm:
         fault: str | None = None,
         resume: bool = False,
         env: dict | None = None,
+        entries: tuple[str, ...] = (),
     ) -> subprocess.Popen:
-        """A peer process; with `fault` (see faulty_peer.py) one that fails on purpose, in its own session."""
+        """A peer process; with `fault` (see faulty_peer.py) one that fails on purpose, in its own
+        session. `entries`: its initial peers (default: the first bootstrap node)."""
+        entries = entries or (self.maddr,)
         options = {**SWARM, **(extra or {}), "run.dir": str(self.folder / name)}
         if fault:
             script = [sys.executable, "-m", "tests.swarm.faulty_peer"]
-        cmd = [*(script or CLI), "peer", *[f"--{k}={v}" for k, v in options.items()], "--initial-peers", self.maddr]
+        cmd = [*(script or CLI), "peer", *[f"--{k}={v}" for k, v in options.items()], "--initial-peers", *entries]
         if resume:
             cmd.append("--resume")
         log = open(self.folder / f"{name}.log", "a")

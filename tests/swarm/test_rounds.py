@@ -1,6 +1,9 @@
 """Serverless DiLoCo rounds between real peer processes: agreement, catch-up, refusal, tampering."""
 
+import os
 import re
+import signal
+import time
 
 import pytest
 
@@ -36,22 +39,48 @@ def test_three_peers_agree_on_every_round(swarm):
     assert re.search(r"run 'p2p-diloco': round \d+: 3 peers", (swarm.folder / "bootstrap.log").read_text())
 
 
-@pytest.mark.timeout(240)
-def test_joiner_catches_up_and_agrees_from_its_first_round(swarm):
-    extra = {"run.rounds": "40"}  # rounds take well under a second here: leave the joiner some
-    first = [swarm.peer("a", extra), swarm.peer("b", extra)]
-    wait_until(lambda: 2 in swarm.records("a") and 2 in swarm.records("b"), first, 120, "2 rounds done")
-    joiner = swarm.peer("c", extra)
-    everyone = [*first, joiner]
-    wait_until(lambda: all(p.poll() is not None for p in everyone), everyone, 200, "all finish")
-    assert [p.returncode for p in everyone] == [0, 0, 0], swarm.log("c")[-2000:]
-    assert "caught up with the swarm at round" in swarm.log("c")
-    joined, a, b = swarm.records("c"), swarm.records("a"), swarm.records("b")
-    assert min(joined) >= 2 and max(joined) == 40, joined.keys()
-    # every round the joiner holds (it may catch up again past the round it was training) is the swarm's
-    for r in joined:
-        assert joined[r]["digest"] == a[r]["digest"] == b[r]["digest"], r
-    assert joined[40]["group_size"] == 3
+@pytest.mark.timeout(300)
+def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(swarm):
+    # Two chained entry nodes: the first (the fixture's) and a second that knows it. a and b are
+    # given both. The first goes down mid-run (its whole process group, p2pd included): d joins
+    # through the second alone. The first comes back (same key, same port) with an empty DHT: the
+    # running peers ping their entry nodes every 10 s, so it knows the swarm again and c, given
+    # only the first, joins the running swarm. Every round a joiner holds is the swarm's.
+    first_node = swarm.maddr
+    port = int(first_node.split("/tcp/")[1].split("/")[0])
+    extra = {"run.rounds": "60"}  # rounds take about a second here: leave the joiners some
+    second = swarm.bootstrap("second", initial_peers=(first_node,), run=extra)
+    running = [swarm.peer(name, extra, entries=(first_node, second)) for name in ("a", "b")]
+    wait_until(lambda: 2 in swarm.records("a") and 2 in swarm.records("b"), running, 120, "2 rounds done")
+    os.killpg(swarm.nodes["bootstrap"].pid, signal.SIGKILL)
+    swarm.nodes["bootstrap"].wait(timeout=30)
+    d = swarm.peer("d", extra, entries=(second,))
+    wait_until(lambda: "caught up with the swarm" in swarm.log("d"), [*running, d], 120, "d joins through the second")
+    log = swarm.folder / "bootstrap.log"
+    before = len(log.read_text())
+    assert swarm.bootstrap("bootstrap", port=port, run=extra) == first_node
+    back = time.monotonic()
+    wait_until(lambda: _peers_reported(log.read_text()[before:]) >= 3, running, 60, "the first node knows them again")
+    knew_again_s = time.monotonic() - back
+    c = swarm.peer("c", extra, entries=(first_node,))
+    everyone = [*running, d, c]
+    wait_until(lambda: all(p.poll() is not None for p in everyone), everyone, 240, "all finish")
+    assert [p.returncode for p in everyone] == [0, 0, 0, 0], swarm.log("c")[-2000:]
+    records = {name: swarm.records(name) for name in ("a", "b", "c", "d")}
+    for joiner in ("c", "d"):
+        assert "caught up with the swarm at round" in swarm.log(joiner), swarm.log(joiner)[-2000:]
+        joined = records[joiner]
+        assert min(joined) >= 2 and max(joined) == 60, joined.keys()
+        for r in joined:  # it may catch up again past the round it was training
+            assert joined[r]["digest"] == records["a"][r]["digest"] == records["b"][r]["digest"], (joiner, r)
+    assert records["c"][60]["group_size"] == 4
+    print(f"the restarted entry node knew the swarm again {knew_again_s:.1f} s after it came up")
+
+
+def _peers_reported(log: str) -> int:
+    """The run's peers in a bootstrap node's latest status line ("round 5: 2 peers, round 6: 1 peer")."""
+    lines = [line for line in log.splitlines() if "run 'p2p-diloco':" in line]
+    return sum(int(n) for n in re.findall(r"round \d+: (\d+) peer", lines[-1])) if lines else 0
 
 
 @pytest.mark.timeout(180)

@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from p2p_diloco import checkpoint, config, outer
+from p2p_diloco import checkpoint, config, outer, sync
 from p2p_diloco.errors import AveragingError
 from p2p_diloco.network import AllReduced
 from p2p_diloco.peer import Peer
@@ -190,8 +190,9 @@ def test_a_peer_with_no_group_while_the_swarm_is_past_its_round_catches_up(tmp_p
     assert peer.state.digest() == theirs.digest()
 
 
-def test_a_joiner_whose_holders_moved_on_during_its_download_asks_for_their_new_round(tmp_path, caplog):
+def test_a_joiner_whose_holders_moved_on_during_its_download_asks_for_their_new_round(tmp_path, caplog, monkeypatch):
     caplog.set_level(logging.INFO)
+    monkeypatch.setattr(sync, "SETTLE_S", 0.5)  # one holder: the joiner looks at the swarm first (10 s)
     first = make_peer(tmp_path / "first", FakeSwarm())
     round5, round6 = moved(first.state, 0.01, 5), moved(first.state, 0.02, 6)
     first.close()
@@ -207,6 +208,7 @@ def test_a_joiner_whose_holders_moved_on_during_its_download_asks_for_their_new_
     assert joiner.state.digest() == round6.digest()
     assert [r["round"] for r in records(joiner)] == [6], "the joiner's first state is the swarm's"
     assert "caught up with the swarm at round 6" in caplog.text
+    assert "one peer alone holds round 5 as the swarm's state: looking at the swarm for up to 0.5 s" in caplog.text
 
 
 def test_a_minority_digest_adopts_the_majority_state(tmp_path, caplog):
@@ -241,7 +243,7 @@ def test_an_overlapped_round_settles_its_agreement_before_the_next_outer_step(tm
             fake.publish_other(other, holder["majority"])
         return result
 
-    fake.script = [group_then_they_disagree, fake.group("p1", "p2"), fake.group("p1", "p2")]
+    fake.script = [group_then_they_disagree, lockstep(fake, "p1", "p2"), lockstep(fake, "p1", "p2")]
     run(peer)
     majority = holder["majority"]
     by_round = [(r["round"], r["digest"], r.get("adopted")) for r in records(peer)]
