@@ -117,9 +117,14 @@ class Heartbeat:
 
     def stale_peers(self) -> set[str]:
         """Peers whose heartbeat stopped more than STALE_S ago: dead, hung, or asleep. Nobody waits
-        for them. (A peer not heard of at all is not stale: it may have just started.)"""
+        for them, and they do not count in the swarm's state. A peer with a round record and no
+        progress report is stale once this peer has known it for STALE_S: a dead peer's progress
+        record expires after records.PROGRESS_TTL_S (30 s), its round record only after
+        RECORD_TTL_S (90 s). (A peer that just started has no progress report yet: not stale.)"""
         now = time.time()
-        return {r.peer for r in self._reports if now - r.time > STALE_S}
+        reporting = {r.peer for r in self._reports}
+        silent = {p for p in self._rounds_seen if p not in reporting and now - self._first_seen.get(p, now) > STALE_S}
+        return {r.peer for r in self._reports if now - r.time > STALE_S} | silent
 
     def fresh_peers(self) -> set[str]:
         """Ids first seen less than FRESH_S ago, and more than FRESH_S after this peer started."""
