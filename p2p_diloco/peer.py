@@ -63,8 +63,12 @@ def claim_run_dir(run_dir: Path, resume: bool) -> IO[str]:
             f"run dir {run_dir} already holds checkpoints (latest {existing.name}); pass --resume to "
             f"continue that run or choose another --run.dir"
         )
-    run_dir.mkdir(parents=True, exist_ok=True)
-    lock = open(run_dir / ".lock", "a+")
+    try:
+        run_dir.mkdir(parents=True, exist_ok=True)
+        lock = open(run_dir / ".lock", "a+")
+    except OSError as e:  # its parent is a file, a read-only disk, no permission, a full disk
+        reason = e.strerror or type(e).__name__
+        raise ConfigError(f"run dir {run_dir} cannot be used ({reason}); choose another --run.dir") from None
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:

@@ -100,6 +100,14 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, capsys, extra, frag
     assert not run_dir.exists()
 
 
+def test_a_run_dir_under_a_file_is_one_line_and_creates_nothing(tmp_path, capsys):
+    (tmp_path / "a-file").write_text("not a folder\n")
+    run_dir = tmp_path / "a-file" / "run"
+    result = main_in_process(capsys, "peer", *options({**TINY, "run.dir": str(run_dir)}))
+    assert_one_line_error(result, f"run dir {run_dir} cannot be used (Not a directory); choose another --run.dir")
+    assert (tmp_path / "a-file").read_text() == "not a folder\n"
+
+
 def test_baseline_refuses_what_cannot_run(tmp_path):
     # The other refusals: tests/unit/test_dataparallel.py.
     run_dir = tmp_path / "run"
