@@ -142,7 +142,8 @@ class StateSync:
         they published since, at most CATCH_UP_ATTEMPTS times. `starting`: the peer's first
         catch-up, which follows a state that one peer alone backs only after SETTLE_S."""
         peer = self.peer
-        target = self._settled() if starting else self._target()
+        mine = self._mine()  # the peer's state does not change while it looks: hashed once
+        target = self._settled(mine) if starting else self._target(mine)
         for _ in range(CATCH_UP_ATTEMPTS):
             if target is None:
                 return False
@@ -152,19 +153,19 @@ class StateSync:
                 peer.log.info("caught up with the swarm at round %d (digest %s)", target.round, target.digest[:12])
                 return True
             self.failed_catch_up = max(self.failed_catch_up, target.round)
-            failed, target = target, self._target()
+            failed, target = target, self._target(mine)
             if not agreement.moved_on(failed, target):
                 return False
         return False
 
-    def _target(self) -> agreement.Reference | None:
+    def _target(self, mine: RoundRecord) -> agreement.Reference | None:
         """The backed state to catch up to, if any. A peer ahead of the swarm's backed state waits
         first, at most swarm.agreement_timeout_s, for the others to reach its round
         (`agreement.runs_ahead`): then agreement at that round decides whose state goes on."""
         peer = self.peer
         wait = peer.config.swarm.agreement_timeout_s
         deadline = time.monotonic() + wait
-        target, ahead = self._look()
+        target, ahead = self._look(mine)
         if ahead:
             peer.log.info(
                 "round %d: this peer's state is not backed by half of the live peers and some are at earlier "
@@ -174,16 +175,16 @@ class StateSync:
             )
         while ahead and time.monotonic() < deadline:
             time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
-            target, ahead = self._look()
+            target, ahead = self._look(mine)
         if ahead:
             peer.log.info("nobody else reached round %d within %g s: going on", peer.state.round, wait)
         return target
 
-    def _settled(self) -> agreement.Reference | None:
+    def _settled(self, mine: RoundRecord) -> agreement.Reference | None:
         """The first catch-up's target: one that a single peer backs is looked at for SETTLE_S
         first, while the peers started with this one publish their own first records."""
         deadline = time.monotonic() + SETTLE_S
-        target = self._target()
+        target = self._target(mine)
         if target is not None and target.backers < 2:
             self.peer.log.info(
                 "one peer alone holds round %d as the swarm's state: looking at the swarm for up to %g s before "
@@ -193,19 +194,25 @@ class StateSync:
             )
         while target is not None and target.backers < 2 and time.monotonic() < deadline:
             time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
-            target = self._target()
+            target = self._target(mine)
         return target
 
-    def _look(self) -> tuple[agreement.Reference | None, bool]:
+    def _mine(self) -> RoundRecord:
+        """This peer's state as one vote among the others' records."""
+        peer = self.peer
+        serves = not peer.config.swarm.client_mode
+        return RoundRecord(
+            peer.peer_id, peer.state.round, peer.state.digest(), 0, 0.0, serves=serves, copied=self.copied
+        )
+
+    def _look(self, mine: RoundRecord) -> tuple[agreement.Reference | None, bool]:
         """(the backed state to catch up to, or None; whether this peer runs ahead of the swarm)."""
         peer = self.peer
         seen = peer.swarm.peers()
         counted = agreement.counted(seen, peer.swarm.stale_peers(), peer.swarm.fresh_peers())
-        client, round_, digest = peer.config.swarm.client_mode, peer.state.round, peer.state.digest()
-        mine = RoundRecord(peer.peer_id, round_, digest, 0, 0.0, serves=not client, copied=self.copied)
         swarm_state = agreement.backed(seen, counted, peer.peer_id, mine)
-        target = agreement.catch_up_target(swarm_state, round_, digest, client)
-        return target, target is None and agreement.runs_ahead(swarm_state, seen, counted, round_, digest)
+        target = agreement.catch_up_target(swarm_state, mine.round, mine.digest, not mine.serves)
+        return target, target is None and agreement.runs_ahead(swarm_state, seen, counted, mine.round, mine.digest)
 
     def try_adopt(self, round_: int, digest: str, holders: list[str]) -> bool:
         """Download and adopt a verified state; on failure keep this peer's own and say so.
