@@ -24,6 +24,9 @@ from p2p_diloco import config
 
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+from tests.swarm.procs import signal_tree  # noqa: E402  (a peer's process tree, p2pd included)
+
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # several peers share the machine's cores
 # The issue-13/14 benchmarks' run: the tiny preset, H = 20 fixed (no speed-aware rounds, so every
 # run trains the same tokens), short deadlines.
@@ -145,11 +148,8 @@ class LocalSwarm:
         threading.Thread(target=cycle, daemon=True).start()
 
     def kill(self, name: str, signum: int = signal.SIGKILL) -> None:
-        """Signal the peer's whole process group: SIGKILL is a crash, SIGSTOP a hang."""
-        try:
-            os.killpg(self.procs[name].pid, signum)
-        except ProcessLookupError:
-            pass
+        """Signal the whole peer, p2pd included: SIGKILL is a crash, SIGSTOP a hang."""
+        signal_tree(self.procs[name].pid, signum)
 
     def interrupt(self, name: str, timeout_s: float = 60) -> int:
         """Ctrl+C: the peer leaves cleanly; returns its exit code."""
@@ -190,7 +190,4 @@ class LocalSwarm:
             except subprocess.TimeoutExpired:
                 pass
         for pgid in self.groups:  # whatever is left: a peer's DHT and averager processes, p2pd
-            try:
-                os.killpg(pgid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
+            signal_tree(pgid, signal.SIGKILL)

@@ -44,6 +44,14 @@ def list_checkpoints(run_dir: str | Path) -> list[Path]:
     return [p for _, p in sorted(found)]
 
 
+def round_of(path: Path) -> int:
+    """The round of a checkpoint file, from its name."""
+    found = _NAME.match(path.name)
+    if found is None:
+        raise CheckpointError(f"{path} is not named like a checkpoint (round-NNNNNN.pt)")
+    return int(found.group(1))
+
+
 def latest(run_dir: str | Path) -> Path | None:
     found = list_checkpoints(run_dir)
     return found[-1] if found else None

@@ -216,22 +216,43 @@ def cmd_peer(args: argparse.Namespace) -> int:
             f"{cfg.run.rounds} rounds); to join an organiser's run, pass --config with its run.toml",
             file=sys.stderr,
         )
-    stop = threading.Event()
-    peer = Peer(cfg, resume=args.resume)
-    _install_stop_handlers(stop)  # after Peer(): hivemind's averager resets SIGINT when it starts
+    stop, running = threading.Event(), threading.Event()
+    _install_stop_handlers(stop, running=running)  # before Peer(): a signal during start-up stops it too
+    try:
+        peer = Peer(cfg, resume=args.resume)
+    except KeyboardInterrupt:
+        print(f"stopped during start-up: no round was trained; {_checkpoint_line(cfg)}", file=sys.stderr)
+        return 0
+    running.set()
     try:
         peer.run(stop)
+    except KeyboardInterrupt:
+        print(f"stopped at once: the partial round was discarded; {_checkpoint_line(cfg)}", file=sys.stderr)
+        return 130
     finally:
         peer.close()
     return 0
 
 
-def _install_stop_handlers(stop: threading.Event, what: str = "stopping after this inner step") -> None:
+def _checkpoint_line(cfg: config_mod.Config) -> str:
+    """What a stopped peer leaves to resume from: only a checkpoint that is on disk."""
+    from p2p_diloco import checkpoint
+
+    latest = checkpoint.latest(cfg.run.dir)
+    if latest is None:
+        return f"no checkpoint in {cfg.run.dir}"
+    return f"the checkpoint of round {checkpoint.round_of(latest)} is on disk, continue with --resume"
+
+
+def _install_stop_handlers(
+    stop: threading.Event, what: str = "stopping after this inner step", running: threading.Event | None = None
+) -> None:
     """First Ctrl+C / SIGTERM: a clean stop (for a peer: after the current inner step, the last
-    round's checkpoint is on disk). A second Ctrl+C: stop at once."""
+    round's checkpoint is on disk). A second one, or one before `running` is set (start-up, which
+    cleans up after itself): KeyboardInterrupt, stop now."""
 
     def handler(signum: int, frame: object) -> None:
-        if stop.is_set():
+        if stop.is_set() or (running is not None and not running.is_set()):
             raise KeyboardInterrupt
         stop.set()
         print(f"\n{signal.Signals(signum).name}: {what} (again to stop now)", file=sys.stderr)
@@ -251,9 +272,14 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
         overrides["swarm.initial_peers"] = ",".join(args.initial_peers)
     cfg = config_mod.load(args.config, overrides)
     setup_logging(cfg.log.level)
-    node = Bootstrap(cfg, Path(args.identity), watch_run=args.config is not None)
-    stop = threading.Event()
-    _install_stop_handlers(stop, "stopping the bootstrap node")  # after the DHT started: it touches signals
+    stop, running = threading.Event(), threading.Event()
+    _install_stop_handlers(stop, "stopping the bootstrap node", running)
+    try:
+        node = Bootstrap(cfg, Path(args.identity), watch_run=args.config is not None)
+    except KeyboardInterrupt:
+        print("stopped during start-up", file=sys.stderr)
+        return 0
+    running.set()
     try:
         print("bootstrap node up; give peers this line (any of the addresses works):")
         print("  --initial-peers " + " ".join(node.initial_peers()), flush=True)
@@ -420,8 +446,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     except P2PDilocoError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
-        print("interrupted: the partial round was discarded; the last round's checkpoint is intact", file=sys.stderr)
+    except KeyboardInterrupt:  # a second Ctrl+C (commands with a clean stop say more themselves)
+        print("interrupted", file=sys.stderr)
         return 130
 
 

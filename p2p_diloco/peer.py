@@ -179,6 +179,7 @@ class Peer:
             self.log.info("resumed from %s (digest %s)", path, self.state.digest())
         elif resume:
             self.log.info("no checkpoint in %s: starting at round 0", checkpoint.checkpoint_dir(self.run_dir))
+        faults.reached(faults.FaultPoint.START)
         self.swarm.check_config()
         if self.config.swarm.client_mode:
             # Announce first, so reachable peers know to wait for this one at the next matchmaking.

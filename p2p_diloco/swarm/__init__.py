@@ -36,6 +36,7 @@ from p2p_diloco.swarm.gate import Gate
 from p2p_diloco.swarm.heartbeat import Entries, Heartbeat
 from p2p_diloco.swarm.identity import load_identity, make_validator, peer_id_of, public_key_bytes
 from p2p_diloco.swarm.node import start_dht
+from p2p_diloco.swarm.processes import children_started, stop_process
 from p2p_diloco.swarm.step import AveragingStep
 
 logger = logging.getLogger(__name__)
@@ -66,6 +67,17 @@ class Swarm:
         # the swarm even if its entry nodes are down when it restarts.
         initial = list(dict.fromkeys([*sc.initial_peers, *entry.remembered(identity)]))
         self.dht = start_dht(sc, identity, initial, sc.client_mode, [self.validator])
+        self._started: list[Any] = [self.dht]  # what close() stops, last started first
+        try:
+            self._join(config, identity, numel, exact_numel, state_provider)
+        except BaseException:  # also Ctrl+C during start-up: never leave a child process behind
+            self.close()
+            raise
+
+    def _join(
+        self, config: Config, identity: Path, numel: int, exact_numel: int, state_provider: Callable[[], ServedState]
+    ) -> None:
+        sc = config.swarm
         self.peer_id = str(self.dht.peer_id)
         self.buffer = torch.zeros(numel, dtype=torch.float32)
         self.exact_buffer = torch.zeros(exact_numel, dtype=torch.float32) if exact_numel else None
@@ -79,7 +91,9 @@ class Swarm:
         self.heartbeat = Heartbeat(
             self.dht, self.validator, self.prefix, self.peer_id, self._dht_lock, self.gate, entries
         )
+        self._started.insert(0, self.heartbeat)
         self.averager = self._start_averager(state_provider)
+        self._started.insert(0, self.averager)
         self.heartbeat.convictions.verify = self.averager.verify_accusation
         payload_bytes = codecs.get(sc.compression).encoded_size(numel) + 4 * exact_numel
         shown = {**self.gate.gather(), "key": public_key_bytes(self._signer)}  # in the group's all-gather
@@ -87,34 +101,37 @@ class Swarm:
         self.heartbeat.start()
 
     def _start_averager(self, state_provider: Callable[[], ServedState]) -> DiLoCoAverager:
-        sc = self.config.swarm
         tensors = [self.buffer] + ([self.exact_buffer] if self.exact_buffer is not None else [])
         try:
-            return DiLoCoAverager(
-                tensors,
-                self.dht,
-                start=True,
-                prefix=self.prefix,
-                min_group_size=2,
-                min_matchmaking_time=sc.matchmaking_time_s,
-                request_timeout=min(3.0, sc.matchmaking_time_s / 2),
-                allreduce_timeout=sc.averaging_timeout_s,
-                next_chunk_timeout=sc.averaging_timeout_s / 4,
-                compression=WireCodec(sc.compression),
-                part_size_bytes=PART_SIZE_BYTES,
-                client_mode=sc.client_mode,
-                declare_state_period=60,
-                state_provider=state_provider,
-                signer=self._signer,
-                shutdown_timeout=5,
-                residual=self.residual,
-                admission=self.gate.averager_check(),
-                aggregation=(sc.aggregator, sc.clip, sc.weight_cap),
-                max_reduce_share=sc.max_reduce_share,
-            )
-        except Exception as e:  # the averager process failed to start: never leave the DHT running
-            self.dht.shutdown()
+            with children_started():  # a signal to the peer's group leaves the averager to the peer
+                return self._averager(tensors, state_provider)
+        except Exception as e:  # the averager process failed to start
             raise SwarmError(f"could not start the averager: {e}") from None
+
+    def _averager(self, tensors: list[torch.Tensor], state_provider: Callable[[], ServedState]) -> DiLoCoAverager:
+        sc = self.config.swarm
+        return DiLoCoAverager(
+            tensors,
+            self.dht,
+            start=True,
+            prefix=self.prefix,
+            min_group_size=2,
+            min_matchmaking_time=sc.matchmaking_time_s,
+            request_timeout=min(3.0, sc.matchmaking_time_s / 2),
+            allreduce_timeout=sc.averaging_timeout_s,
+            next_chunk_timeout=sc.averaging_timeout_s / 4,
+            compression=WireCodec(sc.compression),
+            part_size_bytes=PART_SIZE_BYTES,
+            client_mode=sc.client_mode,
+            declare_state_period=60,
+            state_provider=state_provider,
+            signer=self._signer,
+            shutdown_timeout=5,
+            residual=self.residual,
+            admission=self.gate.averager_check(),
+            aggregation=(sc.aggregator, sc.clip, sc.weight_cap),
+            max_reduce_share=sc.max_reduce_share,
+        )
 
     @property
     def probes(self) -> Any:
@@ -301,13 +318,14 @@ class Swarm:
         )
 
     def close(self) -> None:
-        """Leave the swarm: stop the averager and the DHT processes (also on errors)."""
-        self.heartbeat.stop()
-        for part in (self.averager, self.dht):
-            try:
-                part.shutdown()
-            except Exception as e:  # a part that already died: nothing left to stop
-                logger.debug("shutdown of %s: %s", type(part).__name__, e)
+        """Leave the swarm: stop the averager and the DHT processes, in that order (also on errors
+        and on a half-built swarm)."""
+        for part in self._started:
+            if isinstance(part, Heartbeat):
+                part.stop()
+            else:
+                stop_process(part, "averaging process" if part is not self.dht else "DHT process")
+        self._started = []
 
 
 __all__ = ["Swarm"]

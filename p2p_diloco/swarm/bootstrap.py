@@ -16,7 +16,7 @@ import threading
 import time
 from collections import Counter
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import Config
 from p2p_diloco.swarm import entry, records
@@ -24,6 +24,7 @@ from p2p_diloco.swarm.gate import REVOCATIONS_POLL_S, Gate
 from p2p_diloco.swarm.heartbeat import Entries
 from p2p_diloco.swarm.identity import make_validator
 from p2p_diloco.swarm.node import start_dht
+from p2p_diloco.swarm.processes import stop_process
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -38,6 +39,14 @@ class Bootstrap:
         self.config, self.watch_run = config, watch_run
         validator = make_validator(identity_path)
         self.dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, False, [validator])
+        try:
+            self._watch(validator, identity_path)
+        except BaseException:  # also Ctrl+C during start-up: never leave the DHT process behind
+            self.close()
+            raise
+
+    def _watch(self, validator: Any, identity_path: Path) -> None:
+        config = self.config
         self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
         # A certified run's bootstrap node counts only admitted peers and logs the ones it refused.
         self.gate = Gate(config, str(self.dht.peer_id), member=False)
@@ -79,7 +88,7 @@ class Bootstrap:
                 last_report = time.monotonic()
 
     def close(self) -> None:
-        self.dht.shutdown()
+        stop_process(self.dht, "DHT process")
 
 
 def publish_revocation(config: Config, revocation: str, timeout_s: float) -> set[str]:
@@ -101,7 +110,7 @@ def publish_revocation(config: Config, revocation: str, timeout_s: float) -> set
                 time.sleep(1.0)  # a DHT poll interval, bounded by the deadline above
             return set()
         finally:
-            dht.shutdown()
+            stop_process(dht, "DHT process")
 
 
 def read_convictions(config: Config, timeout_s: float) -> dict[str, list[str]]:
@@ -119,7 +128,7 @@ def read_convictions(config: Config, timeout_s: float) -> dict[str, list[str]]:
                     return found
                 time.sleep(1.0)  # a DHT poll interval, bounded by the deadline above
         finally:
-            dht.shutdown()
+            stop_process(dht, "DHT process")
 
 
 async def _routing_table_size(_dht: DHT, node: DHTNode) -> int:

@@ -18,6 +18,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import SwarmError
+from p2p_diloco.swarm.processes import children_started
 
 logger = logging.getLogger(__name__)
 
@@ -65,21 +66,22 @@ def start_dht(
     if identity_path is not None and identity_path.exists():
         _check_identity(identity_path)
     try:
-        return hivemind.DHT(
-            initial_peers=parse_initial_peers(initial_peers),
-            start=True,
-            client_mode=client_mode,
-            host_maddrs=host,
-            announce_maddrs=announce or None,
-            identity_path=str(identity_path) if identity_path else None,
-            record_validators=list(validators),
-            # UPnP/NAT-PMP probing, AutoNAT and relays reach out to the LAN: only when asked for.
-            nat_port_map=nat,
-            auto_nat=nat,
-            use_relay=nat,
-            use_auto_relay=nat,
-            startup_timeout=cfg.join_timeout_s,
-        )
+        with children_started():  # a signal to the peer's group leaves the DHT process to the peer
+            return hivemind.DHT(
+                initial_peers=parse_initial_peers(initial_peers),
+                start=True,
+                client_mode=client_mode,
+                host_maddrs=host,
+                announce_maddrs=announce or None,
+                identity_path=str(identity_path) if identity_path else None,
+                record_validators=list(validators),
+                # UPnP/NAT-PMP probing, AutoNAT and relays reach out to the LAN: only when asked for.
+                nat_port_map=nat,
+                auto_nat=nat,
+                use_relay=nat,
+                use_auto_relay=nat,
+                startup_timeout=cfg.join_timeout_s,
+            )
     except SwarmError:
         raise
     except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, TimeoutError... with long texts

@@ -12,6 +12,7 @@ import pytest
 
 from p2p_diloco import config
 from tests.conftest import TINY
+from tests.swarm.procs import signal_tree
 
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
 # The tiny run of tests/conftest.py, on loopback, with short swarm deadlines.
@@ -164,10 +165,7 @@ def _end_session(pgid: int) -> None:
     """A process started in its own session (a fault-injection worker) leaves its DHT process and
     p2pd behind when it is SIGKILLed: end its whole process group, whose id is the pid we started.
     SIGKILL also ends stopped processes."""
-    try:
-        os.killpg(pgid, signal.SIGKILL)
-    except ProcessLookupError:  # the group is already gone
-        pass
+    signal_tree(pgid, signal.SIGKILL)  # p2pd too: a stopped one would not notice its parent died
 
 
 @pytest.fixture

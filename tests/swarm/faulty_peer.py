@@ -5,7 +5,8 @@
 The phases are the peer's own fault points (p2p_diloco.faults.FaultPoint); at the n-th time the
 peer reaches one, it signals its whole process group (itself, its DHT and averager processes and
 their p2pd): SIGKILL is a crash, SIGSTOP a laptop that went to sleep, SIGINT a Ctrl+C in the peer's
-terminal (which also signals the whole foreground process group).
+terminal (which also signals the whole foreground process group), SIGTERM `timeout` or a supervisor.
+- `start`: the peer joined the swarm and is about to look for the run's state (start-up).
 - `inner`: at the start of the n-th inner phase this peer runs.
 - `allreduce`: in the first all-reduce the averager process starts after n-1 all-reduces completed
   (failed attempts, which a loaded machine sees now and then, do not count), at the first part it
@@ -25,18 +26,24 @@ import threading
 
 from p2p_diloco import cli
 from p2p_diloco.faults import FaultPoint, install
+from tests.swarm.procs import signal_tree
 
 PHASE, NTH, SIGNAL = os.environ["FAULT"].split(":")
 NTH = int(NTH)
-SIGNUM = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "INT": signal.SIGINT}[SIGNAL]
+SIGNUM = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "INT": signal.SIGINT, "TERM": signal.SIGTERM}[SIGNAL]
 FIRED = threading.Event()
 
 
 def fail() -> None:
-    """Signal the whole group, once: a second SIGINT would be a second Ctrl+C (stop at once)."""
+    """Signal the whole peer, once: a second SIGINT would be a second Ctrl+C (stop at once). A
+    terminal's Ctrl+C and a supervisor's SIGTERM reach the process group; a crash or a sleep
+    reaches p2pd too, which runs in a session of its own."""
     if not FIRED.is_set():
         FIRED.set()
-        os.killpg(os.getpgid(0), SIGNUM)
+        if SIGNUM in (signal.SIGINT, signal.SIGTERM):
+            os.killpg(os.getpgid(0), SIGNUM)
+        else:
+            signal_tree(os.getpgid(0), SIGNUM)
 
 
 def on_nth(point: FaultPoint, act=lambda **context: fail()) -> None:

@@ -1,5 +1,6 @@
 """`p2p-diloco demo`: a bootstrap node and peer processes, one view, everything ended at the end."""
 
+import os
 import subprocess
 import warnings
 from pathlib import Path
@@ -7,6 +8,7 @@ from pathlib import Path
 import pytest
 
 from tests.swarm.conftest import CLI, ENV
+from tests.swarm.procs import alive, descendants, signal_tree
 
 
 @pytest.mark.timeout(240)
@@ -46,7 +48,9 @@ def _peer_accounts(folder: Path) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_ctrl_c_stops_the_demo_and_every_peer_cleanly(tmp_path):
+def test_sigterm_to_its_group_stops_the_demo_and_every_peer_cleanly(tmp_path):
+    """What `timeout` or a supervisor does (Ctrl+C in a terminal is the same with SIGINT): every
+    process the demo started ends, its peers with exit 0, and nobody prints a traceback."""
     import selectors
     import signal
     import time
@@ -54,10 +58,12 @@ def test_ctrl_c_stops_the_demo_and_every_peer_cleanly(tmp_path):
     proc = subprocess.Popen(
         [*CLI, "demo", "--peers", "2", "--rounds", "1000", "--dir", str(tmp_path / "demo")],
         stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
         text=True,
         env=ENV,
+        start_new_session=True,
     )
+    tree: set[int] = set()
     try:
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
@@ -67,15 +73,19 @@ def test_ctrl_c_stops_the_demo_and_every_peer_cleanly(tmp_path):
             line = proc.stdout.readline()
             assert line, f"demo exited early: {seen}"
             seen.append(line)
-        proc.send_signal(signal.SIGINT)
-        rest, _ = proc.communicate(timeout=120)
+        tree = set(descendants(proc.pid))  # the demo, its bootstrap node's DHT, the peers, their children, p2pds
+        os.killpg(proc.pid, signal.SIGTERM)
+        rest, err = proc.communicate(timeout=120)
     finally:
-        if proc.poll() is None:  # the demo ends its own peers on SIGINT; SIGKILL only as a last resort
-            proc.send_signal(signal.SIGINT)
-            try:
-                proc.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait(timeout=30)
-    assert proc.returncode == 0, rest
+        if proc.poll() is None:  # the demo ends its own peers on a signal; SIGKILL only as a last resort
+            signal_tree(proc.pid, signal.SIGKILL)
+            proc.wait(timeout=30)
+    assert proc.returncode == 0, rest + err
     assert "peers exited with [0, 0]" in rest
+    assert len(tree) >= 10, tree  # 1 + 2 (bootstrap DHT, p2pd) + 2 × 4 (peer, DHT, averager, p2pd)
+    deadline = time.monotonic() + 15
+    while any(alive(pid) for pid in tree):
+        assert time.monotonic() < deadline, f"left running: {[pid for pid in tree if alive(pid)]}"
+        time.sleep(0.1)  # a poll interval, bounded by the deadline above
+    logs = err + "".join(log.read_text() for log in (tmp_path / "demo").glob("peer-*.log"))
+    assert "Traceback" not in logs, logs[-3000:]

@@ -7,9 +7,14 @@ or crash in the inner phase, and every other phase, is measured in bench/faults.
 time is capped), and who is waited for in-process in tests/unit/test_round_protocol.py.
 """
 
+import os
+import signal
+import time
+
 import pytest
 
 from tests.swarm.conftest import SWARM, wait_until
+from tests.swarm.procs import alive, descendants
 
 ROUNDS = 12
 FAST = {"run.rounds": str(ROUNDS)}
@@ -128,3 +133,51 @@ def test_ctrl_c_in_the_middle_of_an_allreduce_leaves_cleanly(swarm):
     wait_until(lambda: all(p.poll() is not None for p in survivors), survivors, 220, "survivors finish")
     assert [p.returncode for p in survivors] == [0, 0], swarm.log("a")[-3000:]
     assert_agree_every_round(swarm.records("a"), swarm.records("b"), max(c))
+
+
+def wait_for_exit(procs, timeout_s):
+    """Wait for each process to exit, noting every process below it meanwhile (a peer's DHT and
+    averager processes, and p2pd, which runs in a session of its own): {pid: those pids}."""
+    seen = {p.pid: set() for p in procs}
+    deadline = time.monotonic() + timeout_s
+    while any(p.poll() is None for p in procs):
+        assert time.monotonic() < deadline, "a process did not exit in time"
+        for p in procs:
+            seen[p.pid] |= set(descendants(p.pid)) if p.poll() is None else set()
+        time.sleep(0.1)  # a poll interval, bounded by the deadline above
+    return seen
+
+
+def assert_all_ended(pids, timeout_s=15):
+    deadline = time.monotonic() + timeout_s
+    while any(alive(pid) for pid in pids):
+        assert time.monotonic() < deadline, f"left running: {[pid for pid in pids if alive(pid)]}"
+        time.sleep(0.1)  # a poll interval, bounded by the deadline above
+
+
+@pytest.mark.timeout(300)
+def test_sigterm_to_a_process_group_ends_every_process_cleanly(swarm):
+    """What `timeout`, `kill -TERM -<group>` and supervisors do: SIGTERM to a peer's whole process
+    group in its second all-reduce, to another's during its start-up, then to the bootstrap node's."""
+    from p2p_diloco import checkpoint
+
+    partner = swarm.peer("a", FAST)
+    subject = swarm.peer("c", FAST, fault="allreduce:2:TERM")
+    starting = swarm.peer("d", FAST, fault="start:1:TERM")
+    trees = wait_for_exit([subject, starting], AVERAGING_S + AGREEMENT_S + 60)
+    assert subject.returncode == 0 and starting.returncode == 0, swarm.log("c")[-3000:] + swarm.log("d")[-3000:]
+    c, d = swarm.log("c"), swarm.log("d")
+    stopped_at = checkpoint.round_of(checkpoint.latest(swarm.folder / "c"))
+    assert f"stopped: the partial round was discarded; the checkpoint of round {stopped_at} is on disk" in c
+    assert checkpoint.load(checkpoint.latest(swarm.folder / "c"))["digest"] == swarm.records("c")[stopped_at]["digest"]
+    assert f"stopped during start-up: no round was trained; no checkpoint in {swarm.folder / 'd'}" in d
+    assert checkpoint.latest(swarm.folder / "d") is None
+    assert all(len(tree) >= 4 for tree in trees.values()), trees  # the peer, its DHT, averager and p2pd
+    node = swarm.nodes["bootstrap"]
+    os.killpg(node.pid, signal.SIGTERM)
+    trees.update(wait_for_exit([node], 30))
+    assert node.returncode == 0
+    assert_all_ended(set().union(*trees.values()))
+    for log in (c, d, swarm.log("bootstrap")):
+        assert "Traceback" not in log and "ERROR" not in log, log[-3000:]
+    assert partner.poll() is None or partner.returncode == 0

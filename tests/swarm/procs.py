@@ -1,0 +1,48 @@
+"""A peer's processes as a tree: its DHT and averager processes share its process group, but p2pd
+runs in a session of its own (p2p_diloco/swarm/processes.py), so only the parent links find it."""
+
+import os
+
+
+def _parent_of(pid: int) -> int | None:
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[1])  # the command may contain spaces
+    except (OSError, ValueError, IndexError):  # gone meanwhile
+        return None
+
+
+def descendants(pid: int) -> list[int]:
+    """`pid` and every process below it (children, grandchildren...), from /proc."""
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if entry.isdigit() and (parent := _parent_of(int(entry))) is not None:
+            children.setdefault(parent, []).append(int(entry))
+    found, todo = [], [pid]
+    while todo:
+        found.append(todo.pop())
+        todo += children.get(found[-1], [])
+    return found
+
+
+def alive(pid: int) -> bool:
+    """Running, sleeping or stopped; not gone and not a zombie waiting for its parent."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def signal_tree(pid: int, signum: int) -> None:
+    """Signal the process group led by `pid` and every descendant of `pid`: a crash (SIGKILL) or a
+    laptop asleep (SIGSTOP) takes p2pd with it."""
+    for target in descendants(pid):
+        try:
+            os.kill(target, signum)
+        except ProcessLookupError:
+            pass
+    try:
+        os.killpg(pid, signum)
+    except (ProcessLookupError, PermissionError):  # no such group (any more)
+        pass
