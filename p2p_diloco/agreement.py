@@ -178,7 +178,7 @@ def still_finishing(records: Mapping[str, RoundRecord], stale: set[str], final: 
     return [p for p, r in records.items() if r.round in (final - 1, final) and r.digest != mine and p not in stale]
 
 
-def config_to_defer_to(mine: str, live: dict[str, int]) -> str | None:
+def config_to_defer_to(mine: str, live: Mapping[str, int]) -> str | None:
     """The config (fingerprint) a starting peer must defer to, refusing to start (I5), or None.
 
     `live`: for this peer's config and every other config of the run id that counts (in certified

@@ -6,21 +6,23 @@ config it was written under and the digest of (r, θ, momentum). The inner model
 at a round boundary it equals θ(r).
 
 Writing goes to a temporary file in the same folder, fsync, then rename: a crash leaves either
-the old set of checkpoints or the new one, never a half-written file under a final name.
+the old set of checkpoints or the new one, never a half-written file under a final name. A full
+disk leaves the old set too, and no temporary file.
 """
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 import torch
 
 from p2p_diloco import outer
 from p2p_diloco.config import diff_shared
-from p2p_diloco.errors import CheckpointError
+from p2p_diloco.errors import CheckpointError, WriteError
 
 FORMAT = 1
 REQUIRED = ("format", "round", "params", "momentum", "digest", "shared_config", "fingerprint", "trainer", "data", "rng")
@@ -58,22 +60,68 @@ def latest(run_dir: str | Path) -> Path | None:
 
 
 def save(run_dir: str | Path, payload: dict[str, Any], keep: int) -> Path:
-    """Write `payload` as the checkpoint of its round, atomically; keep the `keep` latest."""
+    """Write `payload` as the checkpoint of its round, atomically; keep the `keep` latest.
+
+    A failed write (a full or read-only disk) removes its temporary file, prunes nothing and
+    raises WriteError naming the checkpoint that is still intact.
+    """
     path = path_for(run_dir, payload["round"])
-    path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     try:
-        with open(tmp, "wb") as f:
-            torch.save({"format": FORMAT, **payload}, f)
-            f.flush()
-            os.fsync(f.fileno())
+        path.parent.mkdir(parents=True, exist_ok=True)
+        _write(tmp, {"format": FORMAT, **payload})
         os.replace(tmp, path)
+        _fsync_dir(path.parent)
+    except OSError as e:
+        raise WriteError.of(path, e, resume_line(run_dir)) from None
     finally:
-        tmp.unlink(missing_ok=True)
-    _fsync_dir(path.parent)
+        with contextlib.suppress(OSError):  # a read-only disk refuses to unlink even a file it never made
+            tmp.unlink(missing_ok=True)
     for old in list_checkpoints(run_dir)[:-keep]:
         old.unlink(missing_ok=True)
     return path
+
+
+def resume_line(run_dir: str | Path) -> str:
+    """After a failed write: the checkpoint a resume starts from, or "" if there is none yet."""
+    found = latest(run_dir)
+    if found is None:
+        return ""
+    return f"the checkpoint of round {round_of(found)} is intact, continue with --resume"
+
+
+def _write(tmp: Path, payload: dict[str, Any]) -> None:
+    """torch.save into `tmp`, on disk when this returns. The disk's OSError is raised as it is:
+    torch turns a failed write into a RuntimeError ("unexpected pos 704 vs 598") that no longer
+    says the disk is full."""
+    with open(tmp, "wb") as f:
+        sink = _Sink(f)
+        try:
+            torch.save(payload, sink)
+        except RuntimeError:
+            if sink.error is None:
+                raise
+            raise sink.error from None
+        f.flush()
+        os.fsync(f.fileno())
+
+
+class _Sink:
+    """A file for torch.save that remembers the OSError of a failed write."""
+
+    def __init__(self, f: BinaryIO):
+        self.f = f
+        self.error: OSError | None = None
+
+    def write(self, data: bytes) -> int:
+        try:
+            return self.f.write(data)
+        except OSError as e:
+            self.error = e
+            raise
+
+    def flush(self) -> None:
+        self.f.flush()
 
 
 def load(path: str | Path, shared_config: dict | None = None) -> dict[str, Any]:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import errno
 import signal
 import sys
 import threading
@@ -12,7 +13,7 @@ from typing import Any, NoReturn
 
 from p2p_diloco import __version__
 from p2p_diloco import config as config_mod
-from p2p_diloco.errors import P2PDilocoError
+from p2p_diloco.errors import P2PDilocoError, WriteError
 
 EPILOG = "Every config field is also an option: --section.key VALUE (see `p2p-diloco config --reference`)."
 
@@ -444,11 +445,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except P2PDilocoError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {e}" if e.exit_code else str(e), file=sys.stderr)  # exit 0: an end, not a failure
         return e.exit_code
     except KeyboardInterrupt:  # a second Ctrl+C (commands with a clean stop say more themselves)
         print("interrupted", file=sys.stderr)
         return 130
+    except OSError as e:
+        full = _full_disk(e)
+        if full is None:
+            raise
+        print(f"error: {full}", file=sys.stderr)
+        return full.exit_code
+
+
+def _full_disk(e: OSError) -> WriteError | None:
+    """A full or read-only disk met by a write that does not raise WriteError itself (a peer's id
+    file, a node's key): one line with the fix. Other OSErrors keep their traceback: they may be bugs."""
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS):
+        return None
+    if e.filename:
+        return WriteError.of(e.filename, e)
+    # A write that failed at close (a full disk) names no file; it was one of the run dir's.
+    return WriteError(f"a write failed ({e.strerror}); free space on the run dir's disk or choose another --run.dir")
 
 
 if __name__ == "__main__":

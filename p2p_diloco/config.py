@@ -12,6 +12,7 @@ with lr 0.7 and momentum 0.9. The profiles in `peers/` scale the run down to a C
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import hashlib
@@ -32,7 +33,7 @@ else:  # Python 3.10
     import tomli as tomllib
 
 from p2p_diloco import codecs, robust
-from p2p_diloco.errors import ConfigError, P2PDilocoError
+from p2p_diloco.errors import ConfigError, P2PDilocoError, WriteError
 
 # The fields that take one of a fixed set of values; validate() names the choices on a bad value.
 Source = Literal["stdlib", "files", "hub"]
@@ -59,7 +60,9 @@ class RunSection:
     seed: int = shared(0, "seed of theta(0) and of the data order")
     rounds: int = shared(100, "outer rounds in the run; the inner lr schedule spans rounds x H steps")
     dir: str = local("runs/default", "this peer's directory: checkpoints, metrics.jsonl, config.toml")
-    device: str = local("auto", "auto (cuda if available, else cpu), cpu, cuda or cuda:N")
+    device: str = local(
+        "auto", "auto (cuda if available, else cpu; a model of 100M parameters or more needs cuda), cpu, cuda or cuda:N"
+    )
     eval_every_rounds: int = local(1, "evaluate held-out loss of theta every N rounds (0 = never)")
     eval_sequences: int = local(64, "held-out sequences per evaluation")
 
@@ -372,12 +375,22 @@ def load(path: str | Path | None = None, overrides: Mapping[str, str] | None = N
     return from_mapping(data, where)
 
 
-def save(config: Config, path: str | Path) -> None:
-    """Write the resolved config as TOML (loadable with `--config`), atomically."""
+def save(config: Config, path: str | Path, then: str = "") -> None:
+    """Write the resolved config as TOML (loadable with `--config`), atomically.
+
+    A failed write (a full disk) leaves no temporary file and raises WriteError, ending with
+    `then`: what the caller still has safe.
+    """
     path = Path(path)
     tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(tomli_w.dumps(config.to_dict()))
-    tmp.replace(path)
+    try:
+        tmp.write_text(tomli_w.dumps(config.to_dict()))
+        tmp.replace(path)
+    except OSError as e:
+        raise WriteError.of(path, e, then) from None
+    finally:
+        with contextlib.suppress(OSError):  # a read-only disk refuses to unlink even a file it never made
+            tmp.unlink(missing_ok=True)
 
 
 # --- validation ------------------------------------------------------------------------------

@@ -1,5 +1,11 @@
 """The package's exceptions. Each message names the problem and, where there is one, the fix."""
 
+from __future__ import annotations
+
+import errno
+import os
+from pathlib import Path
+
 
 class P2PDilocoError(Exception):
     """Base class: the CLI prints these as one line and exits non-zero."""
@@ -25,6 +31,41 @@ class CheckpointError(P2PDilocoError):
     """A checkpoint is missing, truncated, corrupt or from another run."""
 
 
+class WriteError(P2PDilocoError):
+    """A file of the run dir cannot be written: a full or read-only disk, no permission.
+
+    The writers leave nothing half-written behind (a temporary file is removed, a cut-off line
+    is cut away again), so the run dir stays what it was before the failed write.
+    """
+
+    @classmethod
+    def of(cls, path: str | Path, error: OSError, then: str = "") -> WriteError:
+        """The error for `path`, naming the reason, the fix and (`then`) what is still safe."""
+        path = Path(path)
+        reason = error.strerror or type(error).__name__
+        message = f"cannot write {path} ({reason}); {_fix(path, error)} or choose another --run.dir"
+        return cls(f"{message}; {then}" if then else message)
+
+
+def _fix(path: Path, error: OSError) -> str:
+    """What makes the write possible again: space on the disk, a writable mount, the folder's rights."""
+    if error.errno in (errno.ENOSPC, errno.EDQUOT):
+        return f"free space on {_mount_of(path)}"
+    if error.errno == errno.EROFS:
+        return f"remount {_mount_of(path)} read-write"
+    if error.errno in (errno.EACCES, errno.EPERM):
+        return f"make {path.parent} writable"
+    return f"check the disk behind {_mount_of(path)}"
+
+
+def _mount_of(path: str | Path) -> Path:
+    """The mount point that holds `path`: the disk to free space on (`df` names the same)."""
+    found = Path(os.path.realpath(path))
+    while not os.path.ismount(found):
+        found = found.parent
+    return found
+
+
 class PseudoGradError(P2PDilocoError):
     """A pseudo-gradient failed its local checks (not finite, implausibly large)."""
 
@@ -41,6 +82,12 @@ class RunConfigMismatch(SwarmError):
 
 class AveragingError(P2PDilocoError):
     """A round's all-reduce failed or was incomplete; nothing of it was applied (I2)."""
+
+
+class RunFinished(P2PDilocoError):
+    """The run this peer would join has ended: nothing is left to train (not an error: exit 0)."""
+
+    exit_code = 0
 
 
 class StateDownloadError(P2PDilocoError):

@@ -7,6 +7,8 @@
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
@@ -18,6 +20,8 @@ from typing import Any
 
 from tqdm import tqdm
 
+from p2p_diloco.errors import WriteError
+
 
 class MetricsLog:
     """Append-only JSON lines; on resume, records past the checkpoint's round are dropped first."""
@@ -26,10 +30,15 @@ class MetricsLog:
         self.path = Path(path)
 
     def append(self, record: dict[str, Any]) -> None:
+        """Add one line. A failed write (a full disk) cuts the file back to its whole lines and
+        raises WriteError: a half line would make every later read of the file fail."""
         clean = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in record.items()}
-        with open(self.path, "a") as f:
-            f.write(json.dumps(clean) + "\n")
-            f.flush()
+        line = (json.dumps(clean) + "\n").encode()
+        try:
+            with open(self.path, "ab", buffering=0) as f:  # unbuffered: no retry of a failed write at close
+                _append_whole(f, line)
+        except OSError as e:
+            raise self._write_error(e) from None
 
     def records(self) -> Iterator[dict[str, Any]]:
         if not self.path.exists():
@@ -45,8 +54,31 @@ class MetricsLog:
             return
         kept = [r for r in self.records() if r.get("round", 0) <= round_]
         tmp = self.path.with_suffix(".jsonl.tmp")
-        tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-        os.replace(tmp, self.path)
+        try:
+            tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+            os.replace(tmp, self.path)
+        except OSError as e:
+            raise self._write_error(e) from None
+        finally:
+            with contextlib.suppress(OSError):  # a read-only disk refuses to unlink even a file it never made
+                tmp.unlink(missing_ok=True)
+
+    def _write_error(self, error: OSError) -> WriteError:
+        from p2p_diloco import checkpoint  # imports torch: only a failed write pays for it
+
+        return WriteError.of(self.path, error, checkpoint.resume_line(self.path.parent))
+
+
+def _append_whole(f: io.FileIO, line: bytes) -> None:
+    """Write all of `line` at the end of `f`, or raise with `f` cut back to its size before."""
+    size = f.seek(0, os.SEEK_END)
+    try:
+        done = 0
+        while done < len(line):  # a full disk first takes what fits, then fails
+            done += f.write(line[done:])
+    except OSError:
+        f.truncate(size)
+        raise
 
 
 class PeerLogger(logging.LoggerAdapter):
@@ -103,6 +135,31 @@ class TqdmHandler(logging.StreamHandler):
 def setup_logging(level: str) -> None:
     handler = TqdmHandler()
     handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(message)s", "%H:%M:%S"))
+    handler.addFilter(not_written_already)
     root = logging.getLogger()
     root.handlers[:] = [handler]
     root.setLevel(level.upper())
+
+
+def not_written_already(record: logging.LogRecord) -> bool:
+    """False for a record that a handler of a logger below the root has written to the console already.
+
+    huggingface_hub and datasets give their top logger a stderr handler of their own when they are
+    imported, and still pass every record on to the root: without this check each of their warnings
+    (a hub request retried while offline, five times) reached stderr twice, bare and through ours.
+    Theirs is the copy kept: datasets is imported lazily, after this handler is set up.
+    """
+    logger: logging.Logger | None = logging.getLogger(record.name)
+    while logger is not None and logger is not logging.root:
+        if any(_writes_to_the_console(h, record) for h in logger.handlers):
+            return False
+        logger = logger.parent if logger.propagate else None
+    return True
+
+
+def _writes_to_the_console(handler: logging.Handler, record: logging.LogRecord) -> bool:
+    """A NullHandler, a log file or a handler above the record's level does not count: dropping our
+    copy for them would lose the record."""
+    stream = getattr(handler, "stream", None)
+    consoles = (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
+    return record.levelno >= handler.level and stream is not None and any(stream is c for c in consoles)

@@ -79,6 +79,12 @@ PRESETS: dict[str, dict] = {
     ),
 }
 
+# From this size on a model is GPU-sized: `run.device = auto` refuses to fall back to the CPU for it.
+# The line falls between small (26M) and 150m (123M): on a 2-core CPU a forward and backward pass
+# of 512 tokens ran at 630 tokens/s for small and 160 for 150m, so one round of peers/home-gpu.toml
+# (500 steps x 64 x 1024 tokens) would take 2-3 days there, against 10-30 minutes on a home GPU.
+GPU_SIZED_PARAMETERS = 100_000_000
+
 # Spellings of the end-of-sequence token (and of BERT's [SEP], its stand-in) in bare tokenizer.json
 # files, which, unlike a transformers folder, do not say which token ends a sequence.
 _EOS_SPELLINGS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>", "<|im_end|>", "[SEP]")
@@ -253,6 +259,12 @@ def _attention(config: PretrainedConfig) -> str:
     """
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"
+
+
+def parameter_count(config: PretrainedConfig) -> int:
+    """Parameters of the model `config` describes, counted on the meta device: no memory, no init."""
+    with torch.device("meta"):
+        return count_parameters(AutoModelForCausalLM.from_config(config))
 
 
 def count_parameters(model: torch.nn.Module) -> int:

@@ -14,16 +14,21 @@ majority, whether to adopt or catch up) is decided by the pure functions of agre
 
 from __future__ import annotations
 
+import contextlib
 import re
 import secrets
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from p2p_diloco.errors import WriteError
 from p2p_diloco.rounds import SwarmProgress
+
+if TYPE_CHECKING:
+    from p2p_diloco.genesis import Genesis, Verdict
 
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
@@ -93,8 +98,16 @@ class Swarm(Protocol):
     peer_id: str
     solo: bool  # True only for `Solo`: there is nobody to average with
 
-    def check_config(self) -> None:
-        """Publish this peer's shared config; raise RunConfigMismatch if the run's peers hold another (I5)."""
+    def check_config(self, theta0: str) -> Verdict:
+        """Judge the run this peer found (genesis.py): raise RunConfigMismatch if the run's peers,
+        or its genesis, hold another config (I5); then publish this peer's config and genesis
+        record (`theta0`: the digest of its θ(0))."""
+
+    def publish_final(self, round_: int, digest: str) -> None:
+        """This peer finished the run's last round with `digest`: say so in the run's genesis."""
+
+    def final_state(self) -> Genesis | None:
+        """The run's end, if its genesis records claim one (genesis.final_claim)."""
 
     def wait_for_reachable_peer(self) -> None:
         """Client mode: block until a peer others can reach is in the run, or raise SwarmError."""
@@ -171,11 +184,26 @@ class Solo:
 
     def __init__(self, run_dir: Path):
         path = run_dir / "peer_id"
-        if not path.exists():
-            path.write_text(secrets.token_hex(8) + "\n")
+        if not path.exists() or not path.read_text().strip():  # empty: a start that met a full disk
+            tmp = path.with_name(".peer_id.tmp")
+            try:
+                tmp.write_text(secrets.token_hex(8) + "\n")
+                tmp.replace(path)  # never a half-written id under the final name
+            except OSError as e:
+                with contextlib.suppress(OSError):  # a read-only disk refuses even this
+                    tmp.unlink(missing_ok=True)
+                raise WriteError.of(path, e) from None
         self.peer_id = path.read_text().strip()
 
-    def check_config(self) -> None:
+    def check_config(self, theta0: str) -> Verdict:
+        from p2p_diloco.genesis import Verdict  # genesis.py imports this module
+
+        return Verdict("new")
+
+    def publish_final(self, round_: int, digest: str) -> None:
+        return None
+
+    def final_state(self) -> Genesis | None:
         return None
 
     def wait_for_reachable_peer(self) -> None:

@@ -18,13 +18,15 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from transformers import PretrainedConfig
 
 from p2p_diloco import checkpoint, data, faults, outer
 from p2p_diloco import config as config_mod
 from p2p_diloco import model as model_mod
 from p2p_diloco.agreement import still_finishing
 from p2p_diloco.config import Config
-from p2p_diloco.errors import ConfigError
+from p2p_diloco.errors import ConfigError, RunFinished
+from p2p_diloco.genesis import Verdict
 from p2p_diloco.inner import InnerTrainer, PhaseResult, lr_at
 from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress
 from p2p_diloco.network import ServedState, Solo, Swarm
@@ -34,16 +36,34 @@ from p2p_diloco.sync import StateSync
 logger = logging.getLogger(__name__)
 
 
-def resolve_device(spec: str) -> torch.device:
+def resolve_device(spec: str, model_config: PretrainedConfig) -> torch.device:
+    """run.device as a torch device, or ConfigError naming the fix if this machine cannot train on it."""
+    cuda = torch.cuda.is_available()
     if spec == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        parameters = 0 if cuda else model_mod.parameter_count(model_config)
+        return torch.device(auto_device(cuda, parameters, torch.__version__))
     device = torch.device(spec)
-    if device.type == "cuda" and not torch.cuda.is_available():
+    if device.type == "cuda" and not cuda:
         raise ConfigError(
             f"run.device = {spec} but torch {torch.__version__} sees no GPU; install a CUDA build of torch "
             f"(README: GPU peers) or set --run.device=cpu"
         )
     return device
+
+
+def auto_device(cuda: bool, parameters: int, torch_version: str) -> str:
+    """What run.device = auto means: the GPU if there is one, else the CPU, but only for a model that
+    a CPU trains in useful time. A GPU-sized model would run on for days without saying why it is slow;
+    an explicit run.device = cpu still trains it."""
+    if cuda:
+        return "cuda"
+    if parameters >= model_mod.GPU_SIZED_PARAMETERS:
+        raise ConfigError(
+            f"run.device = auto but torch {torch_version} sees no GPU, and the model's {parameters:,} parameters "
+            f"are GPU-sized ({model_mod.GPU_SIZED_PARAMETERS:,} or more: the 150m preset and up); install a CUDA "
+            f"build of torch (README: GPU peers), or pass --run.device=cpu to train on the CPU anyway (slow)"
+        )
+    return "cpu"
 
 
 @dataclass
@@ -111,7 +131,7 @@ class Peer:
         self.tokenizer = model_mod.load_tokenizer(config.model.tokenizer)
         self.model_config = model_mod.model_config(config.model, self.tokenizer.vocab_size)
         self.corpus = data.open_corpus(config.data)
-        self.device = resolve_device(config.run.device)
+        self.device = resolve_device(config.run.device, self.model_config)
         if config.swarm.initial_peers:
             from p2p_diloco.swarm.node import parse_initial_peers  # imports hivemind: swarm peers only
 
@@ -129,6 +149,7 @@ class Peer:
         config = self.config
         self.model = model_mod.init_model(self.model_config, config.run.seed).to(self.device)
         self.state = outer.initial_state(dict(self.model.named_parameters()))
+        self.theta0 = self.state.digest()  # the run's genesis names it (genesis.py)
         self.swarm = self._swarm = self._join(config, self.run_dir, self.state, self.serve_state)
         self.peer_id = self.swarm.peer_id
         self.log = PeerLogger(logger, self.peer_id[-4:])
@@ -157,7 +178,7 @@ class Peer:
         self.sync = StateSync(self)
         self.rounds = RoundDriver(self)
         self._start(resume, shard)
-        config_mod.save(config, self.run_dir / "config.toml")
+        config_mod.save(config, self.run_dir / "config.toml", checkpoint.resume_line(self.run_dir))
 
     # --- start -------------------------------------------------------------------------------
 
@@ -180,12 +201,15 @@ class Peer:
         elif resume:
             self.log.info("no checkpoint in %s: starting at round 0", checkpoint.checkpoint_dir(self.run_dir))
         faults.reached(faults.FaultPoint.START)
-        self.swarm.check_config()
+        self.verdict = self.swarm.check_config(self.theta0)
+        if self.verdict.kind != "join":
+            self._refuse_a_finished_run()  # nobody is live to download its end from
         if self.config.swarm.client_mode:
             # Announce first, so reachable peers know to wait for this one at the next matchmaking.
             self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
             self.swarm.wait_for_reachable_peer()
         caught_up = self.sync.catch_up(starting=True)
+        self._refuse_a_finished_run()  # the live peers did not serve its end
         if path is None:
             self.metrics.truncate_after(-1)
         if path is None or caught_up:
@@ -194,17 +218,36 @@ class Peer:
         self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), copied=caught_up)
         self._say_whom_it_joined()
 
+    def _refuse_a_finished_run(self) -> None:
+        """A run whose genesis says it ended is never trained again from an earlier state (alone,
+        from θ(0)): RunFinished, exit 0. A peer that downloaded the final state goes on to the end."""
+        final = self.verdict.final
+        if final is None or self.state.round >= final.final_round:
+            return
+        live = [r.round for p, r in self.swarm.peers().items() if p not in self.swarm.stale_peers()]
+        if max(live, default=final.final_round) < final.final_round:
+            return  # live peers still train the run: a claim of its end is false (anyone may publish one)
+        raise RunFinished(
+            f"run {self.config.run.run_id!r} finished at round {final.final_round} (final digest "
+            f"{final.final_digest[:12]}) and no peer serves its final state any more: nothing to train. Ask the "
+            f"organiser for the model, or start a new run with another run.run_id"
+        )
+
     def _say_whom_it_joined(self) -> None:
         """One line: the swarm this peer found, or that it found none (a solo peer says nothing)."""
         if self.swarm.solo:
             return
+        verdict, run_id = self.verdict, self.config.run.run_id
+        if verdict.theta0 and verdict.theta0 != self.theta0:
+            self.log.warning(
+                "this peer's theta(0) (digest %s) is not the run's (%s): another torch build? It trains from the "
+                "swarm's state, never from its own theta(0)",
+                self.theta0[:12],
+                verdict.theta0[:12],
+            )
         others = {p: r.round for p, r in self.swarm.peers().items() if p != self.peer_id}
         if not others:
-            self.log.info(
-                "no other peer of run %r found yet: training from round %d, averaging with peers as they come",
-                self.config.run.run_id,
-                self.state.round,
-            )
+            self._say_alone(verdict, run_id)
             return
         rounds = sorted(set(others.values()))
         self.log.info(
@@ -212,6 +255,25 @@ class Peer:
             self.config.run.run_id,
             len(others),
             ", ".join(map(str, rounds[-3:])),
+        )
+
+    def _say_alone(self, verdict: Verdict, run_id: str) -> None:
+        if verdict.kind == "new":
+            seen = f"; runs seen in the swarm: {', '.join(verdict.nearby)}" if verdict.nearby else ""
+            self.log.info(
+                "no run %r found in the swarm: starting it as a new run from round %d. To join an existing run "
+                "instead, pass --config with its run.toml%s",
+                run_id,
+                self.state.round,
+                seen,
+            )
+            return
+        self.log.info(
+            "run %r exists (its genesis has %d publisher(s)) but no other peer of it is live now: training from "
+            "round %d, averaging with peers as they come",
+            run_id,
+            verdict.publishers,
+            self.state.round,
         )
 
     def record_start(self) -> None:
@@ -250,6 +312,7 @@ class Peer:
                 )
                 return
         self.log.info("run complete: %d rounds, digest %s", self.state.round, self.state.digest())
+        self.swarm.publish_final(self.state.round, self.state.digest())
         self._linger(stop)
 
     def _linger(self, stop: threading.Event) -> None:

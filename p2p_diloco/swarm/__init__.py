@@ -25,8 +25,9 @@ from typing import Any
 import torch
 
 from p2p_diloco import agreement, codecs
-from p2p_diloco.config import Config, diff_shared
-from p2p_diloco.errors import AveragingError, RunConfigMismatch, StateDownloadError, SwarmError
+from p2p_diloco.config import Config
+from p2p_diloco.errors import AveragingError, StateDownloadError, SwarmError
+from p2p_diloco.genesis import Genesis, Verdict
 from p2p_diloco.network import AllReduced, RoundRecord, ServedState, StateCheck
 from p2p_diloco.rounds import SwarmProgress
 from p2p_diloco.swarm import entry, records
@@ -37,13 +38,13 @@ from p2p_diloco.swarm.heartbeat import Entries, Heartbeat
 from p2p_diloco.swarm.identity import load_identity, make_validator, peer_id_of, public_key_bytes
 from p2p_diloco.swarm.node import start_dht
 from p2p_diloco.swarm.processes import children_started, stop_process
+from p2p_diloco.swarm.run_identity import RunIdentity
 from p2p_diloco.swarm.step import AveragingStep
 
 logger = logging.getLogger(__name__)
 
 PART_SIZE_BYTES = 2 * 1024 * 1024  # 25-30 % faster than hivemind's 512 KiB default, measured here
 POLL_S = 0.2  # how often a wait re-reads the DHT (every wait also has a deadline)
-MAX_CONFIGS = 8  # configs of one run id looked at (each costs a DHT read)
 
 
 class Swarm:
@@ -87,6 +88,7 @@ class Swarm:
         self.residual = torch.zeros(numel, dtype=torch.float32).share_memory_() if lossy else None
         self._dht_lock = threading.Lock()  # hivemind's DHT handle is one pipe: threads take turns
         self.gate.attach(self.dht, self.validator, self.prefix, self._dht_lock)
+        self.run = RunIdentity(config, self.dht, self.validator, self.gate, self._dht_lock, self.peer_id)
         entries = Entries(self.dht, list(sc.initial_peers), identity)
         self.heartbeat = Heartbeat(
             self.dht, self.validator, self.prefix, self.peer_id, self._dht_lock, self.gate, entries
@@ -165,35 +167,14 @@ class Swarm:
         with self._dht_lock:
             return [str(m) for m in self.dht.get_visible_maddrs()]
 
-    def check_config(self) -> None:
-        """Refuse to start beside the run's peers if they hold another config (I5); then publish this
-        peer's. Which published configs count: agreement.config_to_defer_to and Gate.believes_config."""
-        run_id, mine = self.config.run.run_id, self.config.fingerprint()
-        with self._dht_lock:
-            published = records.read_configs(self.dht, run_id)
-            counted = [c for c in published.values() if self.gate.believes_config(c.signature, c.fingerprint)]
-            fingerprints = [mine] + [c.fingerprint for c in counted if c.fingerprint != mine][:MAX_CONFIGS]
-            live = {fp: len(records.live_peers(self.dht, run_id, fp) - {self.peer_id}) for fp in fingerprints}
-        ignored = len(published) - len(counted)
-        if ignored:
-            logger.warning(
-                "ignored %d config(s) published under run %r without the organiser's signature", ignored, run_id
-            )
-        rival = agreement.config_to_defer_to(mine, live)
-        if rival is not None:
-            raise RunConfigMismatch(
-                f"run {run_id!r} is running with another config (fingerprint {rival}, {live[rival]} peer(s) live); "
-                f"fields that differ (swarm != this peer): "
-                f"{'; '.join(diff_shared(published[rival].shared, self.config.shared_dict()))}; "
-                f"use the run's config file"
-            )
-        with self._dht_lock:
-            records.publish_config(
-                self.dht,
-                self.validator,
-                run_id,
-                records.PublishedConfig(mine, self.config.shared_dict(), self.config.admission.config_signature),
-            )
+    def check_config(self, theta0: str) -> Verdict:
+        return self.run.check(theta0)
+
+    def publish_final(self, round_: int, digest: str) -> None:
+        self.run.publish_final(round_, digest)
+
+    def final_state(self) -> Genesis | None:
+        return self.run.final_state()
 
     def publish_round(self, round_: int, digest: str, tokens: int, loss: float, copied: bool = False) -> None:
         record = RoundRecord(

@@ -10,6 +10,7 @@ and answered in the averager's, through hivemind's pipe.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -41,6 +42,17 @@ from p2p_diloco.swarm.ledger import Ledger
 from p2p_diloco.swarm.probes import LinkProbes
 
 logger = get_logger(__name__)
+
+
+def _not_a_failed_step(record: logging.LogRecord) -> bool:
+    """hivemind logs every failed averaging step with its traceback (`_step`), and hands the
+    same exception to the step's future, which step.py reports in one line ("no other peer
+    reached round 3 within the matchmaking window"). A peer alone would print a traceback a round."""
+    return not (record.funcName == "_step" and record.levelno >= logging.ERROR)
+
+
+# Installed in the peer's process before the averager forks: the child inherits it.
+logging.getLogger("hivemind.averaging.averager").addFilter(_not_a_failed_step)
 
 STATE_BYTES_PER_VALUE = 2 * 4  # a served state is θ and the outer momentum, fp32, as large as the averaged tensors
 STATE_SLACK_BYTES = 1 << 20  # metadata and serialization headers

@@ -11,6 +11,7 @@ it into the run's DHT and waits until peers of the run publish it again.
 from __future__ import annotations
 
 import logging
+import math
 import tempfile
 import threading
 import time
@@ -55,6 +56,13 @@ class Bootstrap:
         # peers this node saw before a restart: it knows the swarm again within seconds (entry.py).
         self.entries = Entries(self.dht, list(config.swarm.initial_peers), identity_path)
         self.remembered = tuple(entry.remembered(identity_path))
+        self.validator, self._run_id_published = validator, -math.inf
+
+    def _publish_run_id(self) -> None:
+        """The run this node watches is a run id that a peer with a typo is pointed at (genesis.py)."""
+        if self.watch_run and time.monotonic() - self._run_id_published > records.RUNS_TTL_S / 4:
+            records.publish_run_id(self.dht, self.validator, self.config.run.run_id)
+            self._run_id_published = time.monotonic()
 
     def initial_peers(self) -> list[str]:
         """The multiaddrs to hand out: `--initial-peers` takes any of them."""
@@ -83,6 +91,7 @@ class Bootstrap:
             self.entries.tend(time.time(), seen, str(self.dht.peer_id), also=self.remembered)
             if self.watch_run:
                 self.gate.refresh_revocations()
+            self._publish_run_id()
             if time.monotonic() - last_report >= report_every_s:
                 logger.info("[bootstrap] %s", self.status())
                 last_report = time.monotonic()

@@ -1,4 +1,5 @@
-"""Signed DHT records of a run: configs and each peer's latest round. Values are validated on read (I4).
+"""Signed DHT records of a run: configs, the genesis, each peer's latest round, run ids. Values are
+validated on read (I4).
 
 Every record lives under a subkey that holds its owner's RSA public key, so hivemind's
 RSASignatureValidator lets only the owner write it; that key is the owner's libp2p identity
@@ -19,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from hivemind.utils import get_dht_time
 
+from p2p_diloco.genesis import Genesis
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress
 from p2p_diloco.swarm.identity import owner_peer_id
@@ -264,3 +266,32 @@ def read_revocations(dht: Any, prefix: str) -> list[str]:
         if isinstance(value, list):
             texts.update(t for t in value[:MAX_REVOCATIONS] if isinstance(t, str) and len(t) <= 4096)
     return sorted(texts)
+
+
+GENESIS_TTL_S = 30 * 24 * 3600.0  # a run's genesis outlives its round records: a finished run stays finished
+RUNS_KEY = "p2p-diloco_runs"  # every run id a node has run or watched, so a typo can be pointed at the right one
+RUNS_TTL_S = 24 * 3600.0
+MAX_RUN_IDS = 256  # run ids read
+
+
+def publish_genesis(dht: Any, validator: Any, run_id: str, genesis: Genesis) -> None:
+    _store(dht, validator, run_prefix(run_id, "genesis"), genesis.as_dict(), ttl=GENESIS_TTL_S)
+
+
+def read_geneses(dht: Any, run_id: str) -> dict[str, Genesis]:
+    """{publisher peer id: its genesis record of run `run_id`} (unchecked beyond its form)."""
+    out: dict[str, Genesis] = {}
+    for subkey, value in _read(dht, run_prefix(run_id, "genesis")):
+        publisher, genesis = owner_peer_id(subkey), Genesis.parse(value)
+        if publisher is not None and genesis is not None:
+            out.setdefault(publisher, genesis)
+    return out
+
+
+def publish_run_id(dht: Any, validator: Any, run_id: str) -> None:
+    _store(dht, validator, RUNS_KEY, run_id[:128], ttl=RUNS_TTL_S)
+
+
+def read_run_ids(dht: Any) -> set[str]:
+    found = [v for _, v in _read(dht, RUNS_KEY) if isinstance(v, str) and 0 < len(v) <= 128]
+    return set(found[:MAX_RUN_IDS])

@@ -13,6 +13,7 @@ import torch
 
 from p2p_diloco import checkpoint
 from tests.conftest import TINY
+from tests.unit.full_disk import fill, remount, tmpfs
 
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
 
@@ -108,6 +109,17 @@ def test_a_run_dir_under_a_file_is_one_line_and_creates_nothing(tmp_path, capsys
     assert (tmp_path / "a-file").read_text() == "not a folder\n"
 
 
+def test_auto_device_refuses_a_gpu_sized_model_without_a_gpu_and_creates_nothing(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)  # the same answer on a GPU machine
+    run_dir = tmp_path / "run"
+    extra = {"run.dir": str(run_dir), "model.preset": "150m", "run.device": "auto"}
+    result = main_in_process(capsys, "peer", *options({**TINY, **extra}))
+    assert_one_line_error(
+        result, "sees no GPU, and the model's 122,982,272 parameters are GPU-sized", "--run.device=cpu"
+    )
+    assert result.returncode == 2 and not run_dir.exists()
+
+
 def test_baseline_refuses_what_cannot_run(tmp_path):
     # The other refusals: tests/unit/test_dataparallel.py.
     run_dir = tmp_path / "run"
@@ -178,6 +190,38 @@ def test_existing_run_without_resume_is_refused(trained_run, tmp_path, capsys):
     args = options({**TINY, "run.dir": str(run_dir), "run.rounds": "2"})
     assert_one_line_error(main_in_process(capsys, "peer", *args), "already holds checkpoints", "--resume")
     assert snapshot(run_dir) == before
+
+
+TINY_COPY_BYTES = 469_632 * 4  # one fp32 copy of the tiny preset's parameters
+
+
+def test_a_disk_that_fills_mid_run_stops_the_peer_with_one_line_and_resume_continues(tmp_path, capsys):
+    # A checkpoint of round 0 holds 2 copies (θ, momentum), a later one 4 (and AdamW's 2 moments):
+    # 7 copies of space hold rounds 0 and 1, and round 2's checkpoint fills the disk.
+    with tmpfs(tmp_path / "disk", 7 * TINY_COPY_BYTES) as disk:
+        run_dir = disk / "run"
+        args = options({**TINY, "run.dir": str(run_dir)})
+        result = run_cli("peer", *args)
+        assert_one_line_error(result)
+        assert result.returncode == 1 and result.stderr.strip().splitlines()[-1] == (
+            f"error: cannot write {checkpoint.path_for(run_dir, 2)} (No space left on device); free space on "
+            f"{disk} or choose another --run.dir; the checkpoint of round 1 is intact, continue with --resume"
+        )
+        assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()) == ["round-000000.pt", "round-000001.pt"]
+        assert checkpoint.load(checkpoint.latest(run_dir))["round"] == 1  # its digest verified
+        assert metric_rounds(run_dir) == [0, 1, 2]  # whole lines; round 2's goes at the resume
+        remount(disk, f"size={28 * TINY_COPY_BYTES}")  # the user freed space
+        resumed = main_in_process(capsys, "peer", "--resume", *args)
+        assert resumed.returncode == 0, resumed.stderr
+        assert metric_rounds(run_dir) == [0, 1, 2, 3]
+
+
+def test_a_disk_full_at_start_is_one_line_with_the_fix(tmp_path, capsys):
+    with tmpfs(tmp_path / "disk", 64 * 1024) as disk:
+        fill(disk)
+        result = main_in_process(capsys, "peer", *options({**TINY, "run.dir": str(disk / "run")}))
+    assert_one_line_error(result, "(No space left on device); free space on", "choose another --run.dir")
+    assert result.returncode == 1
 
 
 def stop_after_rounds(args, run_dir, rounds, signum):

@@ -163,3 +163,26 @@ def test_whole_swarm_restart_continues_from_the_last_completed_round(swarm):
     for r in sorted(set(a) & set(b)):
         assert a[r]["digest"] == b[r]["digest"], r
     assert max(set(a) & set(b)) >= top + 1
+
+
+@pytest.mark.timeout(240)
+def test_a_finished_run_is_not_trained_again_and_a_new_name_is_told_it_is_new(swarm):
+    from p2p_diloco import checkpoint
+
+    first = [swarm.peer("a"), swarm.peer("b")]  # together: a peer alone waits out every matchmaking window
+    wait_until(lambda: all(p.poll() is not None for p in first), first, 120, "the run ends")
+    assert [p.returncode for p in first] == [0, 0], swarm.log("a")[-3000:]
+    final = swarm.records("a")[ROUNDS]["digest"]
+    assert "Traceback" not in swarm.log("a")
+    # After the end (its last peer left): told so, exit 0, nothing trained, nothing written.
+    late = swarm.peer("late")
+    # A typo in the run id: a new run, and the run it looks like is named.
+    typo = swarm.peer("typo", {"run.run_id": "p2p-dilcoo", "run.rounds": "1"})
+    assert late.wait(timeout=120) == 0, swarm.log("late")[-3000:]
+    assert f"run 'p2p-diloco' finished at round {ROUNDS} (final digest {final[:12]})" in swarm.log("late")
+    assert checkpoint.latest(swarm.folder / "late") is None and not swarm.records("late")
+    assert typo.wait(timeout=120) == 0, swarm.log("typo")[-3000:]
+    assert (
+        "no run 'p2p-dilcoo' found in the swarm: starting it as a new run from round 0. To join an existing run "
+        "instead, pass --config with its run.toml; runs seen in the swarm: p2p-diloco"
+    ) in swarm.log("typo")

@@ -17,6 +17,7 @@ import torch
 
 from p2p_diloco import agreement, outer
 from p2p_diloco.errors import StateDownloadError
+from p2p_diloco.genesis import Genesis, Verdict
 from p2p_diloco.network import AllReduced, RoundRecord, ServedState, StateCheck
 from p2p_diloco.rounds import SwarmProgress
 
@@ -57,6 +58,9 @@ class FakeSwarm:
     results: list[AllReduced | None] = field(default_factory=list)
     published: list[RoundRecord] = field(default_factory=list)
     downloads: list[tuple[int, str, list[str]]] = field(default_factory=list)
+    verdict: Verdict | None = None  # what check_config() says (default: join if others published, else new)
+    final: Genesis | None = None  # what final_state() says: a run whose genesis claims its end
+    finals: list[tuple[int, str]] = field(default_factory=list)  # the peer's publish_final calls
     closed: bool = False
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -87,8 +91,14 @@ class FakeSwarm:
 
     # --- network.Swarm ---------------------------------------------------------------------------
 
-    def check_config(self) -> None:
-        return None
+    def check_config(self, theta0: str) -> Verdict:
+        return self.verdict or Verdict("join" if self.peers() else "new")
+
+    def publish_final(self, round_: int, digest: str) -> None:
+        self.finals.append((round_, digest))
+
+    def final_state(self) -> Genesis | None:
+        return self.final
 
     def wait_for_reachable_peer(self) -> None:
         return None

@@ -1,10 +1,11 @@
-"""Checkpoints: atomic, pruned, verified; damage and mismatches give clear errors."""
+"""Checkpoints: atomic, pruned, verified; damage, mismatches and full disks give clear errors."""
 
 import pytest
 import torch
 
 from p2p_diloco import checkpoint, config, outer
-from p2p_diloco.errors import CheckpointError
+from p2p_diloco.errors import CheckpointError, WriteError
+from tests.unit.full_disk import PAGE, fill, remount, tmpfs
 
 
 def payload(round_, cfg=None):
@@ -73,3 +74,38 @@ def test_listing_ignores_temporary_and_foreign_files(tmp_path):
     (tmp_path / "checkpoints" / "notes.txt").write_text("hi")
     assert [p.name for p in checkpoint.list_checkpoints(tmp_path)] == ["round-000002.pt"]
     assert checkpoint.latest(tmp_path / "nowhere") is None
+
+
+def big_payload(round_):
+    """A checkpoint of about 64 KiB: larger than the space the full-disk test leaves."""
+    out = payload(round_)
+    params = {"w": torch.arange(16 * 1024, dtype=torch.float32) + round_}
+    out.update(params=params, momentum={"w": torch.ones(4)})
+    out["digest"] = outer.digest(round_, params, out["momentum"])
+    return out
+
+
+def test_a_full_disk_keeps_the_checkpoints_and_leaves_no_temporary_file(tmp_path):
+    with tmpfs(tmp_path / "disk", 1024 * 1024) as disk:
+        for r in (1, 2):
+            checkpoint.save(disk, big_payload(r), keep=2)
+        fill(disk, leave_bytes=4 * PAGE)  # round 3's file gets 16 KiB in, then the disk is full
+        with pytest.raises(WriteError) as failed:
+            checkpoint.save(disk, big_payload(3), keep=2)
+        assert str(failed.value) == (
+            f"cannot write {checkpoint.path_for(disk, 3)} (No space left on device); free space on {disk} or "
+            "choose another --run.dir; the checkpoint of round 2 is intact, continue with --resume"
+        )
+        assert sorted(p.name for p in (disk / "checkpoints").iterdir()) == ["round-000001.pt", "round-000002.pt"]
+        assert checkpoint.load(checkpoint.latest(disk))["params"]["w"][:2].tolist() == [2.0, 3.0]
+
+
+def test_a_read_only_disk_is_named_with_its_fix(tmp_path):
+    with tmpfs(tmp_path / "disk", 1024 * 1024) as disk:
+        remount(disk, "ro")
+        with pytest.raises(WriteError) as failed:
+            checkpoint.save(disk, payload(0), keep=2)
+    assert str(failed.value) == (
+        f"cannot write {checkpoint.path_for(disk, 0)} (Read-only file system); remount {disk} read-write or "
+        "choose another --run.dir"
+    )

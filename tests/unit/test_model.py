@@ -23,6 +23,7 @@ from p2p_diloco.model import (
     init_model,
     load_tokenizer,
     model_config,
+    parameter_count,
 )
 
 SEQ_LEN = 32
@@ -67,9 +68,7 @@ def write_word_tokenizer(path, specials=("</s>",)):
 
 
 def meta_parameter_count(preset: str, vocab_size: int = ByteTokenizer.vocab_size) -> int:
-    config = model_config(ModelSection(preset=preset, seq_len=2048), vocab_size)
-    with torch.device("meta"):
-        return count_parameters(AutoModelForCausalLM.from_config(config))
+    return parameter_count(model_config(ModelSection(preset=preset, seq_len=2048), vocab_size))
 
 
 # --- init_model -------------------------------------------------------------------------------

@@ -1,0 +1,145 @@
+"""A run's genesis (p2p_diloco/genesis.py): what a starting peer makes of the run it found, and a
+peer that comes after the end. Pure decisions with values by hand, then one real peer in-process."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+
+from p2p_diloco import genesis
+from p2p_diloco.errors import RunFinished
+from p2p_diloco.genesis import Genesis, Verdict
+from tests.unit.fake_swarm import FakeSwarm
+from tests.unit.test_round_protocol import make_peer, moved, records, run
+
+MINE, OTHER, THIRD = "f" * 16, "a" * 16, "b" * 16
+ROUNDS = 12
+
+
+def g(fp=MINE, theta0="t0", final=-1, digest=""):
+    return Genesis(fp, theta0, final, digest)
+
+
+def test_live_peers_of_the_own_config_are_joined_whatever_the_genesis_says():
+    found = {"p1": g(OTHER), "p2": g(OTHER)}
+    assert genesis.judge(MINE, {MINE: 1, OTHER: 0}, found, ROUNDS).kind == "join"
+
+
+def test_live_peers_of_another_config_refuse_the_peer():
+    assert genesis.judge(MINE, {MINE: 0, OTHER: 2}, {}, ROUNDS) == Verdict("other", rival=OTHER)
+
+
+def test_with_nobody_live_the_genesis_published_by_most_peers_is_the_run():
+    found = {"p1": g(OTHER), "p2": g(OTHER), "p3": g(MINE)}
+    assert genesis.judge(MINE, {MINE: 0}, found, ROUNDS) == Verdict("other", rival=OTHER, publishers=2)
+    found["p4"] = g(MINE)  # 2 against 2: the smaller fingerprint is the run's ("a..." < "f...")
+    assert genesis.judge(MINE, {MINE: 0}, found, ROUNDS).rival == OTHER
+    found["p5"] = g(MINE)
+    verdict = genesis.judge(MINE, {MINE: 0}, found, ROUNDS)
+    assert (verdict.kind, verdict.publishers, verdict.final, verdict.theta0) == ("dormant", 3, None, "t0")
+
+
+def test_no_genesis_and_nobody_live_is_a_new_run():
+    assert genesis.judge(MINE, {MINE: 0}, {}, ROUNDS) == Verdict("new")
+
+
+def test_the_end_is_the_final_digest_most_publishers_name_at_the_last_round():
+    found = {
+        "p1": g(final=ROUNDS, digest="d1"),
+        "p2": g(final=ROUNDS, digest="d2"),
+        "p3": g(final=ROUNDS, digest="d2"),
+        "p4": g(final=ROUNDS + 5, digest="d9"),  # not this config's end: ignored
+        "p5": g(OTHER, final=ROUNDS, digest="d7"),  # another config's
+    }
+    final = genesis.judge(MINE, {MINE: 0}, found, ROUNDS).final
+    assert final is not None and (final.final_round, final.final_digest) == (ROUNDS, "d2")
+    assert genesis.judge(MINE, {MINE: 0}, {"p1": g(), "p4": found["p4"]}, ROUNDS).final is None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        None,
+        "text",
+        {"fingerprint": MINE, "theta0": "t0", "final_digest": "", "signature": ""},  # no final_round
+        {"fingerprint": MINE, "theta0": "t0", "final_round": 3, "final_digest": "", "signature": ""},  # no digest
+        {"fingerprint": MINE, "theta0": "t0", "final_round": -1, "final_digest": "d", "signature": ""},
+        {"fingerprint": "", "theta0": "t0", "final_round": -1, "final_digest": "", "signature": ""},
+        {"fingerprint": MINE, "theta0": "t0", "final_round": 2.5, "final_digest": "d", "signature": ""},
+        {"fingerprint": MINE, "theta0": "t0", "final_round": True, "final_digest": "", "signature": ""},
+        {"fingerprint": MINE, "theta0": "x" * 5000, "final_round": -1, "final_digest": "", "signature": ""},
+        {"fingerprint": MINE, "theta0": "t0", "final_round": -1, "final_digest": "", "signature": "", "shared": []},
+    ],
+)
+def test_a_malformed_genesis_record_is_dropped(value):
+    assert Genesis.parse(value) is None
+
+
+def test_a_genesis_record_reads_back_as_written():
+    own = Genesis(MINE, "t0", signature="sig", shared={"run": {"rounds": ROUNDS}})
+    assert Genesis.parse(own.as_dict()) == own and Genesis.parse(own.finished_at(12, "d").as_dict()).final_round == 12
+
+
+def test_a_peer_adds_its_genesis_record_only_while_fewer_than_COPIES_carry_it():
+    own = g()
+    found = {f"p{i}": g() for i in range(genesis.COPIES - 1)} | {"x": g(OTHER)}
+    assert genesis.should_publish(found, own)
+    found["last"] = g()
+    assert not genesis.should_publish(found, own)
+    assert genesis.should_publish(found, own.finished_at(ROUNDS, "d"))  # the end is news
+
+
+def test_a_typo_is_pointed_at_the_run_it_looks_like():
+    seen = {"p2p-diloco", "c4-150m", "demo", "p2p-dilcoo"}
+    assert genesis.nearby_runs("p2p-dilcoo", seen) == ["p2p-diloco"]
+    assert genesis.nearby_runs("zzzz", seen) == ["c4-150m", "demo", "p2p-dilcoo"]  # sorted, first 3
+
+
+# --- one real peer (tests/unit/fake_swarm.py) ------------------------------------------------------
+
+
+def final_of(state) -> Genesis:
+    return Genesis(MINE, "t0", state.round, state.digest())
+
+
+def test_a_peer_that_comes_after_the_end_stops_without_training(tmp_path):
+    end = moved(make_peer(tmp_path / "first", FakeSwarm()).state, 0.01, 4)
+    fake = FakeSwarm(verdict=Verdict("dormant", publishers=3, final=final_of(end)))
+    with pytest.raises(RunFinished, match=r"finished at round 4 \(final digest .*no peer serves its final state"):
+        make_peer(tmp_path / "late", fake, **{"run.rounds": "4"})
+    assert fake.closed and not fake.calls and not fake.downloads
+    assert (
+        not (tmp_path / "late" / "run" / "checkpoints").exists()
+        and not (tmp_path / "late" / "run" / "metrics.jsonl").exists()
+    )
+
+
+def test_a_peer_that_comes_while_the_last_peers_linger_downloads_the_end(tmp_path, caplog, monkeypatch):
+    from p2p_diloco import sync
+
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(sync, "SETTLE_S", 0.2)
+    end = moved(make_peer(tmp_path / "first", FakeSwarm()).state, 0.01, 4)
+    fake = FakeSwarm(verdict=Verdict("join", publishers=1, final=final_of(end)))
+    fake.publish_other("p1", end)
+    late = run(make_peer(tmp_path / "late", fake, **{"run.rounds": "4"}))
+    assert late.state.digest() == end.digest() and not fake.calls
+    assert [r["round"] for r in records(late)] == [4] and "run complete: 4 rounds" in caplog.text
+
+
+def test_a_false_claim_of_the_end_does_not_stop_a_peer_while_peers_train(tmp_path, monkeypatch):
+    from p2p_diloco import sync
+
+    monkeypatch.setattr(sync, "SETTLE_S", 0.2)
+    fake = FakeSwarm(verdict=Verdict("join", publishers=1, final=Genesis(MINE, "t0", 4, "forged")))
+    fake.publish_other("p1", moved(make_peer(tmp_path / "first", FakeSwarm()).state, 0.01, 1))
+    peer = make_peer(tmp_path / "late", fake, **{"run.rounds": "4"})
+    assert peer.state.round == 1
+    peer.close()
+
+
+def test_a_peer_that_finishes_the_run_publishes_its_end(tmp_path):
+    fake = FakeSwarm()
+    peer = run(make_peer(tmp_path, fake, **{"run.rounds": "2"}))
+    assert fake.finals == [(2, peer.state.digest())]
