@@ -56,8 +56,8 @@ def run_scenario(halves: tuple[int, int], folder: Path) -> dict:
     names = [[f"{side}{i}" for i in range(n)] for side, n in zip("ab", halves, strict=True)]
     with LocalSwarm(folder / "a", CONFIG) as first, LocalSwarm(folder / "b", CONFIG) as second:
         labs = {name: lab for lab, group in zip((first, second), names, strict=True) for name in group}
-        for name, lab in labs.items():
-            lab.start(name)
+        for shard, (name, lab) in enumerate(labs.items()):
+            lab.start(name, {"data.shard": str(shard)})  # drawn shards may repeat across halves: equal digests
         time.sleep(SPLIT_S)  # the partition's length (the scenario itself, not a synchronisation)
         at_heal = {name: latest(lab, name) for name, lab in labs.items()}
         node = bridge(folder, [first.maddr, second.maddr], first.run_toml)
