@@ -86,6 +86,13 @@ class Overtaken:
 Outcome = Averaged | Alone | Failed | Overtaken
 
 
+def outcome_kind(outcome: Applied) -> str:
+    """The round's outcome as a round record says it (network.OUTCOMES)."""
+    if isinstance(outcome, Failed):
+        return "failed"
+    return "averaged" if isinstance(outcome, Averaged) and len(outcome.group) > 1 else "alone"
+
+
 class AgainstOwn(AveragingError):
     """A group's average that points against this peer's own pseudo-gradient."""
 

@@ -79,9 +79,30 @@ def build_parser() -> argparse.ArgumentParser:
     _add_baseline_command(sub)
     _add_config_command(sub)
     _add_export_command(sub)
+    _add_observe_commands(sub)
     _add_id_command(sub)
     _add_admission_command(sub)
     return parser
+
+
+def _add_observe_commands(sub: _Commands) -> None:
+    obs = sub.add_parser("observe", help="serve a run's live dashboard, JSON API and Prometheus metrics (read-only)")
+    _add_run_source(obs)
+    obs.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
+    obs.add_argument("--port", type=int, default=8080, help="TCP port to serve on (0: any free port)")
+    obs.add_argument("--identity", help="key file for a stable observer id (default: a new one each start)")
+    status = sub.add_parser("status", help="print a run's swarm at a glance, and one peer's rounds")
+    _add_run_source(status)
+    status.add_argument(
+        "--peer", metavar="ID", help="also this peer's rounds: counted or not, and why (an id or its end)"
+    )
+    status.add_argument("--run-dir", metavar="DIR", help="also the rounds of the peer whose run dir this is")
+    status.add_argument("--wait", type=float, default=5.0, metavar="SECONDS", help="read the swarm this long")
+
+
+def _add_run_source(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--config", required=True, metavar="RUN_TOML", help="the run's config")
+    parser.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any node of the run")
 
 
 def _add_id_command(sub: _Commands) -> None:
@@ -163,6 +184,10 @@ def _add_bootstrap_command(sub: _Commands) -> None:
     boot.add_argument(
         "--report-every", type=float, default=30.0, metavar="SECONDS", help="log the swarm status this often"
     )
+    boot.add_argument(
+        "--observe-port", type=int, metavar="PORT", help="also serve the run's dashboard, /metrics and /healthz here"
+    )
+    boot.add_argument("--observe-host", default="127.0.0.1", help="address for --observe-port (default: %(default)s)")
 
 
 def _add_demo_command(sub: _Commands) -> None:
@@ -192,10 +217,21 @@ def _add_config_command(sub: _Commands) -> None:
 
 
 def _add_export_command(sub: _Commands) -> None:
-    export = sub.add_parser("export", help="write a run's theta as a transformers model folder")
+    export = sub.add_parser("export", help="write a run's theta as a transformers model folder, with a model card")
     export.add_argument("run_dir", help="the run dir of a peer (holds checkpoints/)")
     export.add_argument("out", help="new folder for the model (must not exist or be empty)")
     export.add_argument("--round", type=int, help="export this round's checkpoint instead of the latest")
+    export.add_argument(
+        "--contributors",
+        metavar="FILE",
+        help="the JSON the run's observer serves at /api/v1/run: the model card lists its contributors",
+    )
+    export.add_argument(
+        "--push-to-hub",
+        metavar="REPO",
+        help="then upload the folder to this Hugging Face Hub repo (user/name, created if missing) on "
+        "$HF_ENDPOINT or huggingface.co, with the token of HF_TOKEN or `hf auth login`",
+    )
 
 
 def config_from_args(args: argparse.Namespace) -> config_mod.Config:
@@ -284,9 +320,65 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     try:
         print("bootstrap node up; give peers this line (any of the addresses works):")
         print("  --initial-peers " + " ".join(node.initial_peers()), flush=True)
-        node.serve(stop, args.report_every)
+        node.serve(stop, args.report_every, _observatory(cfg, node, args))
     finally:
         node.close()
+    return 0
+
+
+def _observatory(cfg: config_mod.Config, node: Any, args: argparse.Namespace) -> Any:
+    """With --observe-port: the observer's view of the node's run, fed by the node's status loop."""
+    if args.observe_port is None:
+        return None
+    from p2p_diloco.observe import Observatory
+    from p2p_diloco.swarm.observer import RunReader
+
+    reader = RunReader(cfg, node.dht, node.validator, node.gate)
+    observatory = Observatory(cfg, reader.healthy, args.observe_host, args.observe_port)
+    observatory.reader = reader
+    print(f"observer: dashboard {observatory.server.url}, Prometheus {observatory.server.url}metrics", flush=True)
+    return observatory
+
+
+def cmd_observe(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from p2p_diloco.metrics import setup_logging
+    from p2p_diloco.observe import observe
+    from p2p_diloco.swarm.observer import Observer
+
+    cfg = config_mod.load(args.config, {"swarm.initial_peers": ",".join(args.initial_peers)})
+    setup_logging(cfg.log.level)
+    stop, running = threading.Event(), threading.Event()
+    _install_stop_handlers(stop, "stopping the observer", running)
+    try:
+        reader = Observer(cfg, Path(args.identity) if args.identity else None)
+    except KeyboardInterrupt:
+        print("stopped during start-up", file=sys.stderr)
+        return 0
+    running.set()
+    try:
+        observe(cfg, reader.poll, reader.healthy, args.host, args.port, stop, emit=lambda s: print(s, flush=True))
+    finally:
+        reader.close()
+    return 0
+
+
+def cmd_status(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from p2p_diloco.observe import gather, status_lines
+    from p2p_diloco.swarm.observer import Observer, peer_of_run_dir
+
+    cfg = config_mod.load(args.config, {"swarm.initial_peers": ",".join(args.initial_peers)})
+    peer = args.peer or (peer_of_run_dir(Path(args.run_dir)) if args.run_dir else None)
+    reader = Observer(cfg)
+    try:
+        view = gather(cfg, reader.poll, args.wait)
+    finally:
+        reader.close()
+    for line in status_lines(view, peer):
+        print(line)
     return 0
 
 
@@ -333,11 +425,19 @@ def reference_markdown() -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     import transformers
 
-    from p2p_diloco.export import export_run
+    from p2p_diloco.export import check_repo_id, export_run, push_to_hub
 
     transformers.utils.logging.disable_progress_bar()
-    out = export_run(args.run_dir, args.out, args.round)
-    print(f"exported to {out}; load it with AutoModelForCausalLM.from_pretrained({str(out)!r})")
+    if args.push_to_hub is not None:
+        check_repo_id(args.push_to_hub)
+    out = export_run(args.run_dir, args.out, args.round, args.contributors, args.push_to_hub)
+    print(
+        f"exported to {out} (model card: {out / 'README.md'}); load it with "
+        f"AutoModelForCausalLM.from_pretrained({str(out)!r})",
+        flush=True,
+    )
+    if args.push_to_hub is not None:
+        print(f"uploaded to {push_to_hub(out, args.push_to_hub)}")
     return 0
 
 
@@ -435,6 +535,8 @@ COMMANDS = {
     "baseline": cmd_baseline,
     "config": cmd_config,
     "export": cmd_export,
+    "observe": cmd_observe,
+    "status": cmd_status,
     "id": cmd_id,
     "admission": cmd_admission,
 }

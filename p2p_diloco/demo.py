@@ -16,6 +16,7 @@ import sys
 import threading
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from p2p_diloco import config as config_mod
 
@@ -53,19 +54,47 @@ def run_demo(n_peers: int, rounds: int, folder: str | Path, stop: threading.Even
     boot = Bootstrap(cfg, folder / "bootstrap.key")
     procs: list[subprocess.Popen] = []
     agreed, shown = False, -1
+    watching = _Dashboard(cfg, boot)
     try:
         maddrs = boot.initial_peers()
         emit(f"bootstrap node: {maddrs[0]}")
+        emit(f"dashboard: {watching.url}")
         for i in range(n_peers):
             procs.append(_start_peer(i, folder, maddrs))
         emit(f"{n_peers} peers started; logs in {folder}/peer-*.log")
         agreed, shown = _watch(procs, folder, rounds, stop, emit)
     finally:
         codes = _stop_all(procs, interrupt=stop.is_set() or shown < rounds)
+        watching.close()
         boot.close()
     emit(f"peers exited with {codes}")
     # Done, or stopped by the user: either way a success if every peer agreed and left cleanly.
     return 0 if agreed and (shown >= rounds or stop.is_set()) and all(code == 0 for code in codes) else 1
+
+
+class _Dashboard:
+    """The observer's dashboard of the demo's run, fed from the bootstrap node's DHT every second
+    by a thread of its own (nothing else in this process uses that DHT handle)."""
+
+    def __init__(self, cfg: config_mod.Config, boot: Any):
+        from p2p_diloco.observe import Observatory
+        from p2p_diloco.swarm.observer import RunReader
+
+        reader = RunReader(cfg, boot.dht, boot.validator, boot.gate)
+        self.observatory = Observatory(cfg, reader.healthy, "127.0.0.1", 0)
+        self.url = self.observatory.server.url
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._feed, args=(reader,), name="demo-dashboard", daemon=True)
+        self._thread.start()
+
+    def _feed(self, reader: Any) -> None:
+        while not self._done.wait(1.0):
+            self.observatory.ingest(reader.poll())
+
+    def close(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=10)
+        self.observatory.close()
 
 
 def _start_peer(i: int, folder: Path, maddrs: list[str]) -> subprocess.Popen:

@@ -31,6 +31,10 @@ class CheckpointError(P2PDilocoError):
     """A checkpoint is missing, truncated, corrupt or from another run."""
 
 
+class ExportError(P2PDilocoError):
+    """An export's own input (a contributors file) is malformed, or its upload to the Hub failed."""
+
+
 class WriteError(P2PDilocoError):
     """A file of the run dir cannot be written: a full or read-only disk, no permission.
 

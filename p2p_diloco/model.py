@@ -13,6 +13,7 @@ import json
 import os
 import secrets
 import shutil
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Protocol
 
@@ -273,28 +274,43 @@ def count_parameters(model: torch.nn.Module) -> int:
 
 
 def export_model(
-    state_dict: dict[str, torch.Tensor], config: PretrainedConfig, tokenizer_spec: str, out_dir: str | Path
+    state_dict: dict[str, torch.Tensor],
+    config: PretrainedConfig,
+    tokenizer_spec: str,
+    out_dir: str | Path,
+    extra_files: Mapping[str, str] | None = None,
 ) -> Path:
-    """Write a transformers model folder that `from_pretrained(out_dir)` loads, with its tokenizer.
+    """Write a transformers model folder that `from_pretrained(out_dir)` loads, with its tokenizer
+    and `extra_files` (name: text, such as the model card).
 
     Nothing is overwritten: an `out_dir` that exists and is not empty is refused. The folder is
     written under a temporary name next to `out_dir` and renamed at the end, so a failed export
-    leaves nothing half-written behind.
+    leaves nothing half-written behind. Every file is 0644 and every folder 0755, whatever the umask:
+    an export is made to be published.
     """
     out = Path(out_dir)
     _refuse_non_empty(out)
     tokenizer = load_tokenizer(tokenizer_spec)
     out.parent.mkdir(parents=True, exist_ok=True)
-    # Created with mkdir (not mkdtemp) so the final folder gets the usual umask permissions, not 0700.
     tmp = out.parent / f".{out.name}.partial-{secrets.token_hex(4)}"
     tmp.mkdir()
     try:
         _save_model(state_dict, _with_token_ids(config, tokenizer), tmp)
         _save_tokenizer(tokenizer_spec, tokenizer, tmp)
+        for name, text in (extra_files or {}).items():
+            (tmp / name).write_text(text, encoding="utf-8")
+        _make_readable(tmp)
         _move_into_place(tmp, out)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)  # gone already after a successful rename
     return out
+
+
+def _make_readable(folder: Path) -> None:
+    # safetensors writes through a temporary file (0600), and the umask may be stricter than 022:
+    # set the modes outright so that anyone can read the export (and a web server can serve it).
+    for path in [folder, *folder.rglob("*")]:
+        path.chmod(0o755 if path.is_dir() else 0o644)
 
 
 def _refuse_non_empty(out: Path) -> None:

@@ -38,6 +38,12 @@ ServedState = tuple[dict[str, Any], list[torch.Tensor]]
 StateCheck = Callable[[dict[str, Any], list[torch.Tensor]], str]
 
 
+MAX_GROUP = 64  # members listed in a round record
+# How a peer's round went: averaged in a group, alone, all-reduce failed (own Δ), or the state it
+# started from (θ(0), a checkpoint, a catch-up: no round trained).
+OUTCOMES = ("averaged", "alone", "failed", "start")
+
+
 @dataclass(frozen=True)
 class RoundRecord:
     """A peer's latest round as it published it in the DHT: untrusted until checked (I4)."""
@@ -50,6 +56,8 @@ class RoundRecord:
     addrs: tuple[str, ...] = ()  # where the peer listens (its multiaddrs), for operators and dashboards
     serves: bool = True  # False for client-mode peers: nobody can connect to them to download a state
     copied: bool = False  # the peer holds this state by download (catch-up, agreement), not by its own outer step
+    group: tuple[str, ...] = ()  # the peers whose average made this state (observers credit work by it)
+    outcome: str = ""  # how the round went: one of OUTCOMES ("" from a peer that does not say)
 
     @classmethod
     def parse(cls, value: Any) -> RoundRecord | None:
@@ -58,6 +66,8 @@ class RoundRecord:
             return None
         try:
             addrs = tuple(str(a) for a in value.get("addrs", ())[:8])
+            group = tuple(str(p)[:128] for p in value.get("group", ())[:MAX_GROUP])
+            outcome = str(value.get("outcome", ""))
             record = cls(
                 str(value["peer"]),
                 int(value["round"]),
@@ -67,6 +77,8 @@ class RoundRecord:
                 addrs,
                 bool(value.get("serves", True)),
                 bool(value.get("copied", False)),
+                group,
+                outcome if outcome in OUTCOMES else "",
             )
         except (KeyError, TypeError, ValueError):
             return None
@@ -112,9 +124,19 @@ class Swarm(Protocol):
     def wait_for_reachable_peer(self) -> None:
         """Client mode: block until a peer others can reach is in the run, or raise SwarmError."""
 
-    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, copied: bool = False) -> None:
+    def publish_round(
+        self,
+        round_: int,
+        digest: str,
+        tokens: int,
+        loss: float,
+        copied: bool = False,
+        group: tuple[str, ...] = (),
+        outcome: str = "start",
+    ) -> None:
         """Publish this peer's latest round record (kept fresh until the next one); `copied`: the
-        state was downloaded, not made by this peer's own outer step."""
+        state was downloaded, not made by this peer's own outer step; `group` and `outcome`: the
+        round's (RoundRecord)."""
 
     def peers(self) -> dict[str, RoundRecord]:
         """The latest round record of every live peer of the run, by peer id."""
@@ -209,7 +231,16 @@ class Solo:
     def wait_for_reachable_peer(self) -> None:
         return None
 
-    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, copied: bool = False) -> None:
+    def publish_round(
+        self,
+        round_: int,
+        digest: str,
+        tokens: int,
+        loss: float,
+        copied: bool = False,
+        group: tuple[str, ...] = (),
+        outcome: str = "start",
+    ) -> None:
         return None
 
     def peers(self) -> dict[str, RoundRecord]:

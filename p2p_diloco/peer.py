@@ -312,6 +312,7 @@ class Peer:
                 )
                 return
         self.log.info("run complete: %d rounds, digest %s", self.state.round, self.state.digest())
+        self.log.info("export the model: p2p-diloco export %s <folder>", self.run_dir)
         self.swarm.publish_final(self.state.round, self.state.digest())
         self._linger(stop)
 

@@ -161,8 +161,9 @@ class RoundDriver:
         peer.sync.note_round(r, trained.delta, outcome.delta)  # a state offered for r + 1 must agree with it
         peer.state = outer.outer_step(peer.state, outcome.delta, oc.lr, oc.momentum, oc.nesterov)
         peer.load_theta()
-        collecting = peer.sync.agree_later(expected, trained.phase) if defer else None
-        adopted = not defer and peer.sync.agree(expected, trained.phase)
+        made = (outcome.group, averaging.outcome_kind(outcome))
+        collecting = peer.sync.agree_later(expected, trained.phase, made) if defer else None
+        adopted = not defer and peer.sync.agree(expected, trained.phase, made)
         self.alone = self.alone + 1 if len(outcome.group) == 1 and not adopted else 0
         record = self._record(trained, outcome, started)
         peer.metrics.append(record)

@@ -22,6 +22,7 @@ from p2p_diloco.pending import Pending
 if TYPE_CHECKING:
     from p2p_diloco.peer import Peer
 
+Made = tuple[tuple[str, ...], str]  # (the group whose average made a state, the round's outcome: network.OUTCOMES)
 POLL_S = 0.5  # how often a peer that runs ahead of the swarm reads the others' records
 # A starting peer looks this long at the swarm before it follows a state that a single peer backs:
 # peers started at the same moment publish their first records within seconds of each other, and
@@ -68,22 +69,23 @@ class StateSync:
 
     # --- agreement after the outer step ----------------------------------------------------
 
-    def agree(self, expected: tuple[str, ...], phase: PhaseResult) -> bool:
-        """Publish this round's digest; if the majority of `expected` holds another, reload the
-        majority's state. Waiting is bounded by swarm.agreement_timeout_s (I3); a peer that died is
-        simply not counted. Returns whether this peer adopted the majority's state."""
+    def agree(self, expected: tuple[str, ...], phase: PhaseResult, made: Made) -> bool:
+        """Publish this round's digest (and `made`: the group and outcome that made it); if the
+        majority of `expected` holds another, reload the majority's state. Waiting is bounded by
+        swarm.agreement_timeout_s (I3); a peer that died is simply not counted. Returns whether
+        this peer adopted the majority's state."""
         peer = self.peer
         mine = peer.state.digest()
-        peer.swarm.publish_round(peer.state.round, mine, phase.tokens, phase.mean_loss)
+        peer.swarm.publish_round(peer.state.round, mine, phase.tokens, phase.mean_loss, group=made[0], outcome=made[1])
         majority, holders = self.collect(peer.state.round, expected, mine)
         return agreement.should_adopt(mine, majority) and self._adopt_majority(majority, holders, phase)
 
-    def agree_later(self, expected: tuple[str, ...], phase: PhaseResult) -> Pending[tuple[str, list[str]]]:
+    def agree_later(self, expected: tuple[str, ...], phase: PhaseResult, made: Made) -> Pending[tuple[str, list[str]]]:
         """Publish this round's digest now and collect the others' in the background (overlapped
         rounds): the next phase need not wait for the round's slowest peer to publish."""
         peer = self.peer
         round_, mine = peer.state.round, peer.state.digest()
-        peer.swarm.publish_round(round_, mine, phase.tokens, phase.mean_loss)
+        peer.swarm.publish_round(round_, mine, phase.tokens, phase.mean_loss, group=made[0], outcome=made[1])
         return Pending.background(lambda: self.collect(round_, expected, mine))
 
     def settle(self, unsettled: Unsettled | None) -> None:

@@ -176,7 +176,16 @@ class Swarm:
     def final_state(self) -> Genesis | None:
         return self.run.final_state()
 
-    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, copied: bool = False) -> None:
+    def publish_round(
+        self,
+        round_: int,
+        digest: str,
+        tokens: int,
+        loss: float,
+        copied: bool = False,
+        group: tuple[str, ...] = (),
+        outcome: str = "start",
+    ) -> None:
         record = RoundRecord(
             peer=self.peer_id,
             round=round_,
@@ -186,6 +195,8 @@ class Swarm:
             addrs=tuple(self.visible_maddrs()),
             serves=not self.config.swarm.client_mode,
             copied=copied,
+            group=tuple(sorted(group)),
+            outcome=outcome,
         )
         with self._dht_lock:
             records.publish_round(self.dht, self.validator, self.prefix, record)

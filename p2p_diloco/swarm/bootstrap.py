@@ -82,11 +82,21 @@ class Bootstrap:
         )
         return f"{known} peers in the routing table; run {self.config.run.run_id!r}: {seen}"
 
-    def serve(self, stop: threading.Event, report_every_s: float) -> None:
+    def serve(self, stop: threading.Event, report_every_s: float, observatory: Any = None) -> None:
         """Log the status every `report_every_s` seconds until `stop` is set; meanwhile read (and
-        publish again) the organiser's revocations."""
+        publish again) the organiser's revocations, and feed `observatory` (observe.Observatory,
+        with its `reader`) every second: this one thread uses the DHT handle."""
+        try:
+            self._serve(stop, report_every_s, observatory)
+        finally:
+            if observatory is not None:
+                observatory.close()
+
+    def _serve(self, stop: threading.Event, report_every_s: float, observatory: Any) -> None:
         last_report = time.monotonic()
         while not stop.wait(min(report_every_s, REVOCATIONS_POLL_S)):
+            if observatory is not None:
+                observatory.ingest(observatory.reader.poll())
             seen = records.read_rounds(self.dht, self.prefix) if self.watch_run else {}
             self.entries.tend(time.time(), seen, str(self.dht.peer_id), also=self.remembered)
             if self.watch_run:

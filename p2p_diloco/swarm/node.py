@@ -123,6 +123,8 @@ def _check_identity(path: Path) -> None:
 def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) -> str:
     text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
     lowered = str(error).lower()
+    if "identity" in lowered and "taken" in lowered:  # before the checks below: its text names the key's path
+        return f"this identity key is in use by another running node ({text}); stop that node or use another key"
     if "address already in use" in lowered or "bind" in lowered:
         return f"port {cfg.port} on {cfg.host} is already in use ({text}); choose another --swarm.port or 0 for any"
     if initial_peers and ("connect" in lowered or "bootstrap" in lowered or "timeout" in lowered or "dial" in lowered):

@@ -164,13 +164,14 @@ def copy_of(run_dir, tmp_path):
 
 
 def main_in_process(capsys, *argv):
-    """The console script's main() in this process (spares an interpreter start): (code, stderr)."""
+    """The console script's main() in this process (spares an interpreter start): (code, stderr, stdout)."""
     from types import SimpleNamespace
 
     from p2p_diloco.cli import main
 
     code = main(list(argv))
-    return SimpleNamespace(returncode=code, stderr=capsys.readouterr().err)
+    captured = capsys.readouterr()
+    return SimpleNamespace(returncode=code, stderr=captured.err, stdout=captured.out)
 
 
 def test_truncated_checkpoint_is_refused_and_nothing_is_overwritten(trained_run, tmp_path, capsys):
@@ -265,10 +266,109 @@ def test_export_loads_in_transformers_with_thetas_values(trained_run, tmp_path, 
     for name, p in model.named_parameters():
         assert torch.equal(p.detach(), theta[name]), name
     assert AutoTokenizer.from_pretrained(out)("def f():")["input_ids"] == list(b"def f():")
+    modes = {p.relative_to(out).as_posix(): p.stat().st_mode & 0o777 for p in out.rglob("*")}
+    assert out.stat().st_mode & 0o777 == 0o755 and set(modes.values()) == {0o644}, modes  # safetensors' was 0600
+    assert {"model.safetensors", "README.md", "provenance.json"} <= set(modes)
     assert_one_line_error(main_in_process(capsys, "export", str(run_dir), str(out)), str(out))
     assert_one_line_error(
         main_in_process(capsys, "export", str(tmp_path / "nothing"), str(tmp_path / "m2")), "no latest checkpoint"
     )
+
+
+def exported_facts(run_dir: Path) -> dict:
+    """What provenance.json must say, computed from the verified checkpoint itself."""
+    payload = checkpoint.load(checkpoint.latest(run_dir))
+    return {
+        "run_id": payload["config"]["run"]["run_id"],
+        "round": payload["round"],
+        "rounds_total": payload["config"]["run"]["rounds"],
+        "digest": payload["digest"],
+        "fingerprint": payload["fingerprint"],
+        "shared_config": json.loads(json.dumps(payload["shared_config"])),
+        "tokens_by_this_peer": payload["totals"]["tokens"],
+        "parameters": sum(t.numel() for t in payload["params"].values()),
+        "preset": payload["config"]["model"]["preset"],
+        "peer_id": payload["peer_id"],
+    }
+
+
+def test_export_writes_a_model_card_and_provenance_of_the_checkpoint(trained_run, tmp_path, capsys):
+    out = tmp_path / "model"
+    assert main_in_process(capsys, "export", str(trained_run), str(out)).returncode == 0
+    expected = exported_facts(trained_run)
+    facts = json.loads((out / "provenance.json").read_text())
+    assert {key: facts[key] for key in expected} == expected and facts["contributors"] is None
+    card = (out / "README.md").read_text()
+    assert card.startswith("---\nlibrary_name: transformers\ntags:\n- p2p-diloco\n- diloco\n---\n")
+    for fact in (
+        f"`{expected['run_id']}`",
+        f"round {expected['round']} of {expected['rounds_total']}",
+        f"`{expected['digest']}`",
+        f"{expected['tokens_by_this_peer']:,}",
+        f"# fingerprint {expected['fingerprint']}",
+        "not known to a single peer",
+    ):
+        assert fact in card, fact
+
+
+def observer_file(tmp_path: Path, run_dir: Path, contributors) -> Path:
+    facts = exported_facts(run_dir)
+    view = {"run": {"run_id": facts["run_id"], "fingerprint": facts["fingerprint"]}, "contributors": contributors}
+    path = tmp_path / "observer.json"
+    path.write_text(json.dumps(view))
+    return path
+
+
+def test_export_lists_the_observers_contributors_by_verified_tokens(trained_run, tmp_path, capsys):
+    found = [{"peer": f"Qm{c * 20}", "name": c, "tokens": t, "rounds": 2} for c, t in zip("abc", (10, 300, 20))]
+    path, out = observer_file(tmp_path, trained_run, found), tmp_path / "model"
+    assert main_in_process(capsys, "export", str(trained_run), str(out), "--contributors", str(path)).returncode == 0
+    in_order = [found[1], found[2], found[0]]
+    assert json.loads((out / "provenance.json").read_text())["contributors"] == in_order
+    card = (out / "README.md").read_text()
+    rows = [line for line in card.splitlines() if line.startswith(("| 1 |", "| 2 |", "| 3 |"))]
+    assert rows == [f"| {i} | `{c['peer']}` | {c['name']} | {c['tokens']:,} | 2 |" for i, c in enumerate(in_order, 1)]
+    assert "330 verified tokens from 3 peers" in card
+
+
+def test_export_refuses_a_malformed_contributors_file_in_one_line_and_writes_nothing(trained_run, tmp_path, capsys):
+    path, out = observer_file(tmp_path, trained_run, [{"peer": "Qm1", "tokens": "many", "rounds": 1}]), tmp_path / "m"
+    result = main_in_process(capsys, "export", str(trained_run), str(out), "--contributors", str(path))
+    assert result.returncode == 1 and len(result.stderr.strip().splitlines()) == 1
+    assert_one_line_error(result, "contributor 0: tokens must be a whole number", "/api/v1/run")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["observer.json"]
+
+
+def test_export_to_an_unreachable_hub_fails_at_once_and_keeps_the_folder(trained_run, tmp_path, capsys, monkeypatch):
+    import socket
+
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    monkeypatch.setenv("HF_ENDPOINT", f"http://127.0.0.1:{port}")
+    out = tmp_path / "model"
+    result = main_in_process(capsys, "export", str(trained_run), str(out), "--push-to-hub", "someone/model")
+    assert result.returncode == 1
+    assert_one_line_error(result, "cannot reach the Hub", f"upload it later with `hf upload someone/model {out}`")
+    assert (out / "model.safetensors").exists() and (out / "README.md").exists()
+    assert_one_line_error(
+        main_in_process(capsys, "export", str(trained_run), str(tmp_path / "m2"), "--push-to-hub", "not/a/repo"),
+        "is not a Hub repo id",
+    )
+    assert not (tmp_path / "m2").exists()
+
+
+def test_export_pushes_the_folder_to_a_hub_stand_in(trained_run, tmp_path, capsys, monkeypatch):
+    from tests.unit.hub_standin import HubStandIn
+
+    out = tmp_path / "model"
+    with HubStandIn() as hub:  # a stand-in for the Hub, not the Hub: see tests/unit/hub_standin.py
+        monkeypatch.setenv("HF_ENDPOINT", hub.url)
+        result = main_in_process(capsys, "export", str(trained_run), str(out), "--push-to-hub", "someone/model")
+    assert result.returncode == 0 and f"uploaded to {hub.url}/someone/model" in result.stdout
+    exported = {p.relative_to(out).as_posix(): p.read_bytes() for p in out.rglob("*") if p.is_file()}
+    assert hub.repos == {"someone/model": exported}
+    assert 'from_pretrained("someone/model")' in (out / "README.md").read_text()
 
 
 def test_config_command_prints_the_resolved_config_and_fingerprint():

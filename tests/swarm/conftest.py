@@ -58,10 +58,16 @@ class Swarm:
         self.nodes: dict[str, subprocess.Popen] = {}  # bootstrap nodes by name
 
     def bootstrap(
-        self, name: str = "bootstrap", port: int = 0, initial_peers: tuple[str, ...] = (), run: dict | None = None
+        self,
+        name: str = "bootstrap",
+        port: int = 0,
+        initial_peers: tuple[str, ...] = (),
+        run: dict | None = None,
+        observe: bool = False,
     ) -> str:
         """A bootstrap node (`name` keeps its key and log; the same name and port restart it):
-        its address; the first one's is what peers are given. It watches the run of SWARM + `run`."""
+        its address; the first one's is what peers are given. It watches the run of SWARM + `run`;
+        with `observe` it serves the observer too (the next line of its stdout has the URL)."""
         log = open(self.folder / f"{name}.log", "a")
         run_toml = self.folder / ("run.toml" if name == "bootstrap" else f"{name}.toml")
         config.save(config.load(None, {**SWARM, **(run or {})}), run_toml)  # it reports this run's rounds
@@ -80,6 +86,7 @@ class Swarm:
                 "--config",
                 str(run_toml),
                 *(["--initial-peers", *initial_peers] if initial_peers else []),
+                *(["--observe-port", "0"] if observe else []),
             ],
             stdout=subprocess.PIPE,
             stderr=log,

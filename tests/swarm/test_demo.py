@@ -73,6 +73,8 @@ def test_sigterm_to_its_group_stops_the_demo_and_every_peer_cleanly(tmp_path):
             line = proc.stdout.readline()
             assert line, f"demo exited early: {seen}"
             seen.append(line)
+        url = next(line.split()[1] for line in seen if line.startswith("dashboard: "))
+        assert _dashboard_sees(url, peers=2, deadline_s=30)  # the demo prints its observer's dashboard
         tree = set(descendants(proc.pid))  # the demo, its bootstrap node's DHT, the peers, their children, p2pds
         os.killpg(proc.pid, signal.SIGTERM)
         rest, err = proc.communicate(timeout=120)
@@ -89,3 +91,18 @@ def test_sigterm_to_its_group_stops_the_demo_and_every_peer_cleanly(tmp_path):
         time.sleep(0.1)  # a poll interval, bounded by the deadline above
     logs = err + "".join(log.read_text() for log in (tmp_path / "demo").glob("peer-*.log"))
     assert "Traceback" not in logs, logs[-3000:]
+
+
+def _dashboard_sees(url: str, peers: int, deadline_s: float) -> bool:
+    """Whether the dashboard's JSON lists `peers` peers before the deadline."""
+    import json
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + deadline_s
+    while time.monotonic() < deadline:
+        with urllib.request.urlopen(url + "api/v1/run", timeout=10) as answer:
+            if len(json.loads(answer.read())["peers"]) == peers:
+                return True
+        time.sleep(0.5)  # the observer polls every second; bounded by the deadline above
+    return False

@@ -103,9 +103,19 @@ class FakeSwarm:
     def wait_for_reachable_peer(self) -> None:
         return None
 
-    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, copied: bool = False) -> None:
+    def publish_round(
+        self,
+        round_: int,
+        digest: str,
+        tokens: int,
+        loss: float,
+        copied: bool = False,
+        group: tuple[str, ...] = (),
+        outcome: str = "start",
+    ) -> None:
+        record = RoundRecord(self.peer_id, round_, digest, tokens, loss, copied=copied, group=group, outcome=outcome)
         with self._lock:
-            self.published.append(RoundRecord(self.peer_id, round_, digest, tokens, loss, copied=copied))
+            self.published.append(record)
 
     def peers(self) -> dict[str, RoundRecord]:
         self.reads += 1

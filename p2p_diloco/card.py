@@ -1,0 +1,232 @@
+"""The provenance of an exported model, as `provenance.json` and as a model card (`README.md`), pure.
+
+What one peer can vouch for comes from its verified checkpoint: the run, the round and the state's
+digest, the shared config and its fingerprint, the tokens this peer trained. Who else trained the
+run, one peer does not know: the run's observer credits each peer with its verified tokens
+(`p2p-diloco observe`, `/api/v1/run`), and `read_contributors` takes that JSON as untrusted input.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import tomli_w
+
+from p2p_diloco.errors import ExportError
+
+FORMAT = 1  # of provenance.json
+MAX_CONTRIBUTORS_BYTES = 16 * 2**20  # an observer's view of even a large run is far smaller
+MAX_NAME_CHARS = 64
+_PEER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # libp2p ids are base58; this also bars Markdown
+DIGEST_COVERS = (
+    "sha256 (the first 32 hex digits) over the round number, then the names, shapes, dtypes and bytes "
+    "of theta, then those of the outer momentum"
+)
+_FIX = "pass the JSON that the run's observer serves at /api/v1/run (p2p-diloco observe)"
+
+
+# --- contributors: untrusted input ----------------------------------------------------------------
+
+
+def read_contributors(path: str | Path, run_id: str, fingerprint: str) -> tuple[list[dict[str, Any]], int | None]:
+    """The contributors of an observer's `/api/v1/run` JSON, most verified tokens first, and the
+    latest round the observer saw (None if the file does not say); ExportError on anything malformed."""
+    view = _load_json(Path(path))
+    where = f"contributors file {path}"
+    if not isinstance(view, dict) or not isinstance(view.get("contributors"), list):
+        raise ExportError(f'{where} holds no "contributors" list; {_FIX}')
+    seen_round = _check_run(view.get("run"), run_id, fingerprint, where)
+    found = [_contributor(entry, f"{where}, contributor {i}") for i, entry in enumerate(view["contributors"])]
+    peers = [c["peer"] for c in found]
+    if len(set(peers)) != len(peers):
+        twice = sorted({p for p in peers if peers.count(p) > 1})
+        raise ExportError(f"{where} lists peer {twice[0]} more than once; {_FIX}")
+    return sorted(found, key=lambda c: (-c["tokens"], c["peer"])), seen_round
+
+
+def _load_json(path: Path) -> Any:
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(MAX_CONTRIBUTORS_BYTES + 1)
+    except OSError as e:
+        raise ExportError(f"cannot read contributors file {path} ({e.strerror or e}); {_FIX}") from None
+    if len(raw) > MAX_CONTRIBUTORS_BYTES:
+        raise ExportError(f"contributors file {path} is over {MAX_CONTRIBUTORS_BYTES // 2**20} MiB; {_FIX}")
+    try:
+        return json.loads(raw)
+    except (ValueError, RecursionError) as e:  # UnicodeDecodeError is a ValueError
+        raise ExportError(f"contributors file {path} is not JSON ({str(e)[:120]}); {_FIX}") from None
+
+
+def _check_run(run: Any, run_id: str, fingerprint: str, where: str) -> int | None:
+    """The file must be of this run and config, where it says which (an observer's view says both)."""
+    if run is None:
+        return None
+    if not isinstance(run, dict):
+        raise ExportError(f'{where}: "run" must be an object; {_FIX}')
+    for key, ours in (("run_id", run_id), ("fingerprint", fingerprint)):
+        if key in run and run[key] != ours:
+            raise ExportError(f"{where} is of {key} {str(run[key])[:80]!r}, the checkpoint of {ours!r}; {_FIX}")
+    seen = run.get("round")
+    return seen if _count(seen) else None
+
+
+def _contributor(entry: Any, where: str) -> dict[str, Any]:
+    if not isinstance(entry, dict):
+        raise ExportError(f"{where} must be an object with peer, name, tokens and rounds; {_FIX}")
+    peer, name = entry.get("peer"), entry.get("name", "")
+    if not isinstance(peer, str) or not _PEER_ID.fullmatch(peer):
+        raise ExportError(f"{where}: peer must be a peer id (letters, digits, . _ -), got {str(peer)[:80]!r}; {_FIX}")
+    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS or not name.isprintable():
+        raise ExportError(f"{where}: name must be printable text of up to {MAX_NAME_CHARS} characters; {_FIX}")
+    for key in ("tokens", "rounds"):
+        if not _count(entry.get(key)):
+            raise ExportError(f"{where}: {key} must be a whole number >= 0, got {str(entry.get(key))[:40]}; {_FIX}")
+    return {"peer": peer, "name": name, "tokens": entry["tokens"], "rounds": entry["rounds"]}
+
+
+def _count(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+# --- provenance.json ------------------------------------------------------------------------------
+
+
+def provenance(
+    payload: Mapping[str, Any],
+    version: str,
+    contributors: list[dict[str, Any]] | None = None,
+    observer_round: int | None = None,
+) -> dict[str, Any]:
+    """The facts of a verified checkpoint's `payload` that an exported model carries."""
+    config, totals = payload["config"], payload.get("totals", {})
+    return {
+        "format": FORMAT,
+        "run_id": config["run"]["run_id"],
+        "round": payload["round"],
+        "rounds_total": config["run"]["rounds"],
+        "digest": payload["digest"],
+        "digest_covers": DIGEST_COVERS,
+        "fingerprint": payload["fingerprint"],
+        "shared_config": payload["shared_config"],
+        "parameters": sum(t.numel() for t in payload["params"].values()),
+        "preset": None if config["model"]["config_path"] else config["model"]["preset"],
+        "model_config_path": config["model"]["config_path"] or None,
+        "peer_id": payload.get("peer_id"),
+        "tokens_by_this_peer": totals.get("tokens"),
+        "inner_steps_by_this_peer": totals.get("inner_steps"),
+        "p2p_diloco_version": version,
+        "contributors": contributors,
+        "contributors_seen_to_round": observer_round,
+    }
+
+
+def provenance_json(facts: Mapping[str, Any]) -> str:
+    return json.dumps(facts, indent=2, ensure_ascii=False) + "\n"
+
+
+# --- the model card -------------------------------------------------------------------------------
+
+FRONT_MATTER = "---\nlibrary_name: transformers\ntags:\n- p2p-diloco\n- diloco\n---\n"
+
+
+def model_card(facts: Mapping[str, Any], load_from: str) -> str:
+    """README.md of the exported folder: a Hugging Face model card with YAML front matter."""
+    parts = [
+        FRONT_MATTER,
+        _title(facts, load_from),
+        _facts_table(facts),
+        _digest_text(facts),
+        _contributors_text(facts),
+        _config_text(facts),
+    ]
+    return "\n".join(parts)
+
+
+def _title(facts: Mapping[str, Any], load_from: str) -> str:
+    return (
+        f"# {_md(facts['run_id'])}, round {facts['round']} of {facts['rounds_total']}\n\n"
+        f"A causal language model trained peer to peer with DiLoCo "
+        f"([Douillard et al., 2023](https://arxiv.org/abs/2311.08105)) in the p2p-diloco run "
+        f"`{_code(facts['run_id'])}`, exported by `p2p-diloco export` from one peer's verified checkpoint "
+        f"of round {facts['round']}.\n\n"
+        "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
+        f"model = AutoModelForCausalLM.from_pretrained({json.dumps(load_from)})\n"
+        f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(load_from)})\n```\n"
+    )
+
+
+def _facts_table(facts: Mapping[str, Any]) -> str:
+    model = f"preset `{facts['preset']}`" if facts["preset"] else f"config `{_code(facts['model_config_path'])}`"
+    tokens = "not recorded" if facts["tokens_by_this_peer"] is None else f"{facts['tokens_by_this_peer']:,}"
+    peer = f" (peer `{_code(facts['peer_id'])}`)" if facts["peer_id"] else ""
+    rows = [
+        ("run", f"`{_code(facts['run_id'])}`"),
+        ("round", f"{facts['round']} of {facts['rounds_total']}"),
+        ("state digest", f"`{facts['digest']}`"),
+        ("config fingerprint", f"`{facts['fingerprint']}`"),
+        ("model", f"{facts['parameters']:,} parameters, {model}"),
+        ("tokens trained by the exporting peer", tokens + peer),
+        ("exported with", f"p2p-diloco {_md(facts['p2p_diloco_version'])}"),
+    ]
+    return "## Provenance\n\n| | |\n|---|---|\n" + "".join(f"| {k} | {v} |\n" for k, v in rows)
+
+
+def _digest_text(facts: Mapping[str, Any]) -> str:
+    r = facts["round"]
+    return (
+        f"The state digest is what the swarm agreed on: at the end of every round each peer publishes the "
+        f"digest of its state, and a peer that does not hold the majority's digest loads the majority's state. "
+        f"It covers (round, θ, momentum): {DIGEST_COVERS}. The momentum is not in this folder, so the digest "
+        f"cannot be recomputed from it alone. To verify: compare it with the digest of round {r} that other "
+        f"peers of the run logged (`metrics.jsonl`, the `round done` log line) or that the run's observer "
+        f"shows; `p2p-diloco export RUN_DIR OUT --round {r}` on any peer's run dir recomputes the digest of "
+        f"its checkpoint and refuses one that does not match, and exports the same θ.\n"
+    )
+
+
+def _contributors_text(facts: Mapping[str, Any]) -> str:
+    found = facts["contributors"]
+    if found is None:
+        return (
+            "## Contributors\n\nWho trained this model is not known to a single peer: its checkpoint holds only "
+            "its own tokens. The run's observer (`p2p-diloco observe`) credits every peer with its verified "
+            "tokens; export again with `--contributors FILE`, FILE being the JSON it serves at `/api/v1/run`, "
+            "to list them here.\n"
+        )
+    seen = facts["contributors_seen_to_round"]
+    up_to = f" up to round {seen}" if seen is not None else ""
+    rows = "".join(
+        f"| {i} | `{c['peer']}` | {_md(c['name'])} | {c['tokens']:,} | {c['rounds']} |\n"
+        for i, c in enumerate(found, 1)
+    )
+    return (
+        f"## Contributors\n\nVerified work per peer, as the run's observer saw it{up_to}: a peer is credited "
+        "with its tokens of a round only when its record holds the round's agreed digest and another member "
+        "of its group lists it.\n\n| # | peer | name | verified tokens | rounds |\n|---|---|---|---|---|\n"
+        f"{rows}\n{sum(c['tokens'] for c in found):,} verified tokens from {len(found)} peers.\n"
+    )
+
+
+def _config_text(facts: Mapping[str, Any]) -> str:
+    shared = {section: values for section, values in facts["shared_config"].items() if values}
+    return (
+        "## Run config\n\nThe shared fields of the run config: every peer of the run holds these values, "
+        f"and the fingerprint `{facts['fingerprint']}` is the first 16 hex digits of sha256 over them. With a "
+        "peer's local fields (its directory, device, micro-batch) they make a `run.toml`.\n\n"
+        f"```toml\n# fingerprint {facts['fingerprint']}\n{tomli_w.dumps(shared)}```\n"
+    )
+
+
+def _md(text: str) -> str:
+    """Text from a file or a config as literal Markdown: no link, emphasis, HTML or table cell break."""
+    return re.sub(r"([\\`*_\[\]<>|#])", r"\\\1", " ".join(str(text).split()))
+
+
+def _code(text: str) -> str:
+    """Text inside a `code span` (a backtick or | would end it or the table cell)."""
+    return " ".join(str(text).split()).replace("`", "'").replace("|", "/")

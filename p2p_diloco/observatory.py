@@ -1,0 +1,299 @@
+"""What an observer makes of a run from its DHT records (pure): rounds, who counted, contributors.
+
+The observer reads, every second or so, each peer's latest round record (signed by the peer: its
+round, digest, tokens, the group it averaged with and how the round went) and progress report.
+`RunLog` keeps what it saw, round by round, and `RunLog.view` answers the organiser's and the
+volunteer's questions from it:
+- which peers are online (a fresh progress report or round record), reachable or in client mode;
+- per round: the agreed digest (most peers' digest) and whether every peer agreed, the group,
+  who was counted and who was not, and why;
+- contributors by verified work: a peer is credited with its tokens of round r only if its
+  record of r holds the round's agreed digest and another member of its group lists it too
+  (a peer's own claim alone credits nothing);
+- throughput, and when the current round is due (the median round's length after its start).
+
+Records are untrusted (I4): they arrive parsed and signed by their peer, and nothing here trusts a
+claim that only its peer makes. The observer sees each peer's *latest* record when it polls: a
+round shorter than the poll interval may be missed for a peer (the round is then not credited).
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import Counter
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+from p2p_diloco.network import RoundRecord
+from p2p_diloco.rounds import Progress
+
+ONLINE_S = 10.0  # a peer with no progress report or new record for this long is offline (as heartbeat.STALE_S)
+MAX_ROUNDS_SHOWN = 200  # rounds in a view (the latest)
+ACTIVE_ROUNDS = 50  # at most this many rounds that started since the last poll are noted
+
+# Why a peer known to the run was not counted in a round (the dashboard shows these words).
+REASONS = {
+    "alone": "averaged alone: no other peer reached its round in time",
+    "failed": "its all-reduce failed: it applied its own pseudo-gradient",
+    "copied": "late: it caught up with the swarm's state instead of training the round",
+    "other-digest": "its state differs from the agreed one (it reloads the majority's)",
+    "unconfirmed": "no other member of its group lists it",
+    "skipped": "late: it skipped the round",
+    "silent": "no heartbeat during the round (stopped, asleep or gone)",
+}
+
+
+@dataclass
+class RoundSeen:
+    """One round as the observer saw it: each peer's record of it, first seen at `started`."""
+
+    round: int
+    started: float
+    records: dict[str, RoundRecord] = field(default_factory=dict)
+    online: set[str] = field(default_factory=set)  # peers with a fresh heartbeat while the round was under way
+    present: set[str] = field(default_factory=set)  # peers with a record in the DHT meanwhile (gone: expired)
+
+
+@dataclass
+class PeerSeen:
+    first_seen: float
+    last_seen: float  # the last progress report or new record
+    record: RoundRecord | None = None
+    tokens_per_s: float = 0.0
+
+
+class RunLog:
+    """Everything an observer saw of one run."""
+
+    def __init__(self, run_id: str, fingerprint: str, rounds_total: int):
+        self.run_id, self.fingerprint, self.rounds_total = run_id, fingerprint, rounds_total
+        self.rounds: dict[int, RoundSeen] = {}
+        self.peers: dict[str, PeerSeen] = {}
+        self.convicted: dict[str, list[str]] = {}
+        self.evaluated: dict[int, tuple[str, float]] = {}  # round: (digest, held-out loss the observer computed)
+        self._noted = -1  # rounds up to this one are no longer noted as under way
+
+    def ingest(
+        self,
+        records: Mapping[str, RoundRecord],
+        progress: Iterable[Progress],
+        convicted: Mapping[str, list[str]],
+        now: float,
+    ) -> None:
+        """One poll of the DHT: each peer's latest record and progress report, and convictions."""
+        for report in progress:
+            seen = self._peer(report.peer, now)
+            seen.last_seen = max(seen.last_seen, min(report.time, now))
+            seen.tokens_per_s = report.tokens_per_s
+        for peer, record in records.items():
+            seen = self._peer(peer, now)
+            if seen.record != record:
+                seen.record, seen.last_seen = record, now
+            self._round(record.round, now).records[peer] = record
+        self.convicted = {p: list(by) for p, by in convicted.items()}
+        # The rounds that started since the last poll, and the newest (still under way), note who
+        # was online and who was in the run at all (a record in the DHT) meanwhile. A round is
+        # noted only while it is new: a peer that comes back later did not take part in it.
+        if self.rounds:
+            newest = max(self.rounds)
+            online = self.online(now)
+            for r in range(max(self._noted + 1, newest - ACTIVE_ROUNDS), newest + 1):
+                if r in self.rounds:
+                    self.rounds[r].online |= online
+                    self.rounds[r].present |= set(records)
+            self._noted = newest - 1  # the newest is noted again at the next poll
+
+    def note_evaluation(self, round_: int, digest: str, loss: float) -> None:
+        """The held-out loss the observer computed itself on the state of `round_` with `digest`."""
+        self.evaluated[round_] = (digest, loss)
+
+    def online(self, now: float) -> set[str]:
+        return {p for p, s in self.peers.items() if now - s.last_seen < ONLINE_S}
+
+    def _peer(self, peer: str, now: float) -> PeerSeen:
+        return self.peers.setdefault(peer, PeerSeen(now, now))
+
+    def _round(self, round_: int, now: float) -> RoundSeen:
+        return self.rounds.setdefault(round_, RoundSeen(round_, now))
+
+    # --- the view ---------------------------------------------------------------------------------
+
+    def view(self, now: float) -> dict[str, Any]:
+        """The dashboard's and the API's JSON (docs/observer.md documents every field)."""
+        rounds = [self._round_view(r) for r in sorted(self.rounds)[-MAX_ROUNDS_SHOWN:]]
+        latest = max(self.rounds, default=0)
+        return {
+            "run": {
+                "run_id": self.run_id,
+                "fingerprint": self.fingerprint,
+                "rounds_total": self.rounds_total,
+                "round": latest,
+                "round_due_in_s": self._due_in(now),
+                "finished": latest >= self.rounds_total,
+            },
+            "peers": [self._peer_view(p, s, now) for p, s in sorted(self.peers.items())],
+            "rounds": rounds,
+            "contributors": contributors(self.rounds.values()),
+            "time": now,
+        }
+
+    def _peer_view(self, peer: str, seen: PeerSeen, now: float) -> dict[str, Any]:
+        record = seen.record
+        return {
+            "peer": peer,
+            "name": short(peer),
+            "online": now - seen.last_seen < ONLINE_S,
+            "reachable": record.serves if record is not None else None,
+            "round": record.round if record is not None else None,
+            "tokens_per_s": round(seen.tokens_per_s, 1),
+            "convicted_by": self.convicted.get(peer, []),
+            "addrs": list(record.addrs) if record is not None else [],
+        }
+
+    def _round_view(self, r: int) -> dict[str, Any]:
+        seen = self.rounds[r]
+        agreed = agreed_digest(seen.records)
+        counted = counted_peers(seen.records, agreed)
+        known = seen.online | seen.present | set(seen.records)
+        open_ = r == max(self.rounds)  # the latest round: peers without a record may still be training it
+        evaluated = self.evaluated.get(r)
+        return {
+            "round": r,
+            "started": seen.started,
+            "digest": agreed,
+            "all_agree": len({rec.digest for rec in seen.records.values()}) <= 1,
+            "group": sorted({m for rec in seen.records.values() for m in rec.group} | set(counted)),
+            "counted": sorted(counted),
+            "not_counted": [
+                {"peer": p, "name": short(p), "reason": REASONS[why]}
+                for p in sorted(known - set(counted))
+                if (why := reason(p, seen, agreed, counted, open_)) is not None
+            ],
+            "tokens": sum(seen.records[p].tokens for p in counted),
+            "train_loss": _mean(seen.records[p].loss for p in counted if seen.records[p].loss >= 0),
+            "eval_loss": evaluated[1] if evaluated and evaluated[0] == agreed else None,
+        }
+
+    def _due_in(self, now: float) -> float | None:
+        """Seconds until the latest round is due to end, from the median length of the last rounds."""
+        starts = [self.rounds[r].started for r in sorted(self.rounds)[-11:]]
+        lengths = [b - a for a, b in zip(starts, starts[1:], strict=False) if b > a]
+        if not lengths:
+            return None
+        return round(max(0.0, starts[-1] + statistics.median(lengths) - now), 1)
+
+
+def agreed_digest(records: Mapping[str, RoundRecord]) -> str:
+    """The round's digest most peers hold (ties: the smallest, as agreement.majority)."""
+    counts = Counter(r.digest for r in records.values() if not r.copied) or Counter(r.digest for r in records.values())
+    return min(counts, key=lambda d: (-counts[d], d)) if counts else ""
+
+
+def counted_peers(records: Mapping[str, RoundRecord], agreed: str) -> set[str]:
+    """Peers whose work went into the round's agreed state: their record holds the agreed digest,
+    made by their own outer step in a group, and another member's record lists them."""
+    made = {p: r for p, r in records.items() if r.digest == agreed and not r.copied and r.outcome == "averaged"}
+    return {p for p in made if any(p in r.group for q, r in made.items() if q != p)}
+
+
+def reason(peer: str, seen: RoundSeen, agreed: str, counted: set[str], open_: bool) -> str | None:
+    """Why `peer` was not counted in the round (a key of REASONS), or None if there is nothing to
+    say: it was, it only started there, the round is still open, or too little of it was seen."""
+    record = seen.records.get(peer)
+    if record is None:  # alive without a record of the round, or without a heartbeat at all
+        return None if open_ else "skipped" if peer in seen.online else "silent"
+    if record.copied:
+        return "copied"
+    if record.outcome == "start":  # the state it started from (θ(0), a checkpoint): no round trained
+        return None
+    if record.outcome in ("alone", "failed"):
+        return record.outcome
+    if record.digest != agreed:
+        return "other-digest"
+    if peer in counted or not any(m != peer and m in seen.records for m in record.group):
+        return None  # counted, or no other member's record of the round was seen (rounds faster than polls)
+    return "unconfirmed"
+
+
+def contributors(rounds: Iterable[RoundSeen]) -> list[dict[str, Any]]:
+    """Verified work per peer: tokens in the rounds where it was counted, most first."""
+    tokens: Counter[str] = Counter()
+    counted_rounds: Counter[str] = Counter()
+    for seen in rounds:
+        for peer in counted_peers(seen.records, agreed_digest(seen.records)):
+            tokens[peer] += seen.records[peer].tokens
+            counted_rounds[peer] += 1
+    return [
+        {"peer": p, "name": short(p), "tokens": tokens[p], "rounds": counted_rounds[p]}
+        for p in sorted(tokens, key=lambda p: (-tokens[p], p))
+    ]
+
+
+def short(peer: str) -> str:
+    return peer[-8:]
+
+
+def _mean(values: Iterable[float]) -> float | None:
+    found = [v for v in values if math.isfinite(v)]
+    return sum(found) / len(found) if found else None
+
+
+def prometheus(view: Mapping[str, Any]) -> str:
+    """The view as Prometheus text exposition (version 0.0.4)."""
+    run, rounds = view["run"], view["rounds"]
+    last = rounds[-1] if rounds else {}
+    label = f'run_id="{_escape(run["run_id"])}"'
+    lines = [
+        *_metric("p2p_diloco_round", "gauge", "the latest round any peer published", label, run["round"]),
+        *_metric("p2p_diloco_rounds_total", "gauge", "rounds in the run", label, run["rounds_total"]),
+        *_metric("p2p_diloco_peers_online", "gauge", "peers online", label, sum(p["online"] for p in view["peers"])),
+        *_metric("p2p_diloco_peers_known", "gauge", "peers seen since the observer started", label, len(view["peers"])),
+        *_metric(
+            "p2p_diloco_round_counted_peers",
+            "gauge",
+            "peers counted in the latest round",
+            label,
+            len(last.get("counted", [])),
+        ),
+        *_metric(
+            "p2p_diloco_round_all_agree",
+            "gauge",
+            "1 if every peer of the latest round holds one digest",
+            label,
+            int(last.get("all_agree", True)),
+        ),
+        *_metric(
+            "p2p_diloco_verified_tokens_total",
+            "counter",
+            "tokens in rounds where their peer was counted",
+            label,
+            sum(c["tokens"] for c in view["contributors"]),
+        ),
+    ]
+    if last.get("eval_loss") is not None:
+        lines += _metric(
+            "p2p_diloco_eval_loss",
+            "gauge",
+            "held-out loss of the agreed state, computed by the observer",
+            label,
+            last["eval_loss"],
+        )
+    lines += [
+        "# HELP p2p_diloco_peer_verified_tokens tokens of one peer in rounds where it was counted",
+        "# TYPE p2p_diloco_peer_verified_tokens counter",
+    ]
+    lines += [
+        f'p2p_diloco_peer_verified_tokens{{{label},peer="{_escape(c["peer"])}"}} {c["tokens"]}'
+        for c in view["contributors"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _metric(name: str, kind: str, help_: str, labels: str, value: float) -> list[str]:
+    return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
+
+
+def _escape(text: str) -> str:
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

@@ -1,0 +1,88 @@
+"""The observer's HTTP server (stdlib only): the dashboard, its JSON API, Prometheus and a health check.
+
+    GET /                the dashboard: one page that draws itself from /api/v1/run every 2 s (no CDN)
+    GET /api/v1/run      the run as the observer sees it (observatory.RunLog.view; docs/observer.md)
+    GET /metrics         the same, as Prometheus text
+    GET /healthz         200 "ok" while the observer's DHT node is up, else 503 and the reason
+
+It serves on a thread of its own; `view` and `healthy` are called on that thread for every request.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Callable
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from importlib import resources
+from typing import Any
+
+from p2p_diloco.observatory import prometheus
+
+logger = logging.getLogger(__name__)
+
+View = Callable[[], dict[str, Any]]
+Health = Callable[[], tuple[bool, str]]
+
+
+def dashboard_html() -> bytes:
+    return resources.files("p2p_diloco").joinpath("web/dashboard.html").read_bytes()
+
+
+class ObserverServer:
+    """Serves the observer's pages on `host`:`port` (0: any free port) until `close`."""
+
+    def __init__(self, view: View, healthy: Health, host: str = "127.0.0.1", port: int = 0):
+        page = dashboard_html()
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_GET(self) -> None:  # noqa: N802 (http.server's name)
+                path = self.path.split("?", 1)[0]
+                try:
+                    status, kind, body = route(path, view, healthy, page)
+                except Exception as e:  # a bug in a view must not take the observer down
+                    logger.exception("observer: %s failed", path)
+                    status, kind, body = 500, "text/plain", f"error: {e}\n".encode()
+                self.send_response(status)
+                self.send_header("Content-Type", kind)
+                self.send_header("Content-Length", str(len(body)))
+                self.send_header("Cache-Control", "no-store")
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
+                logger.debug("observer http: " + format, *args)
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="observer-http", daemon=True)
+        self.thread.start()
+
+    @property
+    def url(self) -> str:
+        host, port = self.httpd.server_address[:2]
+        return f"http://{host.decode() if isinstance(host, bytes) else host}:{port}/"
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(timeout=10)
+
+
+def route(path: str, view: View, healthy: Health, page: bytes) -> tuple[int, str, bytes]:
+    """(status, content type, body) for a GET of `path`."""
+    if path in ("/", "/index.html"):
+        return 200, "text/html; charset=utf-8", page
+    if path == "/api/v1/run":
+        return 200, "application/json", json.dumps(view(), allow_nan=False, default=_finite).encode()
+    if path == "/metrics":
+        return 200, "text/plain; version=0.0.4; charset=utf-8", prometheus(view()).encode()
+    if path == "/healthz":
+        ok, why = healthy()
+        return (200, "text/plain", b"ok\n") if ok else (503, "text/plain", f"unhealthy: {why}\n".encode())
+    return 404, "text/plain", b"not found: try /, /api/v1/run, /metrics or /healthz\n"
+
+
+def _finite(value: Any) -> Any:
+    raise TypeError(f"not JSON: {type(value).__name__}")

@@ -1,0 +1,170 @@
+"""The observer with a real swarm: the dashboard in a real browser, its JSON API and Prometheus
+metrics against the peers' own metrics.jsonl, and `status` on a live swarm and an unreachable one."""
+
+import json
+import re
+import shutil
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from p2p_diloco import config
+from tests.swarm.conftest import CLI, ENV, SWARM, wait_until
+from tests.swarm.procs import signal_tree
+
+BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
+SILENT = "no heartbeat during the round (stopped, asleep or gone)"
+
+
+def get(url: str) -> bytes:
+    with urllib.request.urlopen(url, timeout=10) as answer:
+        return answer.read()
+
+
+def api(url: str) -> dict:
+    return json.loads(get(url + "api/v1/run"))
+
+
+def observer_url(node: subprocess.Popen) -> str:
+    """The line the bootstrap node prints after its --initial-peers line."""
+    line = node.stdout.readline()
+    found = re.search(r"dashboard (http://\S+/)", line)
+    assert found, line
+    return found.group(1)
+
+
+def browser_dom(url: str, screenshot=None) -> str:
+    """The page as a real browser renders it: headless Chromium, given virtual time to fetch and draw."""
+    cmd = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=8000"]
+    if screenshot is not None:
+        subprocess.run(
+            [*cmd, "--window-size=1280,1700", f"--screenshot={screenshot}", url],
+            timeout=120,
+            capture_output=True,
+            check=True,
+        )
+    return subprocess.run([*cmd, "--dump-dom", url], timeout=120, capture_output=True, text=True, check=True).stdout
+
+
+def credited_by_hand(view: dict, swarm, names: dict) -> dict:
+    """Each peer's verified tokens from its own metrics.jsonl: the tokens of the rounds the API
+    says it was counted in, where its own record holds the round's agreed digest."""
+    out = {}
+    for peer, name in names.items():
+        mine = swarm.records(name)
+        counted = [r for r in view["rounds"] if peer in r["counted"]]
+        for r in counted:
+            assert r["round"] in mine, f"{name} counted in round {r['round']}, its metrics: {sorted(mine)}"
+            assert mine[r["round"]]["digest"] == r["digest"], (name, r["round"])
+        out[peer] = sum(mine[r["round"]]["tokens"] for r in counted)
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.skipif(BROWSER is None, reason="no Chromium: .ci/run installs it with apt-get (apt-get install chromium)")
+def test_the_dashboard_shows_the_swarm_in_a_real_browser(tmp_path):
+    from tests.swarm.conftest import Swarm
+
+    swarm = Swarm(tmp_path)
+    try:
+        extra = {"run.rounds": "1000", "swarm.speed_aware": "false", "inner.steps": "10"}  # rounds of about 2 s
+        swarm.bootstrap(observe=True, run=extra)
+        url = observer_url(swarm.nodes["bootstrap"])
+        peers = {name: swarm.peer(name, extra) for name in ("a", "b", "c")}
+        wait_until(lambda: all(len(swarm.records(n)) >= 3 for n in peers), list(peers.values()), 120, "3 rounds each")
+        signal_tree(peers["c"].pid, signal.SIGSTOP)  # c sleeps through rounds: its heartbeat stops
+        stopped_at = max(swarm.records("c"))
+        wait_until(lambda: any(_silent(r, "c", swarm) for r in api(url)["rounds"]), [peers["a"]], 90, "c not counted")
+        signal_tree(peers["c"].pid, signal.SIGCONT)
+        wait_until(lambda: sum(p["online"] for p in api(url)["peers"]) == 3, [peers["a"]], 60, "c online again")
+        dom = browser_dom(url, screenshot=tmp_path / "dashboard.png")
+        (tmp_path / "dashboard.html").write_text(dom)  # what the browser drew, kept with the screenshot
+        for p in peers.values():  # the peers leave; the observer's figures then stop changing
+            p.send_signal(signal.SIGINT)
+        wait_until(lambda: all(p.poll() is not None for p in peers.values()), [swarm.nodes["bootstrap"]], 60, "stop")
+        view, metrics = settled(url)
+    finally:
+        swarm.end_all()
+    names = {peer["peer"]: _name_of(peer["peer"], swarm) for peer in view["peers"]}
+    c = next(peer for peer, name in names.items() if name == "c")
+    assert (tmp_path / "dashboard.png").stat().st_size > 10_000
+    assert re.search(r'id="peers-online">3<', dom), dom[:2000]
+    assert len(re.findall(r'<tr class="contributor" data-peer="Qm', dom)) == 3  # a row per peer: each was counted
+    assert re.search(
+        rf'class="not-counted" data-peer="{c}"><code>{c[-8:]}</code>: not counted: {re.escape(SILENT)}', dom
+    )
+    assert len(re.findall(r'<tr class="round" data-round="\d', dom)) >= 5
+    by_hand = credited_by_hand(view, swarm, names)
+    assert {c["peer"]: c["tokens"] for c in view["contributors"]} == {p: t for p, t in by_hand.items() if t}
+    for contributor in view["contributors"]:
+        peer, tokens = contributor["peer"], contributor["tokens"]
+        assert f'p2p_diloco_peer_verified_tokens{{run_id="p2p-diloco",peer="{peer}"}} {tokens}' in metrics
+    assert stopped_at < view["run"]["round"]
+
+
+def settled(url: str) -> tuple[dict, str]:
+    """The API's view and /metrics once two reads 1.5 s apart agree (the observer polls every second)."""
+    deadline, last = time.monotonic() + 30, None
+    while True:
+        view = api(url)
+        if last is not None and view["contributors"] == last["contributors"] and view["rounds"] == last["rounds"]:
+            return view, get(url + "metrics").decode()
+        assert time.monotonic() < deadline, "the observer's view kept changing"
+        last = view
+        time.sleep(1.5)  # a poll interval, bounded by the deadline above
+
+
+def _name_of(peer: str, swarm) -> str:
+    """Which of a, b, c has this peer id (from its log's peer tag, the id's last 4 characters)."""
+    return next(n for n in ("a", "b", "c") if f"[peer {peer[-4:]} " in swarm.log(n))
+
+
+def _silent(round_view: dict, name: str, swarm) -> bool:
+    return any(
+        n["reason"] == SILENT and f"[peer {n['peer'][-4:]} " in swarm.log(name) for n in round_view["not_counted"]
+    )
+
+
+@pytest.mark.timeout(180)
+def test_status_prints_the_swarm_and_a_peer_s_rounds_and_one_line_for_an_unreachable_swarm(swarm, tmp_path):
+    running = [swarm.peer(n, {"run.rounds": "1000"}) for n in ("a", "b")]
+    wait_until(lambda: all(len(swarm.records(n)) >= 3 for n in ("a", "b")), running, 120, "3 rounds each")
+    toml = swarm.folder / "run-1000.toml"
+    config.save(config.load(None, {**SWARM, "run.rounds": "1000"}), toml)  # the peers' run
+    out = subprocess.run(
+        [
+            *CLI,
+            "status",
+            "--config",
+            str(toml),
+            "--initial-peers",
+            swarm.maddr,
+            "--run-dir",
+            str(swarm.folder / "a"),
+            "--wait",
+            "4",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert lines[0].startswith("run 'p2p-diloco' (config ") and " of 1000" in lines[0]
+    assert lines[1].startswith("peers online: 2 (0 in client mode)")
+    assert re.match(r"round \d+: digest [0-9a-f]{12}, every peer agrees, 2 counted", lines[2]), lines
+    assert re.match(r"peer \w{8}: [\d,]+ tokens credited in the rounds seen", lines[3]) and "counted" in lines[4]
+    closed = "/ip4/127.0.0.1/tcp/9/p2p/QmPjjKk4A5QHS1Vd1LnFdVY8Fsswh1LjRhkvzvgr1aKoM2"
+    out = subprocess.run(
+        [*CLI, "status", "--config", str(toml), "--initial-peers", closed],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr
+    assert out.stderr.strip().splitlines()[-1].startswith("error: could not reach any initial peer"), out.stderr

@@ -1,0 +1,90 @@
+"""The observer's view of a run (p2p_diloco/observatory.py): who counted, why not, verified work.
+Every expected value is worked out by hand from the records below."""
+
+from __future__ import annotations
+
+from p2p_diloco.network import RoundRecord
+from p2p_diloco.observatory import REASONS, RunLog, prometheus
+from p2p_diloco.rounds import Progress
+
+A, B, C, D = "peer-aaaaaaaa", "peer-bbbbbbbb", "peer-cccccccc", "peer-dddddddd"
+D1, D2, D3, D4, X = "1" * 64, "2" * 64, "3" * 64, "4" * 64, "9" * 64
+
+
+def rec(peer, round_, digest, tokens=100, group=(), outcome="averaged", copied=False, loss=2.0):
+    return RoundRecord(peer, round_, digest, tokens, loss, copied=copied, group=tuple(group), outcome=outcome)
+
+
+def beat(peer, t, tokens_per_s=50.0):
+    return Progress(peer, 0, 0, tokens_per_s, t)
+
+
+def four_rounds() -> RunLog:
+    """A and B average together every round. C averages alone in round 1, catches up in round 2,
+    and is stopped (no heartbeat) from then on, its record left in the DHT. D claims round 3 in a
+    group nobody confirms. Round 4 is the latest: still open."""
+    log = RunLog("r", "fp", rounds_total=10)
+    start = {p: rec(p, 0, "0" * 64, 0, outcome="start") for p in (A, B, C)}
+    log.ingest(start, [beat(A, 0), beat(B, 0), beat(C, 0)], {}, now=0)
+    one = {A: rec(A, 1, D1, group=(A, B)), B: rec(B, 1, D1, 120, group=(A, B)), C: rec(C, 1, X, 80, outcome="alone")}
+    log.ingest(one, [beat(A, 9), beat(B, 9), beat(C, 9)], {}, now=10)
+    stopped = rec(C, 2, D2, 0, outcome="start", copied=True)  # stays in the DHT (90 s), unchanged
+    two = {A: rec(A, 2, D2, group=(A, B)), B: rec(B, 2, D2, group=(A, B)), C: stopped}
+    log.ingest(two, [beat(A, 19), beat(B, 19), beat(C, 19)], {}, now=20)
+    claim = rec(D, 3, D3, 5000, group=(A, D))
+    three = {A: rec(A, 3, D3, group=(A, B)), B: rec(B, 3, D3, group=(A, B)), C: stopped, D: claim}
+    log.ingest(three, [beat(A, 29), beat(B, 29)], {C: [A]}, now=30)
+    four = {A: rec(A, 4, D4, group=(A, B)), B: rec(B, 4, D4, group=(A, B)), C: stopped, D: claim}
+    log.ingest(four, [beat(A, 39), beat(B, 39)], {C: [A]}, now=40)
+    return log
+
+
+def test_a_round_counts_the_members_its_group_confirms_and_says_why_not_for_the_others():
+    view = four_rounds().view(now=41)
+    by_round = {r["round"]: r for r in view["rounds"]}
+    one, two, three = by_round[1], by_round[2], by_round[3]
+    assert (one["digest"], one["counted"], one["all_agree"], one["tokens"]) == (D1, [A, B], False, 220)
+    assert one["not_counted"] == [{"peer": C, "name": "cccccccc", "reason": REASONS["alone"]}]
+    assert two["counted"] == [A, B] and two["not_counted"][0]["reason"] == REASONS["copied"]
+    assert two["all_agree"]  # C's copy holds the agreed digest
+    assert three["counted"] == [A, B]
+    reasons = {n["peer"]: n["reason"] for n in three["not_counted"]}
+    assert reasons == {C: REASONS["silent"], D: REASONS["unconfirmed"]}
+    assert by_round[0]["not_counted"] == [] and by_round[4]["not_counted"] == []  # a start; still open
+
+
+def test_contributors_are_credited_only_for_rounds_where_they_were_counted():
+    view = four_rounds().view(now=41)
+    assert [(c["peer"], c["tokens"], c["rounds"]) for c in view["contributors"]] == [(B, 420, 4), (A, 400, 4)]
+
+
+def test_the_run_card_online_peers_and_the_next_round_due():
+    view = four_rounds().view(now=41)
+    assert view["run"] == {
+        "run_id": "r",
+        "fingerprint": "fp",
+        "rounds_total": 10,
+        "round": 4,
+        "round_due_in_s": 9.0,  # rounds start every 10 s: round 4 started at 40, due at 50
+        "finished": False,
+    }
+    online = {p["peer"]: p["online"] for p in view["peers"]}
+    assert online == {A: True, B: True, C: False, D: False}  # last signs of life: C at 20, D at 30
+    assert {p["peer"]: p["convicted_by"] for p in view["peers"]}[C] == [A]
+
+
+def test_the_held_out_loss_shows_only_for_the_agreed_digest():
+    log = four_rounds()
+    log.note_evaluation(3, D3, 1.25)
+    log.note_evaluation(2, X, 9.0)  # a state that is not the round's agreed one
+    by_round = {r["round"]: r for r in log.view(now=41)["rounds"]}
+    assert by_round[3]["eval_loss"] == 1.25 and by_round[2]["eval_loss"] is None
+
+
+def test_prometheus_text_has_the_run_s_figures():
+    text = prometheus(four_rounds().view(now=41))
+    assert 'p2p_diloco_round{run_id="r"} 4' in text
+    assert 'p2p_diloco_peers_online{run_id="r"} 2' in text
+    assert 'p2p_diloco_verified_tokens_total{run_id="r"} 820' in text
+    assert f'p2p_diloco_peer_verified_tokens{{run_id="r",peer="{B}"}} 420' in text
+    assert "# TYPE p2p_diloco_round gauge" in text and text.endswith("\n")
