@@ -198,6 +198,8 @@ class CheckpointSection:
 class LogSection:
     level: LogLevel = local("info", "debug, info, warning or error")
     progress: bool = local(True, "show a live progress bar on the terminal")
+    metrics_port: int = local(0, "serve this peer's Prometheus /metrics on log.metrics_host at this port; 0: off")
+    metrics_host: str = local("127.0.0.1", "address for log.metrics_port (0.0.0.0: every interface)")
 
 
 @dataclass(frozen=True)
@@ -425,6 +427,8 @@ def validate(c: Config) -> None:
         f"must be debug, info, warning or error, got {c.log.level!r}",
         "e.g. info",
     )
+    port = c.log.metrics_port
+    _require(0 <= port <= 65535, "log.metrics_port", f"must be a TCP port or 0 (off), got {port}", "e.g. 9400")
 
 
 def _validate_run(r: RunSection) -> None:

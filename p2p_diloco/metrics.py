@@ -28,6 +28,7 @@ class MetricsLog:
 
     def __init__(self, path: str | Path):
         self.path = Path(path)
+        self.latest: dict[str, Any] | None = None  # the last record appended (this peer's /metrics)
 
     def append(self, record: dict[str, Any]) -> None:
         """Add one line. A failed write (a full disk) cuts the file back to its whole lines and
@@ -39,6 +40,7 @@ class MetricsLog:
                 _append_whole(f, line)
         except OSError as e:
             raise self._write_error(e) from None
+        self.latest = clean
 
     def records(self) -> Iterator[dict[str, Any]]:
         if not self.path.exists():
@@ -163,3 +165,42 @@ def _writes_to_the_console(handler: logging.Handler, record: logging.LogRecord) 
     stream = getattr(handler, "stream", None)
     consoles = (sys.stderr, sys.stdout, sys.__stderr__, sys.__stdout__)
     return record.levelno >= handler.level and stream is not None and any(stream is c for c in consoles)
+
+
+# A peer's /metrics (log.metrics_port): the latest round record's figures, as Prometheus gauges.
+PEER_GAUGES = {
+    "round": "the round of this peer's state",
+    "total_tokens": "tokens this peer trained in the run",
+    "tokens_per_s": "this peer's training throughput in its last round",
+    "train_loss": "mean training loss of this peer's last inner phase",
+    "eval_loss": "held-out loss of this peer's state, when evaluated",
+    "group_size": "peers in the group of this peer's last all-reduce (1: alone)",
+    "allreduce_s": "seconds of this peer's last all-reduce",
+    "bytes_sent": "bytes this peer sent in its last all-reduce",
+    "bytes_received": "bytes this peer received in its last all-reduce",
+    "alone_rounds": "rounds in a row this peer averaged alone",
+}
+
+
+def peer_prometheus(record: dict[str, Any] | None, run_id: str, peer: str) -> str:
+    """Prometheus text (0.0.4) of one peer: its latest round record, and whether it agreed."""
+    labels = f'run_id="{prometheus_label(run_id)}",peer="{prometheus_label(peer)}"'
+    lines = []
+    for key, help_ in PEER_GAUGES.items():
+        value = (record or {}).get(key)
+        if isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value):
+            lines += [f"# HELP p2p_diloco_peer_{key} {help_}", f"# TYPE p2p_diloco_peer_{key} gauge"]
+            lines.append(f"p2p_diloco_peer_{key}{{{labels}}} {value}")
+    if record is not None:
+        adopted = int(bool(record.get("adopted")) or "group_size" not in record)
+        lines += [
+            "# HELP p2p_diloco_peer_adopted 1 if this peer's last state was downloaded (agreement or catch-up)",
+            "# TYPE p2p_diloco_peer_adopted gauge",
+            f"p2p_diloco_peer_adopted{{{labels}}} {adopted}",
+        ]
+    return "\n".join(lines) + "\n"
+
+
+def prometheus_label(text: str) -> str:
+    """A Prometheus label value, escaped."""
+    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

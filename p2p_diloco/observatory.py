@@ -26,6 +26,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from p2p_diloco.metrics import prometheus_label
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress
 
@@ -85,12 +86,13 @@ class RunLog:
         """One poll of the DHT: each peer's latest record and progress report, and convictions."""
         for report in progress:
             seen = self._peer(report.peer, now)
-            seen.last_seen = max(seen.last_seen, min(report.time, now))
+            seen.last_seen = max(seen.last_seen, min(report.time, now))  # a clock ahead of ours counts as now
             seen.tokens_per_s = report.tokens_per_s
         for peer, record in records.items():
             seen = self._peer(peer, now)
-            if seen.record != record:
-                seen.record, seen.last_seen = record, now
+            if seen.record is not None and seen.record != record:  # a new record: alive now
+                seen.last_seen = now
+            seen.record = record  # a record seen for the first time may be old: only a report dates it
             self._round(record.round, now).records[peer] = record
         self.convicted = {p: list(by) for p, by in convicted.items()}
         # The rounds that started since the last poll, and the newest (still under way), note who
@@ -113,7 +115,7 @@ class RunLog:
         return {p for p, s in self.peers.items() if now - s.last_seen < ONLINE_S}
 
     def _peer(self, peer: str, now: float) -> PeerSeen:
-        return self.peers.setdefault(peer, PeerSeen(now, now))
+        return self.peers.setdefault(peer, PeerSeen(now, -math.inf))
 
     def _round(self, round_: int, now: float) -> RoundSeen:
         return self.rounds.setdefault(round_, RoundSeen(round_, now))
@@ -244,7 +246,7 @@ def prometheus(view: Mapping[str, Any]) -> str:
     """The view as Prometheus text exposition (version 0.0.4)."""
     run, rounds = view["run"], view["rounds"]
     last = rounds[-1] if rounds else {}
-    label = f'run_id="{_escape(run["run_id"])}"'
+    label = f'run_id="{prometheus_label(run["run_id"])}"'
     lines = [
         *_metric("p2p_diloco_round", "gauge", "the latest round any peer published", label, run["round"]),
         *_metric("p2p_diloco_rounds_total", "gauge", "rounds in the run", label, run["rounds_total"]),
@@ -285,7 +287,7 @@ def prometheus(view: Mapping[str, Any]) -> str:
         "# TYPE p2p_diloco_peer_verified_tokens counter",
     ]
     lines += [
-        f'p2p_diloco_peer_verified_tokens{{{label},peer="{_escape(c["peer"])}"}} {c["tokens"]}'
+        f'p2p_diloco_peer_verified_tokens{{{label},peer="{prometheus_label(c["peer"])}"}} {c["tokens"]}'
         for c in view["contributors"]
     ]
     return "\n".join(lines) + "\n"
@@ -293,7 +295,3 @@ def prometheus(view: Mapping[str, Any]) -> str:
 
 def _metric(name: str, kind: str, help_: str, labels: str, value: float) -> list[str]:
     return [f"# HELP {name} {help_}", f"# TYPE {name} {kind}", f"{name}{{{labels}}} {value}"]
-
-
-def _escape(text: str) -> str:
-    return text.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")

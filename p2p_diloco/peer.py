@@ -28,7 +28,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.errors import ConfigError, RunFinished
 from p2p_diloco.genesis import Verdict
 from p2p_diloco.inner import InnerTrainer, PhaseResult, lr_at
-from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress
+from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress, peer_prometheus
 from p2p_diloco.network import ServedState, Solo, Swarm
 from p2p_diloco.round import RoundDriver
 from p2p_diloco.sync import StateSync
@@ -139,6 +139,7 @@ class Peer:
         self._lock = claim_run_dir(self.run_dir, resume)
         self.progress = Progress(False, "")
         self._swarm: Swarm | None = None
+        self._metrics_server: Any = None
         try:
             self._build(resume)
         except BaseException:
@@ -174,6 +175,7 @@ class Peer:
             )
         self.totals = Totals()
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self._serve_metrics()
         self.progress = Progress(config.log.progress, self.peer_id[-4:])
         self.sync = StateSync(self)
         self.rounds = RoundDriver(self)
@@ -275,6 +277,25 @@ class Peer:
             verdict.publishers,
             self.state.round,
         )
+
+    def _serve_metrics(self) -> None:
+        """log.metrics_port: this peer's Prometheus /metrics (its latest round record)."""
+        log = self.config.log
+        if log.metrics_port == 0:
+            return
+        from p2p_diloco.web import MetricsServer
+
+        def text() -> str:
+            return peer_prometheus(self.metrics.latest, self.config.run.run_id, self.peer_id)
+
+        try:
+            self._metrics_server = MetricsServer(text, log.metrics_host, log.metrics_port)
+        except OSError as e:
+            raise ConfigError(
+                f"log.metrics_port {log.metrics_port} on {log.metrics_host} cannot be served ({e.strerror}); "
+                f"choose another port, or 0 for none"
+            ) from None
+        self.log.info("Prometheus metrics of this peer: %smetrics", self._metrics_server.url)
 
     def record_start(self) -> None:
         """The metrics record of the state this peer starts from: θ(0), or the round it caught up to."""
@@ -427,6 +448,9 @@ class Peer:
     def close(self) -> None:
         """Leave the swarm and release the run dir; safe to call on a half-built peer."""
         self.progress.close()
+        if self._metrics_server is not None:
+            self._metrics_server.close()
+            self._metrics_server = None
         if self._swarm is not None:
             self._swarm.close()
             self._swarm = None

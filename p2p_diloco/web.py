@@ -30,19 +30,21 @@ def dashboard_html() -> bytes:
     return resources.files("p2p_diloco").joinpath("web/dashboard.html").read_bytes()
 
 
-class ObserverServer:
-    """Serves the observer's pages on `host`:`port` (0: any free port) until `close`."""
+Response = tuple[int, str, bytes]  # (status, content type, body)
 
-    def __init__(self, view: View, healthy: Health, host: str = "127.0.0.1", port: int = 0):
-        page = dashboard_html()
 
+class HttpServer:
+    """Answers GETs with `routes(path)` on `host`:`port` (0: any free port), on a thread of its
+    own, until `close`."""
+
+    def __init__(self, routes: Callable[[str], Response], host: str = "127.0.0.1", port: int = 0):
         class Handler(BaseHTTPRequestHandler):
             def do_GET(self) -> None:  # noqa: N802 (http.server's name)
                 path = self.path.split("?", 1)[0]
                 try:
-                    status, kind, body = route(path, view, healthy, page)
-                except Exception as e:  # a bug in a view must not take the observer down
-                    logger.exception("observer: %s failed", path)
+                    status, kind, body = routes(path)
+                except Exception as e:  # a bug in a view must not take the server down
+                    logger.exception("http: %s failed", path)
                     status, kind, body = 500, "text/plain", f"error: {e}\n".encode()
                 self.send_response(status)
                 self.send_header("Content-Type", kind)
@@ -52,11 +54,11 @@ class ObserverServer:
                 self.wfile.write(body)
 
             def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 (http.server's name)
-                logger.debug("observer http: " + format, *args)
+                logger.debug("http: " + format, *args)
 
         self.httpd = ThreadingHTTPServer((host, port), Handler)
         self.httpd.daemon_threads = True
-        self.thread = threading.Thread(target=self.httpd.serve_forever, name="observer-http", daemon=True)
+        self.thread = threading.Thread(target=self.httpd.serve_forever, name="http", daemon=True)
         self.thread.start()
 
     @property
@@ -70,7 +72,29 @@ class ObserverServer:
         self.thread.join(timeout=10)
 
 
-def route(path: str, view: View, healthy: Health, page: bytes) -> tuple[int, str, bytes]:
+class ObserverServer(HttpServer):
+    """The observer's pages (this module's docstring)."""
+
+    def __init__(self, view: View, healthy: Health, host: str = "127.0.0.1", port: int = 0):
+        page = dashboard_html()
+        super().__init__(lambda path: route(path, view, healthy, page), host, port)
+
+
+class MetricsServer(HttpServer):
+    """A peer's own /metrics (log.metrics_port) and /healthz."""
+
+    def __init__(self, text: Callable[[], str], host: str = "127.0.0.1", port: int = 0):
+        def routes(path: str) -> Response:
+            if path == "/metrics":
+                return 200, "text/plain; version=0.0.4; charset=utf-8", text().encode()
+            if path == "/healthz":
+                return 200, "text/plain", b"ok\n"
+            return 404, "text/plain", b"not found: try /metrics or /healthz\n"
+
+        super().__init__(routes, host, port)
+
+
+def route(path: str, view: View, healthy: Health, page: bytes) -> Response:
     """(status, content type, body) for a GET of `path`."""
     if path in ("/", "/index.html"):
         return 200, "text/html; charset=utf-8", page

@@ -36,8 +36,11 @@ def alive(pid: int) -> bool:
 
 def signal_tree(pid: int, signum: int) -> None:
     """Signal the process group led by `pid` and every descendant of `pid`: a crash (SIGKILL) or a
-    laptop asleep (SIGSTOP) takes p2pd with it."""
-    for target in descendants(pid):
+    laptop asleep (SIGSTOP) takes p2pd with it. The deepest first and the group last: the caller
+    may be in the group (a peer that fails on purpose), and it stops with it."""
+    for target in reversed(descendants(pid)[1:]):
+        if target == os.getpid():  # the group signal below takes the caller, after everything else
+            continue
         try:
             os.kill(target, signum)
         except ProcessLookupError:
@@ -45,4 +48,7 @@ def signal_tree(pid: int, signum: int) -> None:
     try:
         os.killpg(pid, signum)
     except (ProcessLookupError, PermissionError):  # no such group (any more)
-        pass
+        try:
+            os.kill(pid, signum)
+        except ProcessLookupError:
+            pass

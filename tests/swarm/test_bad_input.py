@@ -5,6 +5,7 @@ import subprocess
 
 import pytest
 
+from p2p_diloco import config
 from tests.swarm.conftest import CLI, ENV, SWARM
 
 FAKE_PEER_ID = "QmW6jYSj4CRDDYnptoKGFN2nFvhFYYUrynQh5Nsu72XBP8"
@@ -67,3 +68,18 @@ def test_identity_file_that_is_not_a_key(tmp_path, closed_port):
         f"gets a new peer id), or point swarm.identity_path at the right file"
     )
     assert key.read_text() == "this is not a key\n"
+
+
+@pytest.mark.timeout(120)
+def test_status_of_an_unreachable_swarm_is_one_line(tmp_path, closed_port):
+    toml = tmp_path / "run.toml"
+    config.save(config.load(None, SWARM), toml)
+    maddr = f"/ip4/127.0.0.1/tcp/{closed_port}/p2p/{FAKE_PEER_ID}"
+    result = subprocess.run(
+        [*CLI, "status", "--config", str(toml), "--initial-peers", maddr],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=ENV,
+    )
+    assert result.returncode == 1 and last_line(result).startswith("error: could not reach any initial peer")
