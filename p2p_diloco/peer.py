@@ -20,15 +20,14 @@ from typing import IO, Any
 import torch
 from transformers import PretrainedConfig
 
-from p2p_diloco import checkpoint, data, faults, outer
+from p2p_diloco import checkpoint, data, faults, joining, outer
 from p2p_diloco import config as config_mod
 from p2p_diloco import model as model_mod
 from p2p_diloco.agreement import still_finishing
 from p2p_diloco.config import Config
-from p2p_diloco.errors import ConfigError, RunFinished
-from p2p_diloco.genesis import Verdict
+from p2p_diloco.errors import ConfigError
 from p2p_diloco.inner import InnerTrainer, PhaseResult, lr_at
-from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress, peer_prometheus
+from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress
 from p2p_diloco.network import ServedState, Solo, Swarm
 from p2p_diloco.round import RoundDriver
 from p2p_diloco.sync import StateSync
@@ -205,96 +204,28 @@ class Peer:
         faults.reached(faults.FaultPoint.START)
         self.verdict = self.swarm.check_config(self.theta0)
         if self.verdict.kind != "join":
-            self._refuse_a_finished_run()  # nobody is live to download its end from
+            joining.refuse_a_finished_run(self)  # nobody is live to download its end from
         if self.config.swarm.client_mode:
             # Announce first, so reachable peers know to wait for this one at the next matchmaking.
             self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
             self.swarm.wait_for_reachable_peer()
         caught_up = self.sync.catch_up(starting=True)
-        self._refuse_a_finished_run()  # the live peers did not serve its end
+        joining.refuse_a_finished_run(self)  # the live peers did not serve its end
         if path is None:
             self.metrics.truncate_after(-1)
         if path is None or caught_up:
             self.record_start()
             self.save()
         self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), copied=caught_up)
-        self._say_whom_it_joined()
-
-    def _refuse_a_finished_run(self) -> None:
-        """A run whose genesis says it ended is never trained again from an earlier state (alone,
-        from θ(0)): RunFinished, exit 0. A peer that downloaded the final state goes on to the end."""
-        final = self.verdict.final
-        if final is None or self.state.round >= final.final_round:
-            return
-        live = [r.round for p, r in self.swarm.peers().items() if p not in self.swarm.stale_peers()]
-        if max(live, default=final.final_round) < final.final_round:
-            return  # live peers still train the run: a claim of its end is false (anyone may publish one)
-        raise RunFinished(
-            f"run {self.config.run.run_id!r} finished at round {final.final_round} (final digest "
-            f"{final.final_digest[:12]}) and no peer serves its final state any more: nothing to train. Ask the "
-            f"organiser for the model, or start a new run with another run.run_id"
-        )
-
-    def _say_whom_it_joined(self) -> None:
-        """One line: the swarm this peer found, or that it found none (a solo peer says nothing)."""
-        if self.swarm.solo:
-            return
-        verdict, run_id = self.verdict, self.config.run.run_id
-        if verdict.theta0 and verdict.theta0 != self.theta0:
-            self.log.warning(
-                "this peer's theta(0) (digest %s) is not the run's (%s): another torch build? It trains from the "
-                "swarm's state, never from its own theta(0)",
-                self.theta0[:12],
-                verdict.theta0[:12],
-            )
-        others = {p: r.round for p, r in self.swarm.peers().items() if p != self.peer_id}
-        if not others:
-            self._say_alone(verdict, run_id)
-            return
-        rounds = sorted(set(others.values()))
-        self.log.info(
-            "joined the swarm of run %r: %d other peer(s), at round %s",
-            self.config.run.run_id,
-            len(others),
-            ", ".join(map(str, rounds[-3:])),
-        )
-
-    def _say_alone(self, verdict: Verdict, run_id: str) -> None:
-        if verdict.kind == "new":
-            seen = f"; runs seen in the swarm: {', '.join(verdict.nearby)}" if verdict.nearby else ""
-            self.log.info(
-                "no run %r found in the swarm: starting it as a new run from round %d. To join an existing run "
-                "instead, pass --config with its run.toml%s",
-                run_id,
-                self.state.round,
-                seen,
-            )
-            return
-        self.log.info(
-            "run %r exists (its genesis has %d publisher(s)) but no other peer of it is live now: training from "
-            "round %d, averaging with peers as they come",
-            run_id,
-            verdict.publishers,
-            self.state.round,
-        )
+        joining.say_whom_it_joined(self)
 
     def _serve_metrics(self) -> None:
         """log.metrics_port: this peer's Prometheus /metrics (its latest round record)."""
-        log = self.config.log
-        if log.metrics_port == 0:
+        if self.config.log.metrics_port == 0:
             return
-        from p2p_diloco.web import MetricsServer
+        from p2p_diloco.web import serve_peer_metrics
 
-        def text() -> str:
-            return peer_prometheus(self.metrics.latest, self.config.run.run_id, self.peer_id)
-
-        try:
-            self._metrics_server = MetricsServer(text, log.metrics_host, log.metrics_port)
-        except OSError as e:
-            raise ConfigError(
-                f"log.metrics_port {log.metrics_port} on {log.metrics_host} cannot be served ({e.strerror}); "
-                f"choose another port, or 0 for none"
-            ) from None
+        self._metrics_server = serve_peer_metrics(self.config, self.peer_id, lambda: self.metrics.latest)
         self.log.info("Prometheus metrics of this peer: %smetrics", self._metrics_server.url)
 
     def record_start(self) -> None:

@@ -18,6 +18,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from importlib import resources
 from typing import Any
 
+from p2p_diloco.config import Config
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.metrics import peer_prometheus
 from p2p_diloco.observatory import prometheus
 
 logger = logging.getLogger(__name__)
@@ -110,3 +113,20 @@ def route(path: str, view: View, healthy: Health, page: bytes) -> Response:
 
 def _finite(value: Any) -> Any:
     raise TypeError(f"not JSON: {type(value).__name__}")
+
+
+def serve_peer_metrics(config: Config, peer_id: str, latest: Callable[[], dict[str, Any] | None]) -> MetricsServer:
+    """A peer's /metrics on log.metrics_host:log.metrics_port, from `latest()` (its last round
+    record); ConfigError if the port cannot be served."""
+    log = config.log
+
+    def text() -> str:
+        return peer_prometheus(latest(), config.run.run_id, peer_id)
+
+    try:
+        return MetricsServer(text, log.metrics_host, log.metrics_port)
+    except OSError as e:
+        raise ConfigError(
+            f"log.metrics_port {log.metrics_port} on {log.metrics_host} cannot be served ({e.strerror}); "
+            f"choose another port, or 0 for none"
+        ) from None
