@@ -88,6 +88,20 @@ class RoundRecord:
 
 
 @dataclass(frozen=True)
+class Made:
+    """How a peer came by the state it publishes: the group and outcome of the round that made it
+    (its own outer step), or a copy (downloaded by catch-up or agreement)."""
+
+    group: tuple[str, ...] = ()
+    outcome: str = "start"  # one of OUTCOMES
+    copied: bool = False
+
+
+STARTED = Made()  # the state a peer starts from: θ(0) or its checkpoint
+COPIED = Made(copied=True)
+
+
+@dataclass(frozen=True)
 class AllReduced:
     """One all-reduce of a round's group: the average and what it cost."""
 
@@ -124,19 +138,9 @@ class Swarm(Protocol):
     def wait_for_reachable_peer(self) -> None:
         """Client mode: block until a peer others can reach is in the run, or raise SwarmError."""
 
-    def publish_round(
-        self,
-        round_: int,
-        digest: str,
-        tokens: int,
-        loss: float,
-        copied: bool = False,
-        group: tuple[str, ...] = (),
-        outcome: str = "start",
-    ) -> None:
-        """Publish this peer's latest round record (kept fresh until the next one); `copied`: the
-        state was downloaded, not made by this peer's own outer step; `group` and `outcome`: the
-        round's (RoundRecord)."""
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, made: Made = STARTED) -> None:
+        """Publish this peer's latest round record (kept fresh until the next one); `made`: how
+        this peer came by the state (RoundRecord's group, outcome and copied)."""
 
     def peers(self) -> dict[str, RoundRecord]:
         """The latest round record of every live peer of the run, by peer id."""
@@ -231,16 +235,7 @@ class Solo:
     def wait_for_reachable_peer(self) -> None:
         return None
 
-    def publish_round(
-        self,
-        round_: int,
-        digest: str,
-        tokens: int,
-        loss: float,
-        copied: bool = False,
-        group: tuple[str, ...] = (),
-        outcome: str = "start",
-    ) -> None:
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, made: Made = STARTED) -> None:
         return None
 
     def peers(self) -> dict[str, RoundRecord]:

@@ -28,7 +28,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.inner import InnerTrainer, PhaseResult, lr_at
 from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress
-from p2p_diloco.network import ServedState, Solo, Swarm
+from p2p_diloco.network import COPIED, STARTED, ServedState, Solo, Swarm
 from p2p_diloco.round import RoundDriver
 from p2p_diloco.sync import StateSync
 
@@ -216,7 +216,9 @@ class Peer:
         if path is None or caught_up:
             self.record_start()
             self.save()
-        self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), copied=caught_up)
+        self.swarm.publish_round(
+            self.state.round, self.state.digest(), 0, float("nan"), COPIED if caught_up else STARTED
+        )
         joining.say_whom_it_joined(self)
 
     def _serve_metrics(self) -> None:
@@ -286,7 +288,7 @@ class Peer:
         digest), recorded and checkpointed like any."""
         if not self.sync.catch_up():
             return False
-        self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), copied=True)
+        self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), COPIED)
         self.record_start()
         self.save()
         return True

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Any
 from p2p_diloco import agreement, averaging, faults, outer
 from p2p_diloco.averaging import Applied, Outcome, Overtaken
 from p2p_diloco.inner import PhaseResult
+from p2p_diloco.network import Made
 from p2p_diloco.pending import Pending
 from p2p_diloco.rounds import SwarmProgress
 from p2p_diloco.sync import Unsettled
@@ -161,7 +162,7 @@ class RoundDriver:
         peer.sync.note_round(r, trained.delta, outcome.delta)  # a state offered for r + 1 must agree with it
         peer.state = outer.outer_step(peer.state, outcome.delta, oc.lr, oc.momentum, oc.nesterov)
         peer.load_theta()
-        made = (outcome.group, averaging.outcome_kind(outcome))
+        made = Made(outcome.group, averaging.outcome_kind(outcome))
         collecting = peer.sync.agree_later(expected, trained.phase, made) if defer else None
         adopted = not defer and peer.sync.agree(expected, trained.phase, made)
         self.alone = self.alone + 1 if len(outcome.group) == 1 and not adopted else 0

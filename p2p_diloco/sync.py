@@ -16,13 +16,12 @@ import torch
 from p2p_diloco import agreement, outer
 from p2p_diloco.errors import StateDownloadError
 from p2p_diloco.inner import PhaseResult
-from p2p_diloco.network import RoundRecord
+from p2p_diloco.network import COPIED, Made, RoundRecord
 from p2p_diloco.pending import Pending
 
 if TYPE_CHECKING:
     from p2p_diloco.peer import Peer
 
-Made = tuple[tuple[str, ...], str]  # (the group whose average made a state, the round's outcome: network.OUTCOMES)
 POLL_S = 0.5  # how often a peer that runs ahead of the swarm reads the others' records
 # A starting peer looks this long at the swarm before it follows a state that a single peer backs:
 # peers started at the same moment publish their first records within seconds of each other, and
@@ -76,7 +75,7 @@ class StateSync:
         this peer adopted the majority's state."""
         peer = self.peer
         mine = peer.state.digest()
-        peer.swarm.publish_round(peer.state.round, mine, phase.tokens, phase.mean_loss, group=made[0], outcome=made[1])
+        peer.swarm.publish_round(peer.state.round, mine, phase.tokens, phase.mean_loss, made)
         majority, holders = self.collect(peer.state.round, expected, mine)
         return agreement.should_adopt(mine, majority) and self._adopt_majority(majority, holders, phase)
 
@@ -85,7 +84,7 @@ class StateSync:
         rounds): the next phase need not wait for the round's slowest peer to publish."""
         peer = self.peer
         round_, mine = peer.state.round, peer.state.digest()
-        peer.swarm.publish_round(round_, mine, phase.tokens, phase.mean_loss, group=made[0], outcome=made[1])
+        peer.swarm.publish_round(round_, mine, phase.tokens, phase.mean_loss, made)
         return Pending.background(lambda: self.collect(round_, expected, mine))
 
     def settle(self, unsettled: Unsettled | None) -> None:
@@ -130,7 +129,7 @@ class StateSync:
         )
         if not self.try_adopt(peer.state.round, majority, holders):
             return False
-        peer.swarm.publish_round(peer.state.round, peer.state.digest(), phase.tokens, phase.mean_loss, copied=True)
+        peer.swarm.publish_round(peer.state.round, peer.state.digest(), phase.tokens, phase.mean_loss, COPIED)
         return True
 
     # --- catch-up ------------------------------------------------------------------------------

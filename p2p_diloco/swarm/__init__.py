@@ -28,7 +28,7 @@ from p2p_diloco import agreement, codecs
 from p2p_diloco.config import Config
 from p2p_diloco.errors import AveragingError, StateDownloadError, SwarmError
 from p2p_diloco.genesis import Genesis, Verdict
-from p2p_diloco.network import AllReduced, RoundRecord, ServedState, StateCheck
+from p2p_diloco.network import STARTED, AllReduced, Made, RoundRecord, ServedState, StateCheck
 from p2p_diloco.rounds import SwarmProgress
 from p2p_diloco.swarm import entry, records
 from p2p_diloco.swarm.allreduce import WireCodec
@@ -176,16 +176,7 @@ class Swarm:
     def final_state(self) -> Genesis | None:
         return self.run.final_state()
 
-    def publish_round(
-        self,
-        round_: int,
-        digest: str,
-        tokens: int,
-        loss: float,
-        copied: bool = False,
-        group: tuple[str, ...] = (),
-        outcome: str = "start",
-    ) -> None:
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, made: Made = STARTED) -> None:
         record = RoundRecord(
             peer=self.peer_id,
             round=round_,
@@ -194,9 +185,9 @@ class Swarm:
             loss=loss if math.isfinite(loss) else -1.0,
             addrs=tuple(self.visible_maddrs()),
             serves=not self.config.swarm.client_mode,
-            copied=copied,
-            group=tuple(sorted(group)),
-            outcome=outcome,
+            copied=made.copied,
+            group=tuple(sorted(made.group)),
+            outcome=made.outcome,
         )
         with self._dht_lock:
             records.publish_round(self.dht, self.validator, self.prefix, record)

@@ -68,9 +68,9 @@ def credited_by_hand(view: dict, swarm, names: dict) -> dict:
 def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_counted(tmp_path):
     from tests.swarm.conftest import Swarm
 
-    swarm = Swarm(tmp_path)
+    swarm, peers = Swarm(tmp_path), {}
     try:
-        extra = {"run.rounds": "1000", "swarm.speed_aware": "false", "inner.steps": "10"}  # rounds of about 2 s
+        extra = {"run.rounds": "1000", "swarm.speed_aware": "false", "inner.steps": "6"}  # rounds of about 1.5 s
         swarm.bootstrap(observe=True, run=extra)
         url = observer_url(swarm.nodes["bootstrap"])
         peers = {name: swarm.peer(name, extra) for name in ("a", "b", "c")}
@@ -85,6 +85,8 @@ def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_c
         wait_until(lambda: all(peers[n].poll() is not None for n in "ab"), [swarm.nodes["bootstrap"]], 60, "stop")
         view, metrics = settled(url)
     finally:
+        if "c" in peers:
+            signal_tree(peers["c"].pid, signal.SIGKILL)  # asleep: it would not answer a Ctrl+C
         swarm.end_all()
     names = {peer["peer"]: _name_of(peer["peer"], swarm) for peer in view["peers"]}
     c = next(peer for peer, name in names.items() if name == "c")

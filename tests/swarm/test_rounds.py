@@ -48,20 +48,19 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
     # only the first, joins the running swarm. Every round a joiner holds is the swarm's.
     first_node = swarm.maddr
     port = int(first_node.split("/tcp/")[1].split("/")[0])
-    last = 45  # rounds take about 1.5 s here: the last joiner comes at about round 33 and trains the rest
+    last = 36  # rounds take about 1.5-2 s here: the last joiner comes at about round 25 and trains the rest
     extra = {"run.rounds": str(last)}
     second = swarm.bootstrap("second", initial_peers=(first_node,), run=extra)
     running = [swarm.peer(name, extra, entries=(first_node, second)) for name in ("a", "b")]
     wait_until(lambda: 2 in swarm.records("a") and 2 in swarm.records("b"), running, 120, "2 rounds done")
     os.killpg(swarm.nodes["bootstrap"].pid, signal.SIGKILL)
     swarm.nodes["bootstrap"].wait(timeout=30)
-    d = swarm.peer("d", extra, entries=(second,))
-    wait_until(lambda: "caught up with the swarm" in swarm.log("d"), [*running, d], 120, "d joins through the second")
+    d = swarm.peer("d", extra, entries=(second,))  # the second alone lets it in (checked at the end)
     log = swarm.folder / "bootstrap.log"
     before = len(log.read_text())
     assert swarm.bootstrap("bootstrap", port=port, run=extra) == first_node
     back = time.monotonic()
-    wait_until(lambda: _peers_reported(log.read_text()[before:]) >= 3, running, 60, "the first node knows them again")
+    wait_until(lambda: _peers_reported(log.read_text()[before:]) >= 2, running, 60, "the first node knows them again")
     knew_again_s = time.monotonic() - back
     c = swarm.peer("c", extra, entries=(first_node,))
     everyone = [*running, d, c]

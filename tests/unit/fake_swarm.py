@@ -18,7 +18,7 @@ import torch
 from p2p_diloco import agreement, outer
 from p2p_diloco.errors import StateDownloadError
 from p2p_diloco.genesis import Genesis, Verdict
-from p2p_diloco.network import AllReduced, RoundRecord, ServedState, StateCheck
+from p2p_diloco.network import STARTED, AllReduced, Made, RoundRecord, ServedState, StateCheck
 from p2p_diloco.rounds import SwarmProgress
 
 ME = "12D3KooWfakeme"
@@ -103,17 +103,10 @@ class FakeSwarm:
     def wait_for_reachable_peer(self) -> None:
         return None
 
-    def publish_round(
-        self,
-        round_: int,
-        digest: str,
-        tokens: int,
-        loss: float,
-        copied: bool = False,
-        group: tuple[str, ...] = (),
-        outcome: str = "start",
-    ) -> None:
-        record = RoundRecord(self.peer_id, round_, digest, tokens, loss, copied=copied, group=group, outcome=outcome)
+    def publish_round(self, round_: int, digest: str, tokens: int, loss: float, made: Made = STARTED) -> None:
+        record = RoundRecord(
+            self.peer_id, round_, digest, tokens, loss, copied=made.copied, group=made.group, outcome=made.outcome
+        )
         with self._lock:
             self.published.append(record)
 
