@@ -12,7 +12,7 @@ import pytest
 
 from p2p_diloco import config
 from tests.conftest import TINY
-from tests.swarm.procs import signal_tree
+from tests.swarm.procs import alive, descendants, signal_tree, started_at
 
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
 # The tiny run of tests/conftest.py, on loopback, with short swarm deadlines.
@@ -150,6 +150,9 @@ class Swarm:
         return (self.folder / f"{name}.log").read_text()
 
     def end_all(self) -> None:
+        # Every process below the ones we started, noted now: once a peer's main process is gone,
+        # its p2pd (in a session of its own) hangs from init, and a stopped one never ends by itself.
+        trees = {(pid, started_at(pid)) for pgid in self.sessions for pid in descendants(pgid)}
         for pgid in self.fault_sessions:  # fault subjects (maybe stopped): no clean exit to wait for
             _end_session(pgid)
         for p in self.procs:
@@ -166,6 +169,9 @@ class Swarm:
                 p.wait(timeout=30)
         for pgid in self.sessions:  # whatever a peer left behind: its DHT, averager, p2pd
             _end_session(pgid)
+        for pid, started in trees:
+            if alive(pid) and started_at(pid) == started:  # the same process, not a reused pid
+                os.kill(pid, signal.SIGKILL)
 
 
 def _end_session(pgid: int) -> None:

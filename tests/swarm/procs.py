@@ -52,3 +52,13 @@ def signal_tree(pid: int, signum: int) -> None:
             os.kill(pid, signum)
         except ProcessLookupError:
             pass
+
+
+def started_at(pid: int) -> int | None:
+    """The process's start time (clock ticks since boot): with its pid, it names one process even
+    after the pid is reused."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return int(f.read().rsplit(")", 1)[1].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
