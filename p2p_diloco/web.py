@@ -102,17 +102,13 @@ def route(path: str, view: View, healthy: Health, page: bytes) -> Response:
     if path in ("/", "/index.html"):
         return 200, "text/html; charset=utf-8", page
     if path == "/api/v1/run":
-        return 200, "application/json", json.dumps(view(), allow_nan=False, default=_finite).encode()
+        return 200, "application/json", json.dumps(view(), allow_nan=False).encode()
     if path == "/metrics":
         return 200, "text/plain; version=0.0.4; charset=utf-8", prometheus(view()).encode()
     if path == "/healthz":
         ok, why = healthy()
         return (200, "text/plain", b"ok\n") if ok else (503, "text/plain", f"unhealthy: {why}\n".encode())
     return 404, "text/plain", b"not found: try /, /api/v1/run, /metrics or /healthz\n"
-
-
-def _finite(value: Any) -> Any:
-    raise TypeError(f"not JSON: {type(value).__name__}")
 
 
 def serve_peer_metrics(config: Config, peer_id: str, latest: Callable[[], dict[str, Any] | None]) -> MetricsServer:

@@ -36,17 +36,10 @@ def observer_url(node: subprocess.Popen) -> str:
     return found.group(1)
 
 
-def browser_dom(url: str, screenshot=None) -> str:
+def browser_dom(url: str) -> str:
     """The page as a real browser renders it: headless Chromium, given virtual time to fetch and draw."""
-    cmd = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=8000"]
-    if screenshot is not None:
-        subprocess.run(
-            [*cmd, "--window-size=1280,1700", f"--screenshot={screenshot}", url],
-            timeout=120,
-            capture_output=True,
-            check=True,
-        )
-    return subprocess.run([*cmd, "--dump-dom", url], timeout=120, capture_output=True, text=True, check=True).stdout
+    cmd = [BROWSER, "--headless", "--no-sandbox", "--disable-gpu", "--virtual-time-budget=8000", "--dump-dom", url]
+    return subprocess.run(cmd, timeout=120, capture_output=True, text=True, check=True).stdout
 
 
 def credited_by_hand(view: dict, swarm, names: dict) -> dict:
