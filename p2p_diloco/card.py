@@ -117,6 +117,7 @@ def provenance(
         "preset": None if config["model"]["config_path"] else config["model"]["preset"],
         "model_config_path": config["model"]["config_path"] or None,
         "peer_id": payload.get("peer_id"),
+        "served_by": payload.get("served_by"),  # exported from the swarm: the peer that served the state
         "tokens_by_this_peer": totals.get("tokens"),
         "inner_steps_by_this_peer": totals.get("inner_steps"),
         "p2p_diloco_version": version,
@@ -152,17 +153,27 @@ def _title(facts: Mapping[str, Any], load_from: str) -> str:
         f"# {_md(facts['run_id'])}, round {facts['round']} of {facts['rounds_total']}\n\n"
         f"A causal language model trained peer to peer with DiLoCo "
         f"([Douillard et al., 2023](https://arxiv.org/abs/2311.08105)) in the p2p-diloco run "
-        f"`{_code(facts['run_id'])}`, exported by `p2p-diloco export` from one peer's verified checkpoint "
-        f"of round {facts['round']}.\n\n"
+        f"`{_code(facts['run_id'])}`, exported by `p2p-diloco export` from {_source(facts)}.\n\n"
         "```python\nfrom transformers import AutoModelForCausalLM, AutoTokenizer\n\n"
         f"model = AutoModelForCausalLM.from_pretrained({json.dumps(load_from)})\n"
         f"tokenizer = AutoTokenizer.from_pretrained({json.dumps(load_from)})\n```\n"
     )
 
 
+def _source(facts: Mapping[str, Any]) -> str:
+    if facts.get("served_by"):
+        return (
+            f"the swarm's agreed state of round {facts['round']}, downloaded from peer "
+            f"`{_code(facts['served_by'])}` and verified against the digest the round's peers published"
+        )
+    return f"one peer's verified checkpoint of round {facts['round']}"
+
+
 def _facts_table(facts: Mapping[str, Any]) -> str:
     model = f"preset `{facts['preset']}`" if facts["preset"] else f"config `{_code(facts['model_config_path'])}`"
     tokens = "not recorded" if facts["tokens_by_this_peer"] is None else f"{facts['tokens_by_this_peer']:,}"
+    if facts.get("served_by"):
+        tokens = "none: exported from the swarm by a node that trains nothing"
     peer = f" (peer `{_code(facts['peer_id'])}`)" if facts["peer_id"] else ""
     rows = [
         ("run", f"`{_code(facts['run_id'])}`"),

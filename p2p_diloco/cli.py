@@ -13,7 +13,7 @@ from typing import Any, NoReturn
 
 from p2p_diloco import __version__
 from p2p_diloco import config as config_mod
-from p2p_diloco.errors import P2PDilocoError, WriteError
+from p2p_diloco.errors import ConfigError, P2PDilocoError, WriteError
 
 EPILOG = "Every config field is also an option: --section.key VALUE (see `p2p-diloco config --reference`)."
 
@@ -91,6 +91,17 @@ def _add_observe_commands(sub: _Commands) -> None:
     obs.add_argument("--host", default="127.0.0.1", help="address to serve on (0.0.0.0: every interface)")
     obs.add_argument("--port", type=int, default=8080, help="TCP port to serve on (0: any free port)")
     obs.add_argument("--identity", help="key file for a stable observer id (default: a new one each start)")
+    obs.add_argument(
+        "--eval-every",
+        type=_rounds,
+        default=10,
+        metavar="ROUNDS",
+        help="download the agreed state every ROUNDS rounds, verify it and compute its held-out loss "
+        "(0: never; default: %(default)s)",
+    )
+    obs.add_argument(
+        "--certificate", metavar="FILE", help="a certified run's certificate for --identity (to download states)"
+    )
     status = sub.add_parser("status", help="print a run's swarm at a glance, and one peer's rounds")
     _add_run_source(status)
     status.add_argument(
@@ -98,6 +109,17 @@ def _add_observe_commands(sub: _Commands) -> None:
     )
     status.add_argument("--run-dir", metavar="DIR", help="also the rounds of the peer whose run dir this is")
     status.add_argument("--wait", type=float, default=5.0, metavar="SECONDS", help="read the swarm this long")
+
+
+def _rounds(text: str) -> int:
+    """A number of rounds, 0 or more (0: never)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if value < 0:
+        raise argparse.ArgumentTypeError(f"a number of rounds, 0 or more (0: never), not {text!r}")
+    return value
 
 
 def _add_run_source(parser: argparse.ArgumentParser) -> None:
@@ -188,6 +210,14 @@ def _add_bootstrap_command(sub: _Commands) -> None:
         "--observe-port", type=int, metavar="PORT", help="also serve the run's dashboard, /metrics and /healthz here"
     )
     boot.add_argument("--observe-host", default="127.0.0.1", help="address for --observe-port (default: %(default)s)")
+    boot.add_argument(
+        "--observe-eval-every",
+        type=_rounds,
+        default=0,
+        metavar="ROUNDS",
+        help="with --observe-port: also the held-out loss of the agreed state every ROUNDS rounds, as "
+        "`observe --eval-every` (needs the run's data here; default: never)",
+    )
 
 
 def _add_demo_command(sub: _Commands) -> None:
@@ -217,10 +247,36 @@ def _add_config_command(sub: _Commands) -> None:
 
 
 def _add_export_command(sub: _Commands) -> None:
-    export = sub.add_parser("export", help="write a run's theta as a transformers model folder, with a model card")
-    export.add_argument("run_dir", help="the run dir of a peer (holds checkpoints/)")
-    export.add_argument("out", help="new folder for the model (must not exist or be empty)")
+    export = sub.add_parser(
+        "export",
+        help="write a run's theta as a transformers model folder, with a model card",
+        usage="p2p-diloco export RUN_DIR OUT [--round R] [options]\n"
+        "       p2p-diloco export OUT --config RUN_TOML --initial-peers MADDR [MADDR ...] [options]",
+        description="From a peer's run dir (its latest or --round checkpoint, verified), or with --initial-peers "
+        "from the swarm: the newest state the run's peers agreed on, downloaded from one of them and verified "
+        "against the digest they published (no training peer needed).",
+    )
+    export.add_argument("paths", nargs="+", metavar="[RUN_DIR] OUT", help="a peer's run dir, and the new folder")
     export.add_argument("--round", type=int, help="export this round's checkpoint instead of the latest")
+    export.add_argument("--config", metavar="RUN_TOML", help="with --initial-peers: the run's config")
+    export.add_argument(
+        "--initial-peers", nargs="+", metavar="MADDR", help="download the agreed state from the run's swarm"
+    )
+    export.add_argument(
+        "--identity", metavar="KEY", help="with --initial-peers, in a certified run: a key the organiser certified"
+    )
+    export.add_argument(
+        "--certificate",
+        metavar="FILE",
+        help="... and its certificate (peers serve their state to admitted askers only)",
+    )
+    export.add_argument(
+        "--wait",
+        type=float,
+        default=60.0,
+        metavar="SECONDS",
+        help="with --initial-peers: give up after this long (default: %(default)s)",
+    )
     export.add_argument(
         "--contributors",
         metavar="FILE",
@@ -330,12 +386,13 @@ def _observatory(cfg: config_mod.Config, node: Any, args: argparse.Namespace) ->
     """With --observe-port: the observer's view of the node's run, fed by the node's status loop."""
     if args.observe_port is None:
         return None
-    from p2p_diloco.observe import Observatory
+    from p2p_diloco.observe import Observatory, evaluation
     from p2p_diloco.swarm.observer import RunReader
 
     reader = RunReader(cfg, node.dht, node.validator, node.gate)
     observatory = Observatory(cfg, reader.healthy, args.observe_host, args.observe_port)
     observatory.reader = reader
+    observatory.evaluate(evaluation(cfg, reader, args.observe_eval_every, _warn), 1.0)
     print(f"observer: dashboard {observatory.server.url}, Prometheus {observatory.server.url}metrics", flush=True)
     return observatory
 
@@ -344,10 +401,11 @@ def cmd_observe(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from p2p_diloco.metrics import setup_logging
-    from p2p_diloco.observe import observe
+    from p2p_diloco.observe import evaluation, observe
     from p2p_diloco.swarm.observer import Observer
 
-    cfg = config_mod.load(args.config, {"swarm.initial_peers": ",".join(args.initial_peers)})
+    overrides = {"swarm.initial_peers": ",".join(args.initial_peers), "admission.certificate": args.certificate}
+    cfg = config_mod.load(args.config, {k: v for k, v in overrides.items() if v is not None})
     setup_logging(cfg.log.level)
     stop, running = threading.Event(), threading.Event()
     _install_stop_handlers(stop, "stopping the observer", running)
@@ -358,10 +416,19 @@ def cmd_observe(args: argparse.Namespace) -> int:
         return 0
     running.set()
     try:
-        observe(cfg, reader.poll, reader.healthy, args.host, args.port, stop, emit=lambda s: print(s, flush=True))
+        evaluate = evaluation(cfg, reader, args.eval_every, _warn)
+        observe(cfg, reader.poll, reader.healthy, args.host, args.port, stop, emit=_say, evaluate=evaluate)
     finally:
         reader.close()
     return 0
+
+
+def _say(line: str) -> None:
+    print(line, flush=True)
+
+
+def _warn(line: str) -> None:
+    print(line, file=sys.stderr, flush=True)
 
 
 def cmd_status(args: argparse.Namespace) -> int:
@@ -430,7 +497,12 @@ def cmd_export(args: argparse.Namespace) -> int:
     transformers.utils.logging.disable_progress_bar()
     if args.push_to_hub is not None:
         check_repo_id(args.push_to_hub)
-    out = export_run(args.run_dir, args.out, args.round, args.contributors, args.push_to_hub)
+    if args.initial_peers:
+        out = _export_from_swarm(args)
+    else:
+        if len(args.paths) != 2:
+            raise ConfigError("export needs a peer's RUN_DIR and the new folder OUT (or OUT --initial-peers MADDR)")
+        out = export_run(args.paths[0], args.paths[1], args.round, args.contributors, args.push_to_hub)
     print(
         f"exported to {out} (model card: {out / 'README.md'}); load it with "
         f"AutoModelForCausalLM.from_pretrained({str(out)!r})",
@@ -439,6 +511,40 @@ def cmd_export(args: argparse.Namespace) -> int:
     if args.push_to_hub is not None:
         print(f"uploaded to {push_to_hub(out, args.push_to_hub)}")
     return 0
+
+
+def _export_from_swarm(args: argparse.Namespace) -> Any:
+    """`export OUT --config RUN_TOML --initial-peers MADDR`: the swarm's newest agreed state."""
+    if len(args.paths) != 1 or not args.config or args.round is not None:
+        raise ConfigError(
+            "with --initial-peers, export takes the new folder OUT and --config RUN_TOML, and no --round "
+            "(it exports the newest agreed state): p2p-diloco export OUT --config RUN_TOML --initial-peers MADDR"
+        )
+    from pathlib import Path
+
+    from p2p_diloco.evaluate import RunModel
+    from p2p_diloco.export import export_agreed
+    from p2p_diloco.observe import fetch_agreed
+    from p2p_diloco.swarm.observer import Observer
+
+    overrides = {"swarm.initial_peers": ",".join(args.initial_peers), "admission.certificate": args.certificate}
+    cfg = config_mod.load(args.config, {k: v for k, v in overrides.items() if v is not None})
+    model = RunModel(cfg)
+    reader = Observer(cfg, Path(args.identity) if args.identity else None)
+    try:
+        client = reader.state_client(model.numel)
+        try:
+            found = fetch_agreed(cfg, reader.poll, client, model, args.wait)
+        finally:
+            client.close()
+    finally:
+        reader.close()
+    print(f"downloaded the agreed state of round {found.round} (digest {found.digest[:12]}) from {found.served_by}")
+    params = model.params(found.state)
+    out = args.paths[0]
+    return export_agreed(
+        cfg, found.round, found.digest, found.served_by, params, out, args.contributors, args.push_to_hub
+    )
 
 
 def cmd_id(args: argparse.Namespace) -> int:

@@ -54,7 +54,7 @@ def run_demo(n_peers: int, rounds: int, folder: str | Path, stop: threading.Even
     boot = Bootstrap(cfg, folder / "bootstrap.key")
     procs: list[subprocess.Popen] = []
     agreed, shown = False, -1
-    watching = _Dashboard(cfg, boot)
+    watching = _Dashboard(cfg, boot, emit)
     try:
         maddrs = boot.initial_peers()
         emit(f"bootstrap node: {maddrs[0]}")
@@ -76,12 +76,14 @@ class _Dashboard:
     """The observer's dashboard of the demo's run, fed from the bootstrap node's DHT every second
     by a thread of its own (nothing else in this process uses that DHT handle)."""
 
-    def __init__(self, cfg: config_mod.Config, boot: Any):
-        from p2p_diloco.observe import Observatory
+    def __init__(self, cfg: config_mod.Config, boot: Any, emit: Callable[[str], None]):
+        from p2p_diloco.observe import Observatory, evaluation
         from p2p_diloco.swarm.observer import RunReader
 
         reader = RunReader(cfg, boot.dht, boot.validator, boot.gate)
         self.observatory = Observatory(cfg, reader.healthy, "127.0.0.1", 0)
+        # The held-out loss of the agreed state of every round (the tiny model's takes milliseconds).
+        self.observatory.evaluate(evaluation(cfg, reader, 1, emit), 1.0)
         self.url = self.observatory.server.url
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._feed, args=(reader,), name="demo-dashboard", daemon=True)

@@ -36,6 +36,40 @@ def export_run(
     path = _checkpoint_path(run_dir, round_)
     payload = checkpoint.load(path)
     cfg = config_mod.from_mapping(payload["config"], where=str(path))
+    return _export(cfg, payload, out_dir, contributors, hub_repo)
+
+
+def export_agreed(
+    cfg: config_mod.Config,
+    round_: int,
+    digest: str,
+    served_by: str,
+    params: dict[str, Any],
+    out_dir: str | Path,
+    contributors: str | Path | None = None,
+    hub_repo: str | None = None,
+) -> Path:
+    """Write θ of the swarm's agreed state of `round_` (downloaded from `served_by` and verified
+    against `digest`, observe.fetch_agreed) to `out_dir`, as `export_run` writes a checkpoint's."""
+    payload = {
+        "config": cfg.to_dict(),
+        "round": round_,
+        "digest": digest,
+        "fingerprint": cfg.fingerprint(),
+        "shared_config": cfg.shared_dict(),
+        "params": params,
+        "served_by": served_by,
+    }
+    return _export(cfg, payload, out_dir, contributors, hub_repo)
+
+
+def _export(
+    cfg: config_mod.Config,
+    payload: dict[str, Any],
+    out_dir: str | Path,
+    contributors: str | Path | None,
+    hub_repo: str | None,
+) -> Path:
     seen: tuple[list[dict[str, Any]] | None, int | None] = (None, None)
     if contributors is not None:
         seen = card.read_contributors(contributors, cfg.run.run_id, payload["fingerprint"])

@@ -15,6 +15,7 @@ majority, whether to adopt or catch up) is decided by the pure functions of agre
 from __future__ import annotations
 
 import contextlib
+import logging
 import re
 import secrets
 from collections.abc import Callable
@@ -24,11 +25,13 @@ from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
-from p2p_diloco.errors import WriteError
+from p2p_diloco.errors import StateDownloadError, WriteError
 from p2p_diloco.rounds import SwarmProgress
 
 if TYPE_CHECKING:
     from p2p_diloco.genesis import Genesis, Verdict
+
+logger = logging.getLogger(__name__)
 
 _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 
@@ -36,6 +39,52 @@ _DIGEST = re.compile(r"^[0-9a-f]{32}$")
 ServedState = tuple[dict[str, Any], list[torch.Tensor]]
 # Checks a downloaded state: returns the digest of what arrived (or "malformed").
 StateCheck = Callable[[dict[str, Any], list[torch.Tensor]], str]
+# Asks one peer (by id) for the state it serves now, within a timeout: None if it sent none.
+Fetch = Callable[[str, float], "ServedState | None"]
+
+
+class StateSource(Protocol):
+    """Downloads states peers serve, for one who is not a peer (swarm/state_client.py)."""
+
+    def fetch(self, peer: str, timeout: float) -> ServedState | None: ...
+
+    def close(self) -> None: ...
+
+
+def download_verified(
+    fetch: Fetch,
+    from_peers: list[str],
+    timeout: float,
+    verify: StateCheck,
+    wanted: Callable[[int, str], bool],
+    describe: str,
+    say: Callable[..., None] = logger.warning,
+) -> tuple[str, ServedState]:
+    """(the peer, the state): the first state one of `from_peers` serves whose (round, digest) is `wanted`, the digest
+    computed by `verify` from what arrived. A peer that fails or sends anything else is skipped,
+    and `say` it (a warning); StateDownloadError naming each one's problem if none served one."""
+    problems = []
+    for peer in from_peers:
+        try:
+            got = fetch(peer, timeout)
+        except Exception as e:  # a dead, slow, refusing or misbehaving peer: try the next one
+            problems.append(f"{peer[-6:]}: {type(e).__name__} {str(e)[:80]}")
+            say("state download from %s failed: %s", peer, problems[-1])
+            continue
+        if got is None:
+            problems.append(f"{peer[-6:]}: sent nothing")
+            say("state download from %s failed: it sent no state", peer)
+            continue
+        metadata, tensors = got
+        actual = verify(metadata, tensors)
+        round_ = metadata.get("round")
+        if isinstance(round_, int) and wanted(round_, actual):
+            return peer, (metadata, tensors)
+        problems.append(
+            f"{peer[-6:]}: state of round {round_} digest {actual[:12]} does not match {describe} (rejected)"
+        )
+        say("rejected the state offered by %s: round %s digest %s", peer, round_, actual)
+    raise StateDownloadError(f"no peer served {describe}: {'; '.join(problems) or 'no peers'}")
 
 
 MAX_GROUP = 64  # members listed in a round record

@@ -57,6 +57,15 @@ class RoundSeen:
     present: set[str] = field(default_factory=set)  # peers with a record in the DHT meanwhile (gone: expired)
 
 
+@dataclass(frozen=True)
+class Target:
+    """A round whose agreed state the observer evaluates, and the reachable peers that hold it now."""
+
+    round: int
+    digest: str
+    holders: tuple[str, ...]
+
+
 @dataclass
 class PeerSeen:
     first_seen: float
@@ -111,6 +120,37 @@ class RunLog:
         """The held-out loss the observer computed itself on the state of `round_` with `digest`."""
         self.evaluated[round_] = (digest, loss)
 
+    def to_evaluate(self, every: int, now: float) -> Target | None:
+        """The newest round to evaluate, at least `every` rounds after the last one evaluated: one
+        whose agreed digest its counted peers made (a peer's own claim alone is not enough), held
+        now (their latest record) by online peers that serve their state (not in client mode): a
+        download from a peer that sleeps would wait out its whole deadline."""
+        last = max(self.evaluated, default=None)
+        online = self.online(now)
+        for r in sorted(self.rounds, reverse=True):
+            if last is not None and r < last + every:
+                return None
+            agreed = self.agreed(r)
+            holders = tuple(
+                p
+                for p, s in sorted(self.peers.items())
+                if p in online
+                and s.record is not None
+                and s.record.serves
+                and (s.record.round, s.record.digest) == (r, agreed)
+            )
+            if agreed and holders:
+                return Target(r, agreed, holders)
+        return None
+
+    def agreed(self, round_: int) -> str:
+        """The round's agreed digest if counted peers made it, else "" (not known, or nobody counted)."""
+        seen = self.rounds.get(round_)
+        if seen is None:
+            return ""
+        digest = agreed_digest(seen.records)
+        return digest if counted_peers(seen.records, digest) else ""
+
     def online(self, now: float) -> set[str]:
         return {p for p, s in self.peers.items() if now - s.last_seen < ONLINE_S}
 
@@ -134,12 +174,19 @@ class RunLog:
                 "round": latest,
                 "round_due_in_s": self._due_in(now),
                 "finished": latest >= self.rounds_total,
+                **self._latest_evaluation(),
             },
             "peers": [self._peer_view(p, s, now) for p, s in sorted(self.peers.items())],
             "rounds": rounds,
             "contributors": contributors(self.rounds.values()),
             "time": now,
         }
+
+    def _latest_evaluation(self) -> dict[str, Any]:
+        """The latest round the observer evaluated whose state is (still) the round's agreed one."""
+        valid = [r for r, (digest, _) in self.evaluated.items() if digest == self.agreed(r)]
+        last = max(valid, default=None)
+        return {"eval_round": last, "eval_loss": self.evaluated[last][1] if last is not None else None}
 
     def _peer_view(self, peer: str, seen: PeerSeen, now: float) -> dict[str, Any]:
         record = seen.record
@@ -274,14 +321,7 @@ def prometheus(view: Mapping[str, Any]) -> str:
             sum(c["tokens"] for c in view["contributors"]),
         ),
     ]
-    if last.get("eval_loss") is not None:
-        lines += _metric(
-            "p2p_diloco_eval_loss",
-            "gauge",
-            "held-out loss of the agreed state, computed by the observer",
-            label,
-            last["eval_loss"],
-        )
+    lines += _evaluation(run, label)
     lines += [
         "# HELP p2p_diloco_peer_verified_tokens tokens of one peer in rounds where it was counted",
         "# TYPE p2p_diloco_peer_verified_tokens counter",
@@ -291,6 +331,16 @@ def prometheus(view: Mapping[str, Any]) -> str:
         for c in view["contributors"]
     ]
     return "\n".join(lines) + "\n"
+
+
+def _evaluation(run: Mapping[str, Any], label: str) -> list[str]:
+    if run.get("eval_loss") is None:
+        return []
+    what = "held-out loss of the latest agreed state the observer evaluated (downloaded, verified)"
+    return [
+        *_metric("p2p_diloco_eval_loss", "gauge", what, label, run["eval_loss"]),
+        *_metric("p2p_diloco_eval_round", "gauge", "the round of p2p_diloco_eval_loss", label, run["eval_round"]),
+    ]
 
 
 def _metric(name: str, kind: str, help_: str, labels: str, value: float) -> list[str]:

@@ -11,11 +11,17 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import Config
-from p2p_diloco.observatory import RunLog, short
+from p2p_diloco.errors import StateDownloadError
+from p2p_diloco.network import StateSource
+from p2p_diloco.observatory import RunLog, Target, short
 from p2p_diloco.web import ObserverServer
+
+if TYPE_CHECKING:  # evaluate.py imports transformers: `status` does without it
+    from p2p_diloco.evaluate import Agreed, Evaluations, HeldOut, RunModel
 
 Poll = tuple[dict, list, dict]
 
@@ -29,6 +35,7 @@ class Observatory:
         self.log = RunLog(config.run.run_id, config.fingerprint(), config.run.rounds)
         self._lock = threading.Lock()  # polls write the log; the server's threads read it
         self.server = ObserverServer(self.view, healthy, host, port)
+        self._evaluations: Evaluations | None = None
 
     def ingest(self, poll: Poll) -> None:
         with self._lock:
@@ -38,7 +45,30 @@ class Observatory:
         with self._lock:
             return self.log.view(time.time())
 
+    # --- for Evaluations (evaluate.py), from its own thread ---
+
+    def pick(self, every: int) -> Target | None:
+        with self._lock:
+            return self.log.to_evaluate(every, time.time())
+
+    def accepts(self, round_: int, digest: str) -> bool:
+        """Whether (round, digest) is the round's agreed state. A holder may serve a round newer
+        than the log knows (it moved on meanwhile): the polls that feed the log get AGREED_WAIT_S
+        to learn that round's agreed digest."""
+        return settled(lambda: self.log.agreed(round_), self._lock, lambda: None) == digest != ""
+
+    def note_evaluation(self, round_: int, digest: str, loss: float) -> None:
+        with self._lock:
+            self.log.note_evaluation(round_, digest, loss)
+
+    def evaluate(self, evaluate: Evaluate | None, every_s: float) -> None:
+        """Compute the held-out loss of the agreed state too, looking every `every_s` seconds."""
+        if evaluate is not None:
+            self._evaluations = evaluate.start(self, every_s)
+
     def close(self) -> None:
+        if self._evaluations is not None:
+            self._evaluations.close()
         self.server.close()
 
 
@@ -51,20 +81,86 @@ def observe(
     stop: threading.Event,
     emit: Callable[[str], None],
     poll_s: float = 1.0,
+    evaluate: Evaluate | None = None,
 ) -> None:
-    """Serve the run's view until `stop` is set, polling the DHT every `poll_s` seconds."""
+    """Serve the run's view until `stop` is set, polling the DHT every `poll_s` seconds; with
+    `evaluate`, the held-out loss of the agreed state too (evaluate.py), in a thread of its own."""
     observatory = Observatory(config, healthy, host, port)
     emit(
         f"observer of run {config.run.run_id!r}: dashboard {observatory.server.url}, "
         f"JSON {observatory.server.url}api/v1/run, Prometheus {observatory.server.url}metrics"
     )
     try:
+        observatory.evaluate(evaluate, poll_s)
         while True:
             observatory.ingest(poll())
             if stop.wait(poll_s):
                 return
     finally:
         observatory.close()
+
+
+@dataclass(frozen=True)
+class Evaluate:
+    """What the observer needs to evaluate the agreed state every `every` rounds."""
+
+    held: HeldOut
+    source: StateSource  # downloads peers' served states (swarm/state_client.py)
+    every: int
+    timeout: float
+
+    def start(self, observatory: Observatory, poll_s: float) -> Evaluations:
+        from p2p_diloco.evaluate import Evaluations
+
+        evaluations = Evaluations(
+            self.held,
+            self.source,
+            lambda: observatory.pick(self.every),
+            observatory.accepts,
+            observatory.note_evaluation,
+            self.timeout,
+        )
+        evaluations.start(poll_s)
+        return evaluations
+
+
+def evaluation(config: Config, reader: Any, every: int, warn: Callable[[str], None]) -> Evaluate | None:
+    """What an observer over `reader` (swarm/observer.py) needs to compute the held-out loss of
+    the agreed state every `every` rounds, or None: never asked for (0), or not possible here,
+    said in one line by `warn` (the rest of the observer runs)."""
+    if every == 0:
+        return None
+    if config.admission.mode == "certified" and not config.admission.certificate:
+        warn(
+            "held-out loss off: a certified run's peers serve their state to admitted peers only "
+            "(give the observer a certificate: --identity KEY --certificate FILE)"
+        )
+        return None
+    from p2p_diloco.errors import DataError
+    from p2p_diloco.evaluate import HeldOut
+
+    try:
+        held = HeldOut(config)
+    except DataError as e:
+        warn(f"held-out loss off: {e}")
+        return None
+    return Evaluate(held, reader.state_client(held.numel), every, config.swarm.join_timeout_s)
+
+
+AGREED_WAIT_S = 3.0  # how long a newer round's agreed digest is waited for (rounds end at once for all)
+
+
+def settled(agreed: Callable[[], str], lock: threading.Lock, poll: Callable[[], None]) -> str:
+    """`agreed()` under `lock` once it is known (not ""), or "" after AGREED_WAIT_S; `poll` between
+    looks (a caller whose log no other thread feeds)."""
+    deadline = time.monotonic() + AGREED_WAIT_S
+    while True:
+        with lock:
+            found = agreed()
+        if found or time.monotonic() >= deadline:
+            return found
+        time.sleep(0.25)  # the poll interval of a wait bounded by the deadline above
+        poll()
 
 
 def gather(config: Config, poll: Callable[[], Poll], seconds: float, poll_s: float = 1.0) -> dict[str, Any]:
@@ -76,6 +172,36 @@ def gather(config: Config, poll: Callable[[], Poll], seconds: float, poll_s: flo
         if time.monotonic() >= deadline:
             return log.view(time.time())
         time.sleep(poll_s)  # a DHT poll interval, bounded by the deadline above
+
+
+def fetch_agreed(
+    config: Config, poll: Callable[[], Poll], source: StateSource, model: RunModel, wait_s: float
+) -> Agreed:
+    """The newest agreed state of the run, downloaded from a peer that holds it and verified,
+    within `wait_s` seconds: what `export --initial-peers` writes. StateDownloadError says why not."""
+    from p2p_diloco.evaluate import download_agreed
+
+    log = RunLog(config.run.run_id, config.fingerprint(), config.run.rounds)
+    deadline, why = time.monotonic() + wait_s, "no round that counted peers agreed on was seen: is the run training?"
+
+    def accepts(round_: int, digest: str) -> bool:  # polling here: no other thread feeds this log
+        return (
+            settled(lambda: log.agreed(round_), threading.Lock(), lambda: log.ingest(*poll(), now=time.time()))
+            == digest
+            != ""
+        )
+
+    while True:
+        log.ingest(*poll(), now=time.time())
+        target = log.to_evaluate(1, time.time())
+        if target is not None:
+            try:
+                return download_agreed(model, source.fetch, target, accepts, config.swarm.join_timeout_s)
+            except StateDownloadError as e:
+                why = str(e)
+        if time.monotonic() >= deadline:
+            raise StateDownloadError(f"no agreed state of run {config.run.run_id!r} downloaded in {wait_s:g} s: {why}")
+        time.sleep(1.0)  # a DHT poll interval, bounded by the deadline above
 
 
 def status_lines(view: dict[str, Any], peer: str | None = None) -> list[str]:

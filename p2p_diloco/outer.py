@@ -12,6 +12,7 @@ import math
 import struct
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -132,6 +133,18 @@ def digest(round_: int, params: Mapping[str, torch.Tensor], momentum: Mapping[st
             h.update(f"{name}:{tuple(t.shape)}:{t.dtype}".encode())
             h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()[:32]
+
+
+def served_digest(
+    metadata: Mapping[str, Any], tensors: Sequence[torch.Tensor], like: Mapping[str, torch.Tensor]
+) -> str:
+    """The digest of a state another peer served ({"round": r, ...}, [θ, momentum] flat), shaped like
+    `like`; "malformed" if it does not even have this model's shape (untrusted, I4)."""
+    try:
+        theta, momentum = tensors
+        return digest(int(metadata["round"]), unflatten(theta.float(), like), unflatten(momentum.float(), like))
+    except (ValueError, KeyError, TypeError, OverflowError, RuntimeError, IndexError):
+        return "malformed"
 
 
 def flatten(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -257,11 +257,4 @@ class StateSync:
 
     def verify_state(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:
         """The digest of a downloaded state, or "malformed" if it does not even have this model's shape."""
-        try:
-            theta, momentum = tensors
-            like = self.peer.state.params
-            return outer.digest(
-                int(metadata["round"]), outer.unflatten(theta.float(), like), outer.unflatten(momentum.float(), like)
-            )
-        except (ValueError, KeyError, TypeError, OverflowError, RuntimeError, IndexError):  # untrusted (I4)
-            return "malformed"
+        return outer.served_digest(metadata, tensors, self.peer.state.params)

@@ -26,9 +26,9 @@ import torch
 
 from p2p_diloco import agreement, codecs
 from p2p_diloco.config import Config
-from p2p_diloco.errors import AveragingError, StateDownloadError, SwarmError
+from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.genesis import Genesis, Verdict
-from p2p_diloco.network import STARTED, AllReduced, Made, RoundRecord, ServedState, StateCheck
+from p2p_diloco.network import STARTED, AllReduced, Made, RoundRecord, ServedState, StateCheck, download_verified
 from p2p_diloco.rounds import SwarmProgress
 from p2p_diloco.swarm import entry, records
 from p2p_diloco.swarm.allreduce import WireCodec
@@ -275,30 +275,15 @@ class Swarm:
     def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
         """(metadata, [θ, momentum]) of round `round_` from one of `from_peers`, checked by `verify`
         (which returns the digest of what arrived). A peer that sends anything else is skipped."""
-        problems = []
-        for peer in from_peers:
-            try:
-                got = self.averager.download_state_from(peer, timeout=self.config.swarm.join_timeout_s)
-            except Exception as e:  # a dead, slow, refusing or misbehaving peer: try the next one
-                problems.append(f"{peer[-6:]}: {type(e).__name__} {str(e)[:80]}")
-                logger.warning("state download from %s failed: %s", peer, problems[-1])
-                continue
-            if got is None:
-                problems.append(f"{peer[-6:]}: sent nothing")
-                logger.warning("state download from %s failed: it sent no state", peer)
-                continue
-            metadata, tensors = got
-            actual = verify(metadata, tensors)
-            if metadata.get("round") == round_ and actual == digest:
-                return metadata, tensors
-            problems.append(
-                f"{peer[-6:]}: state of round {metadata.get('round')} digest {actual[:12]} "
-                f"does not match the published {digest[:12]} (rejected)"
-            )
-            logger.warning("rejected the state offered by %s: digest %s, the swarm published %s", peer, actual, digest)
-        raise StateDownloadError(
-            f"no peer served round {round_} with digest {digest[:12]}: {'; '.join(problems) or 'no peers'}"
+        _, state = download_verified(
+            self.averager.download_state_from,
+            from_peers,
+            self.config.swarm.join_timeout_s,
+            verify,
+            lambda r, d: (r, d) == (round_, digest),
+            f"the published round {round_} with digest {digest[:12]}",
         )
+        return state
 
     def close(self) -> None:
         """Leave the swarm: stop the averager and the DHT processes, in that order (also on errors

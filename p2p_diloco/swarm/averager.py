@@ -23,13 +23,11 @@ from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
-from hivemind.utils.streaming import combine_from_streaming
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco import faults, links, robust
@@ -40,6 +38,7 @@ from p2p_diloco.swarm.doors import Doors
 from p2p_diloco.swarm.evidence import Case, Evidence
 from p2p_diloco.swarm.ledger import Ledger
 from p2p_diloco.swarm.probes import LinkProbes
+from p2p_diloco.swarm.state_client import read_served_state, state_limit
 
 logger = get_logger(__name__)
 
@@ -53,9 +52,6 @@ def _not_a_failed_step(record: logging.LogRecord) -> bool:
 
 # Installed in the peer's process before the averager forks: the child inherits it.
 logging.getLogger("hivemind.averaging.averager").addFilter(_not_a_failed_step)
-
-STATE_BYTES_PER_VALUE = 2 * 4  # a served state is θ and the outer momentum, fp32, as large as the averaged tensors
-STATE_SLACK_BYTES = 1 << 20  # metadata and serialization headers
 
 
 class AdmittedMatchmaking(Matchmaking):
@@ -241,25 +237,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
     async def _fetch_state(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        metadata: Any = None
-        tensors: list[torch.Tensor] = []
-        parts: list[runtime_pb2.Tensor] = []
-        received, limit = 0, STATE_BYTES_PER_VALUE * self.total_size + STATE_SLACK_BYTES
-        async for message in stream:
-            received += len(message.tensor_part.buffer) + len(message.metadata)
-            if received > limit:  # a server that streams without end must not exhaust this peer's memory
-                raise AllreduceException(f"{peer} sent more than the {limit:,} bytes a state of this model takes")
-            if message.metadata:
-                metadata = self.serializer.loads(message.metadata)
-            if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
-                tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-                parts = []
-            parts.append(message.tensor_part)
-        if parts:
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-        if not isinstance(metadata, dict):
-            return None
-        return metadata, tensors
+        return await read_served_state(stream, state_limit(self.total_size), peer)
 
     def _ledger(self, group_info: GroupInfo, group_id: bytes, modes: list[AveragingMode]) -> Ledger:
         """The all-reduce's ledger, with every member's identity key from the all-gather (checked

@@ -1,7 +1,9 @@
 """A read-only view of a run's DHT records, for the observer and `p2p-diloco status`.
 
 An observer joins the run's DHT as a client node and publishes nothing: no round, progress or
-config record, so no peer ever expects it in a group, counts it in agreement or waits for it. It
+config record, so no peer ever expects it in a group, counts it in agreement or waits for it. (In
+a certified run, given a certificate of its own, it publishes that: peers serve their state to
+admitted askers only, and the observer downloads the agreed state to evaluate it.) It
 reads what every peer reads (swarm/records.py), filtered as a peer filters it: in a certified run
 only admitted peers' records count (swarm/gate.py). A bootstrap node can serve the same view from
 its own DHT node (`RunReader` over its `dht`).
@@ -25,6 +27,7 @@ from p2p_diloco.swarm.heartbeat import Entries
 from p2p_diloco.swarm.identity import make_validator, peer_id_of
 from p2p_diloco.swarm.node import start_dht
 from p2p_diloco.swarm.processes import stop_process
+from p2p_diloco.swarm.state_client import StateClient
 
 Poll = tuple[dict[str, RoundRecord], list[Progress], dict[str, list[str]]]
 
@@ -36,8 +39,8 @@ class RunReader:
         self.config, self.dht = config, dht
         self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
         self._lock = threading.Lock()  # hivemind's DHT handle is one pipe: threads take turns
-        if gate is None:
-            gate = Gate(config, str(dht.peer_id), member=False)
+        if gate is None:  # with a certificate of its own, a certified run's peers serve it their state
+            gate = Gate(config, str(dht.peer_id), member=bool(config.admission.certificate))
             gate.attach(dht, validator, self.prefix, self._lock)
         self.gate = gate
 
@@ -56,6 +59,11 @@ class RunReader:
     def healthy(self) -> tuple[bool, str]:
         return (True, "") if self.dht.is_alive() else (False, "the DHT process is not running")
 
+    def state_client(self, numel: int) -> StateClient:
+        """Downloads the states peers serve, over this node (its caller closes it). In a certified
+        run, peers serve admitted askers only: the observer needs a certificate of its own."""
+        return StateClient(self.dht, self.prefix, numel, self._lock)
+
 
 class Observer(RunReader):
     """A client DHT node of its own that reads the run (an organiser's laptop, a status query)."""
@@ -67,6 +75,7 @@ class Observer(RunReader):
             identity_path = Path(self._folder.name) / "observer.key"
         validator = make_validator(identity_path)
         dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, True, [validator])
+        self._published = time.monotonic()
         try:
             super().__init__(config, dht, validator)
             self.entries = Entries(dht, list(config.swarm.initial_peers), identity_path)
@@ -78,6 +87,9 @@ class Observer(RunReader):
         found = super().poll()
         with self._lock:  # re-attach to restarted entry nodes
             self.entries.tend(time.time(), found[0], str(self.dht.peer_id))
+        if time.monotonic() - self._published >= records.REFRESH_S:  # its certificate, if it has one
+            self.gate.publish()
+            self._published = time.monotonic()
         return found
 
     def close(self) -> None:

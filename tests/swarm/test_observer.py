@@ -78,9 +78,11 @@ def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_c
         wait_until(lambda: all(len(swarm.records(n)) >= 3 for n in peers), list(peers.values()), 120, "3 rounds each")
         signal_tree(peers["c"].pid, signal.SIGSTOP)  # c sleeps through rounds: its heartbeat stops
         wait_until(lambda: any(_silent(r, "c", swarm) for r in api(url)["rounds"]), [peers["a"]], 90, "c not counted")
+        wait_until(lambda: api(url)["run"]["eval_loss"] is not None, [peers["a"]], 60, "the observer's own loss")
         dom = browser_dom(url)
         (tmp_path / "dashboard.html").write_text(dom)  # what the browser drew, kept for a failed run
         status = run_status(swarm, extra, "--run-dir", str(swarm.folder / "c"))
+        exported = export_from_swarm(swarm, extra, tmp_path / "model")  # a and b serve the agreed state
         for name in ("a", "b"):  # they leave; the observer's figures then stop changing (c stays asleep)
             peers[name].send_signal(signal.SIGINT)
         wait_until(lambda: all(peers[n].poll() is not None for n in "ab"), [swarm.nodes["bootstrap"]], 60, "stop")
@@ -102,11 +104,49 @@ def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_c
     for contributor in view["contributors"]:
         peer, tokens = contributor["peer"], contributor["tokens"]
         assert f'p2p_diloco_peer_verified_tokens{{run_id="p2p-diloco",peer="{peer}"}} {tokens}' in metrics
+    check_own_evaluations(view, dom, swarm)
+    check_export(exported, swarm, names)
     assert status[0].startswith("run 'p2p-diloco' (config ") and " of 1000" in status[0]
     assert status[1].startswith("peers online: 2 (0 in client mode)")
     assert re.match(r"round \d+: digest [0-9a-f]{12}, every peer agrees, 2 counted", status[2]), status
     assert re.match(rf"peer {c[-8:]}: [\d,]+ tokens credited in the rounds seen", status[3]), status
     assert any(line.endswith(f"not counted: {SILENT}") for line in status[4:]), status
+
+
+def check_own_evaluations(view: dict, dom: str, swarm) -> None:
+    """The observer's held-out loss of a round (the agreed state it downloaded and verified) is the
+    loss each peer computed of its own state of that round: same batch, same code, same CPU."""
+    evaluated = {r["round"]: r["eval_loss"] for r in view["rounds"] if r["eval_loss"] is not None}
+    assert len(evaluated) >= 2, view["rounds"]
+    for name in "ab":
+        mine = swarm.records(name)
+        for round_, loss in evaluated.items():
+            if (
+                round_ in mine
+                and mine[round_]["digest"] == next(r for r in view["rounds"] if r["round"] == round_)["digest"]
+            ):
+                assert mine[round_]["eval_loss"] == pytest.approx(loss, rel=1e-6), (name, round_)
+    assert (view["run"]["eval_round"], view["run"]["eval_loss"]) == (max(evaluated), evaluated[max(evaluated)])
+    assert re.search(r'<td class="num">\d+\.\d{4}</td><td class="num">\d+\.\d{4}</td></tr>', dom)  # train, held-out
+
+
+def export_from_swarm(swarm, extra: dict, out) -> dict:
+    """`export OUT --initial-peers`: the agreed state downloaded from a peer, verified, exported."""
+    toml = swarm.folder / "peers.toml"
+    config.save(config.load(None, {**SWARM, **extra}), toml)
+    command = [*CLI, "export", str(out), "--config", str(toml), "--initial-peers", swarm.maddr, "--wait", "60"]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV)
+    assert result.returncode == 0, result.stderr
+    assert re.match(r"downloaded the agreed state of round \d+ \(digest [0-9a-f]{12}\) from Qm", result.stdout)
+    assert (out / "model.safetensors").exists() and "downloaded from peer" in (out / "README.md").read_text()
+    return json.loads((out / "provenance.json").read_text())
+
+
+def check_export(provenance: dict, swarm, names: dict) -> None:
+    """What was exported is the state of its round that its server, and the other live peer, hold."""
+    server = names[provenance["served_by"]]
+    for name in {server, "a", "b"}:
+        assert swarm.records(name)[provenance["round"]]["digest"] == provenance["digest"], name
 
 
 def run_status(swarm, extra: dict, *args: str) -> list[str]:

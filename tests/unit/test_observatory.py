@@ -4,7 +4,7 @@ Every expected value is worked out by hand from the records below."""
 from __future__ import annotations
 
 from p2p_diloco.network import RoundRecord
-from p2p_diloco.observatory import REASONS, RunLog, prometheus
+from p2p_diloco.observatory import REASONS, RunLog, Target, prometheus
 from p2p_diloco.rounds import Progress
 
 A, B, C, D = "peer-aaaaaaaa", "peer-bbbbbbbb", "peer-cccccccc", "peer-dddddddd"
@@ -67,6 +67,8 @@ def test_the_run_card_online_peers_and_the_next_round_due():
         "round": 4,
         "round_due_in_s": 9.0,  # rounds start every 10 s: round 4 started at 40, due at 50
         "finished": False,
+        "eval_round": None,
+        "eval_loss": None,
     }
     online = {p["peer"]: p["online"] for p in view["peers"]}
     assert online == {A: True, B: True, C: False, D: False}  # last signs of life: C at 20, D at 30
@@ -88,3 +90,34 @@ def test_prometheus_text_has_the_run_s_figures():
     assert 'p2p_diloco_verified_tokens_total{run_id="r"} 820' in text
     assert f'p2p_diloco_peer_verified_tokens{{run_id="r",peer="{B}"}} 420' in text
     assert "# TYPE p2p_diloco_round gauge" in text and text.endswith("\n")
+
+
+def test_the_observer_evaluates_the_newest_round_its_counted_peers_agreed_on_from_a_peer_that_holds_it():
+    log = four_rounds()
+    assert log.to_evaluate(every=1, now=41) == Target(4, D4, (A, B))  # their latest records hold round 4
+    assert log.to_evaluate(every=1, now=40 + 10) is None  # A and B were last seen at 40 (new records): offline
+    assert (log.agreed(1), log.agreed(3), log.agreed(0)) == (D1, D3, "")  # round 0: nobody averaged
+    log.note_evaluation(4, D4, 2.5)
+    assert log.to_evaluate(every=1, now=41) is None  # nothing newer than round 4
+    run = log.view(now=41)["run"]
+    assert (run["eval_round"], run["eval_loss"]) == (4, 2.5)
+    text = prometheus(log.view(now=41))
+    assert 'p2p_diloco_eval_loss{run_id="r"} 2.5' in text and 'p2p_diloco_eval_round{run_id="r"} 4' in text
+
+
+def test_the_observer_waits_every_rounds_and_downloads_only_from_peers_that_serve():
+    log = four_rounds()
+    log.note_evaluation(2, D2, 3.0)
+    assert log.to_evaluate(every=3, now=41) is None  # round 4 < 2 + 3
+    assert log.to_evaluate(every=2, now=41) == Target(4, D4, (A, B))
+    client = RoundRecord(A, 5, "5" * 64, 100, 2.0, serves=False, group=(A, B), outcome="averaged")
+    log.ingest({A: client, B: rec(B, 5, "5" * 64, group=(A, B))}, [beat(A, 49), beat(B, 49)], {}, now=50)
+    assert log.to_evaluate(every=1, now=51) == Target(5, "5" * 64, (B,))  # A is in client mode: nobody reaches it
+
+
+def test_a_round_nobody_else_confirms_is_not_evaluated_and_a_wrong_evaluation_is_not_shown():
+    log = RunLog("r", "fp", rounds_total=10)
+    log.ingest({A: rec(A, 1, D1, group=(A, B))}, [beat(A, 0)], {}, now=0)  # A's claim alone
+    assert log.to_evaluate(every=1, now=1) is None
+    log.note_evaluation(1, D1, 1.0)  # (an evaluation of a state nobody confirmed)
+    assert log.view(now=1)["run"]["eval_loss"] is None

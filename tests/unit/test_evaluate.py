@@ -1,0 +1,138 @@
+"""The observer's own held-out loss and `export --initial-peers` (p2p_diloco/evaluate.py): states
+downloaded from peers that may lie, verified against the agreed digest, evaluated as a peer does.
+The peers here are scripted `fetch` functions; the real download over libp2p is in
+tests/swarm/test_observer.py."""
+
+from __future__ import annotations
+
+import logging
+import time
+
+import pytest
+import torch
+
+from p2p_diloco import config, data, outer
+from p2p_diloco import model as model_mod
+from p2p_diloco.errors import StateDownloadError
+from p2p_diloco.evaluate import RETRY_S, Evaluations, HeldOut, RunModel, download_agreed
+from p2p_diloco.network import RoundRecord
+from p2p_diloco.observatory import Target
+from p2p_diloco.observe import fetch_agreed
+from p2p_diloco.rounds import Progress
+from tests.conftest import TINY
+
+A, B, C = "QmAAAA", "QmBBBB", "QmCCCC"
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    return config.load(None, TINY)
+
+
+@pytest.fixture(scope="module")
+def held(cfg):
+    return HeldOut(cfg)
+
+
+def served(cfg, round_: int, seed: int) -> tuple[dict, list[torch.Tensor], str]:
+    """A state of the run's model as a peer serves it (θ of another seed, a momentum), and its digest."""
+    tokenizer = model_mod.load_tokenizer(cfg.model.tokenizer)
+    params = dict(
+        model_mod.init_model(model_mod.model_config(cfg.model, tokenizer.vocab_size), seed).named_parameters()
+    )
+    theta = {k: v.detach().clone() for k, v in params.items()}
+    momentum = {k: torch.full_like(v, 0.01) for k, v in theta.items()}
+    state = ({"round": round_, "digest": "claimed, never read"}, [outer.flatten(theta), outer.flatten(momentum)])
+    return state[0], state[1], outer.digest(round_, theta, momentum)
+
+
+def test_the_held_out_loss_is_the_models_mean_loss_on_the_runs_held_out_batch(cfg, held):
+    metadata, tensors, _ = served(cfg, 3, seed=7)
+    # By hand: the same model from the served θ, on the held-out rows a peer evaluates, one forward pass.
+    model = model_mod.init_model(held.model_config, 7)
+    corpus = data.open_corpus(cfg.data)
+    tokenizer = model_mod.load_tokenizer(cfg.model.tokenizer)
+    batch = data.heldout_batch(corpus, tokenizer, cfg.model.seq_len, cfg.run.eval_sequences, cfg.data.heldout_fraction)
+    with torch.no_grad():
+        expected = float(model.eval()(input_ids=batch, labels=batch).loss)
+    assert held.loss((metadata, tensors)) == pytest.approx(expected, rel=1e-5)
+    assert held.loss((metadata, tensors)) != pytest.approx(held.loss(served(cfg, 3, seed=8)[:2]), rel=1e-3)
+
+
+def test_the_digest_of_a_served_state_is_computed_not_read_and_a_malformed_one_is_named(cfg, held):
+    metadata, tensors, digest = served(cfg, 3, seed=7)
+    assert held.digest(metadata, tensors) == digest
+    tampered = [tensors[0].clone(), tensors[1]]
+    tampered[0][0] += 1e-6
+    assert held.digest(metadata, tampered) != digest
+    assert held.digest(metadata, [tensors[0][:-1], tensors[1]]) == "malformed"
+    assert held.digest({"round": "x"}, tensors) == "malformed"
+    assert held.digest(metadata, [tensors[0]]) == "malformed"
+
+
+def test_a_lying_holder_is_skipped_and_the_next_ones_verified_state_is_taken(cfg, held):
+    metadata, tensors, digest = served(cfg, 4, seed=7)
+    lie = served(cfg, 4, seed=9)  # a state of its own, claimed as round 4
+    answers = {A: lie[:2], B: None, C: (metadata, tensors)}
+    asked = []
+
+    def fetch(peer, timeout):
+        asked.append(peer)
+        return answers[peer]
+
+    found = download_agreed(held, fetch, Target(4, digest, (A, B, C)), lambda r, d: (r, d) == (4, digest), 5.0)
+    assert (found.round, found.digest, found.served_by, asked) == (4, digest, C, [A, B, C])
+    with pytest.raises(StateDownloadError) as error:
+        download_agreed(held, fetch, Target(4, digest, (A, B)), lambda r, d: (r, d) == (4, digest), 5.0)
+    assert "QmAAAA: state of round 4 digest" in str(error.value) and "QmBBBB: sent nothing" in str(error.value)
+
+
+class Source:
+    def __init__(self, answers):
+        self.answers, self.closed = answers, False
+
+    def fetch(self, peer, timeout):
+        answer = self.answers[peer]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def close(self):
+        self.closed = True
+
+
+def test_evaluations_note_the_loss_of_the_round_and_say_a_failure_only_when_it_repeats(cfg, held, caplog, monkeypatch):
+    metadata, tensors, digest = served(cfg, 5, seed=7)
+    noted = []
+    source = Source({A: ConnectionError("gone"), B: (metadata, tensors)})
+    target = Target(5, digest, (A,))
+    evaluations = Evaluations(held, source, lambda: target, lambda r, d: d == digest, lambda *a: noted.append(a), 5.0)
+    clock = [100.0]
+    monkeypatch.setattr("p2p_diloco.evaluate.time.monotonic", lambda: clock[0])
+    with caplog.at_level(logging.DEBUG, logger="p2p_diloco.evaluate"):
+        assert not evaluations.once()
+        assert not evaluations.once()  # not asked again before RETRY_S
+        clock[0] += RETRY_S
+        assert not evaluations.once()
+    failures = [r for r in caplog.records if "not computed" in r.getMessage()]
+    assert [r.levelno for r in failures] == [logging.DEBUG, logging.WARNING]
+    target, clock[0] = Target(5, digest, (A, B)), clock[0] + RETRY_S  # B holds it now
+    assert evaluations.once()
+    assert noted == [(5, digest, pytest.approx(held.loss((metadata, tensors))))]
+    evaluations.close()
+    assert source.closed
+
+
+def test_export_from_the_swarm_takes_the_newest_agreed_state_within_its_wait(cfg):
+    model = RunModel(cfg)
+    metadata, tensors, digest = served(cfg, 2, seed=7)
+
+    def poll():
+        records = {p: RoundRecord(p, 2, digest, 10, 2.0, group=(A, B), outcome="averaged") for p in (A, B)}
+        return records, [Progress(A, 2, 0, 1.0, time.time())], {}  # B sends no heartbeat: not asked
+
+    found = fetch_agreed(cfg, poll, Source({A: (metadata, tensors), B: None}), model, wait_s=5)
+    assert (found.round, found.digest, found.served_by) == (2, digest, A)
+    assert torch.equal(outer.flatten(model.params(found.state)), tensors[0])
+    with pytest.raises(StateDownloadError, match="no round that counted peers agreed on was seen"):
+        fetch_agreed(cfg, lambda: ({}, [], {}), Source({}), model, wait_s=0)  # a swarm with no agreed round
