@@ -22,7 +22,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -82,6 +82,7 @@ class RunLog:
         self.rounds: dict[int, RoundSeen] = {}
         self.peers: dict[str, PeerSeen] = {}
         self.convicted: dict[str, list[str]] = {}
+        self.names: dict[str, str] = {}  # from certificates; otherwise a peer is named by its id's end
         self.evaluated: dict[int, tuple[str, float]] = {}  # round: (digest, held-out loss the observer computed)
         self._noted = -1  # rounds up to this one are no longer noted as under way
 
@@ -90,9 +91,13 @@ class RunLog:
         records: Mapping[str, RoundRecord],
         progress: Iterable[Progress],
         convicted: Mapping[str, list[str]],
+        names: Mapping[str, str] | None = None,
+        *,
         now: float,
     ) -> None:
-        """One poll of the DHT: each peer's latest record and progress report, and convictions."""
+        """One poll of the DHT: each peer's latest record and progress report, convictions, and
+        the names the organiser's certificates give peers (certified runs)."""
+        self.names.update(names or {})
         for report in progress:
             seen = self._peer(report.peer, now)
             seen.last_seen = max(seen.last_seen, min(report.time, now))  # a clock ahead of ours counts as now
@@ -151,6 +156,10 @@ class RunLog:
         digest = agreed_digest(seen.records)
         return digest if counted_peers(seen.records, digest) else ""
 
+    def name(self, peer: str) -> str:
+        """The name the organiser's certificate gives `peer`, else the end of its id."""
+        return self.names.get(peer) or short(peer)
+
     def online(self, now: float) -> set[str]:
         return {p for p, s in self.peers.items() if now - s.last_seen < ONLINE_S}
 
@@ -178,7 +187,7 @@ class RunLog:
             },
             "peers": [self._peer_view(p, s, now) for p, s in sorted(self.peers.items())],
             "rounds": rounds,
-            "contributors": contributors(self.rounds.values()),
+            "contributors": contributors(self.rounds.values(), self.name),
             "time": now,
         }
 
@@ -192,7 +201,7 @@ class RunLog:
         record = seen.record
         return {
             "peer": peer,
-            "name": short(peer),
+            "name": self.name(peer),
             "online": now - seen.last_seen < ONLINE_S,
             "reachable": record.serves if record is not None else None,
             "round": record.round if record is not None else None,
@@ -216,7 +225,7 @@ class RunLog:
             "group": sorted({m for rec in seen.records.values() for m in rec.group} | set(counted)),
             "counted": sorted(counted),
             "not_counted": [
-                {"peer": p, "name": short(p), "reason": REASONS[why]}
+                {"peer": p, "name": self.name(p), "reason": REASONS[why]}
                 for p in sorted(known - set(counted))
                 if (why := reason(p, seen, agreed, counted, open_)) is not None
             ],
@@ -266,7 +275,7 @@ def reason(peer: str, seen: RoundSeen, agreed: str, counted: set[str], open_: bo
     return "unconfirmed"
 
 
-def contributors(rounds: Iterable[RoundSeen]) -> list[dict[str, Any]]:
+def contributors(rounds: Iterable[RoundSeen], name: Callable[[str], str] = lambda p: short(p)) -> list[dict[str, Any]]:
     """Verified work per peer: tokens in the rounds where it was counted, most first."""
     tokens: Counter[str] = Counter()
     counted_rounds: Counter[str] = Counter()
@@ -275,7 +284,7 @@ def contributors(rounds: Iterable[RoundSeen]) -> list[dict[str, Any]]:
             tokens[peer] += seen.records[peer].tokens
             counted_rounds[peer] += 1
     return [
-        {"peer": p, "name": short(p), "tokens": tokens[p], "rounds": counted_rounds[p]}
+        {"peer": p, "name": name(p), "tokens": tokens[p], "rounds": counted_rounds[p]}
         for p in sorted(tokens, key=lambda p: (-tokens[p], p))
     ]
 

@@ -23,7 +23,7 @@ from p2p_diloco.web import ObserverServer
 if TYPE_CHECKING:  # evaluate.py imports transformers: `status` does without it
     from p2p_diloco.evaluate import Agreed, Evaluations, HeldOut, RunModel
 
-Poll = tuple[dict, list, dict]
+Poll = tuple[dict, list, dict, dict]  # swarm/observer.py's Poll
 
 
 class Observatory:

@@ -52,6 +52,7 @@ class Gate:
         self._refused_until: dict[str, float] = {}  # peer id -> when to look it up again
         self._revocations: dict[str, str] = {}  # peer id -> the organiser's revocation (JSON)
         self.convicted: set[str] = set()  # reducers this peer convicted in an audit (swarm/auditor.py)
+        self.names: dict[str, str] = {}  # peer id -> the name its certificate gives (certified runs)
         self._revocations_read = self._revocations_published = 0.0
         self._io: tuple[Any, Any, str, threading.Lock] | None = None
 
@@ -189,6 +190,7 @@ class Gate:
                 cert = admission.Certificate.parse(published.get(peer, ""))
                 admission.check(cert, self.organiser, self.run_id, peer, now)
                 self._admitted_until[peer] = float(cert.expires)
+                self.names[peer] = cert.name
             except AdmissionError as e:
                 if peer not in self._refused_until:
                     logger.warning(

@@ -29,7 +29,9 @@ from p2p_diloco.swarm.node import start_dht
 from p2p_diloco.swarm.processes import stop_process
 from p2p_diloco.swarm.state_client import StateClient
 
-Poll = tuple[dict[str, RoundRecord], list[Progress], dict[str, list[str]]]
+# Each admitted peer's latest round record, their progress reports, {accused: accusers}, and
+# {peer: name} from the organiser's certificates (certified runs; empty in open ones).
+Poll = tuple[dict[str, RoundRecord], list[Progress], dict[str, list[str]], dict[str, str]]
 
 
 class RunReader:
@@ -45,7 +47,7 @@ class RunReader:
         self.gate = gate
 
     def poll(self) -> Poll:
-        """(each admitted peer's latest round record, their progress reports, {accused: accusers})."""
+        """One read of the run's records (`Poll`)."""
         with self._lock:
             found = records.read_rounds(self.dht, self.prefix)
             progress, accusations = records.read_progress(self.dht, self.prefix)
@@ -54,6 +56,7 @@ class RunReader:
             {p: r for p, r in found.items() if p in admitted},
             [p for p in progress if p.peer in admitted],
             records.convicted_by(accusations),
+            {p: self.gate.names[p] for p in admitted if p in self.gate.names},
         )
 
     def healthy(self) -> tuple[bool, str]:

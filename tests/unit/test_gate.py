@@ -1,6 +1,7 @@
 """The door of a certified run on this peer's side: without a valid certificate for its own id a
 peer stops before it touches the network, with one line that names the fix."""
 
+import threading
 import time
 from dataclasses import replace
 
@@ -120,3 +121,15 @@ def test_a_revoked_or_expired_peer_stops_itself(tmp_path):
     gate.certificate = admission.issue(key, cfg.run.run_id, ME, "alice", int(time.time()) - 1)
     with pytest.raises(AdmissionError, match=r"this peer's certificate expired .* send your id \(QmThisVolunteer\)"):
         gate.check_self()
+
+
+def test_an_observer_names_admitted_peers_as_their_certificates_do(tmp_path, monkeypatch):
+    cfg, key = certified(tmp_path)
+    alice = admission.issue(key, cfg.run.run_id, OTHER, "alice", int(time.time()) + 3600)
+    stolen = admission.issue(key, cfg.run.run_id, OTHER, "mallory", int(time.time()) + 3600)  # for another id
+    published = {OTHER: alice.to_json(), "QmMallory": stolen.to_json()}
+    monkeypatch.setattr("p2p_diloco.swarm.records.read_certificates", lambda dht, prefix: published)
+    gate = Gate(cfg, "QmObserver", member=False)  # an observer: no certificate of its own
+    gate.attach(None, None, "prefix", threading.Lock())
+    assert gate.admitted({OTHER, "QmMallory"}) == {OTHER}
+    assert gate.names == {OTHER: "alice"}

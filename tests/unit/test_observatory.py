@@ -121,3 +121,11 @@ def test_a_round_nobody_else_confirms_is_not_evaluated_and_a_wrong_evaluation_is
     assert log.to_evaluate(every=1, now=1) is None
     log.note_evaluation(1, D1, 1.0)  # (an evaluation of a state nobody confirmed)
     assert log.view(now=1)["run"]["eval_loss"] is None
+
+
+def test_peers_are_named_as_their_certificates_name_them_and_otherwise_by_their_ids_end():
+    log = four_rounds()
+    log.ingest({}, [beat(A, 45)], {}, {A: "alice"}, now=45)
+    view = log.view(now=45)
+    assert {p["peer"]: p["name"] for p in view["peers"]} == {A: "alice", B: "bbbbbbbb", C: "cccccccc", D: "dddddddd"}
+    assert [(c["peer"], c["name"]) for c in view["contributors"]] == [(B, "bbbbbbbb"), (A, "alice")]
