@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from p2p_diloco.config import Config
 from p2p_diloco.errors import StateDownloadError
 from p2p_diloco.network import StateSource
-from p2p_diloco.observatory import RunLog, Target, short
+from p2p_diloco.observatory import RunLog, Target
 from p2p_diloco.web import ObserverServer
 
 if TYPE_CHECKING:  # evaluate.py imports transformers: `status` does without it
@@ -231,7 +231,8 @@ def _peer_lines(view: dict[str, Any], peer: str) -> list[str]:
         return [f"peer {peer}: not seen in the run (is it running, with this run's config?)"]
     who = matches[0]
     credited = next((c["tokens"] for c in view["contributors"] if c["peer"] == who), 0)
-    lines = [f"peer {short(who)}: {credited:,} tokens credited in the rounds seen"]
+    name = next(p["name"] for p in view["peers"] if p["peer"] == who)
+    lines = [f"peer {name}: {credited:,} tokens credited in the rounds seen"]
     for r in view["rounds"][-10:]:
         why = next((n["reason"] for n in r["not_counted"] if n["peer"] == who), None)
         if who in r["counted"]:

@@ -81,8 +81,9 @@ def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_c
         wait_until(lambda: api(url)["run"]["eval_loss"] is not None, [peers["a"]], 60, "the observer's own loss")
         dom = browser_dom(url)
         (tmp_path / "dashboard.html").write_text(dom)  # what the browser drew, kept for a failed run
-        status = run_status(swarm, extra, "--run-dir", str(swarm.folder / "c"))
-        exported = export_from_swarm(swarm, extra, tmp_path / "model")  # a and b serve the agreed state
+        export = start_export(swarm, extra, tmp_path / "model")  # a and b serve the agreed state
+        status = run_status(swarm, extra, "--run-dir", str(swarm.folder / "c"))  # meanwhile
+        exported = finish_export(export, tmp_path / "model")
         for name in ("a", "b"):  # they leave; the observer's figures then stop changing (c stays asleep)
             peers[name].send_signal(signal.SIGINT)
         wait_until(lambda: all(peers[n].poll() is not None for n in "ab"), [swarm.nodes["bootstrap"]], 60, "stop")
@@ -130,14 +131,23 @@ def check_own_evaluations(view: dict, dom: str, swarm) -> None:
     assert re.search(r'<td class="num">\d+\.\d{4}</td><td class="num">\d+\.\d{4}</td></tr>', dom)  # train, held-out
 
 
-def export_from_swarm(swarm, extra: dict, out) -> dict:
+def start_export(swarm, extra: dict, out) -> subprocess.Popen:
     """`export OUT --initial-peers`: the agreed state downloaded from a peer, verified, exported."""
-    toml = swarm.folder / "peers.toml"
+    toml = swarm.folder / "export.toml"
     config.save(config.load(None, {**SWARM, **extra}), toml)
     command = [*CLI, "export", str(out), "--config", str(toml), "--initial-peers", swarm.maddr, "--wait", "60"]
-    result = subprocess.run(command, capture_output=True, text=True, timeout=120, env=ENV)
-    assert result.returncode == 0, result.stderr
-    assert re.match(r"downloaded the agreed state of round \d+ \(digest [0-9a-f]{12}\) from Qm", result.stdout)
+    proc = subprocess.Popen(
+        command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV, start_new_session=True
+    )
+    swarm.procs.append(proc)  # ended with the swarm, its DHT and p2pd too, if the test fails first
+    swarm.sessions.add(proc.pid)
+    return proc
+
+
+def finish_export(proc: subprocess.Popen, out) -> dict:
+    stdout, stderr = proc.communicate(timeout=120)
+    assert proc.returncode == 0, stderr
+    assert re.match(r"downloaded the agreed state of round \d+ \(digest [0-9a-f]{12}\) from Qm", stdout)
     assert (out / "model.safetensors").exists() and "downloaded from peer" in (out / "README.md").read_text()
     return json.loads((out / "provenance.json").read_text())
 
