@@ -102,6 +102,14 @@ def _add_observe_commands(sub: _Commands) -> None:
     obs.add_argument(
         "--certificate", metavar="FILE", help="a certified run's certificate for --identity (to download states)"
     )
+    obs.add_argument(
+        "--poll-s",
+        type=_seconds,
+        default=OBSERVE_POLL_S,
+        metavar="SECONDS",
+        help="read the run's records every SECONDS seconds: each read is DHT requests that the run's nodes "
+        "serve (docs/observer.md; default: %(default)s)",
+    )
     status = sub.add_parser("status", help="print a run's swarm at a glance, and one peer's rounds")
     _add_run_source(status)
     status.add_argument(
@@ -109,6 +117,23 @@ def _add_observe_commands(sub: _Commands) -> None:
     )
     status.add_argument("--run-dir", metavar="DIR", help="also the rounds of the peer whose run dir this is")
     status.add_argument("--wait", type=float, default=5.0, metavar="SECONDS", help="read the swarm this long")
+
+
+# The observer's poll interval: at 5 s it adds about 2 % to the DHT requests of a 3-peer run, at
+# 1 s about 7.5 % (the target: 5 %; bench/observer_load.py, docs/benchmarks.md). The dashboard
+# redraws every 2 s; a peer shows offline after 10 s without news (observatory.ONLINE_S).
+OBSERVE_POLL_S = 5.0
+
+
+def _seconds(text: str) -> float:
+    """A time in seconds, more than 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"a number of seconds, more than 0, not {text!r}")
+    return value
 
 
 def _rounds(text: str) -> int:
@@ -210,6 +235,13 @@ def _add_bootstrap_command(sub: _Commands) -> None:
         "--observe-port", type=int, metavar="PORT", help="also serve the run's dashboard, /metrics and /healthz here"
     )
     boot.add_argument("--observe-host", default="127.0.0.1", help="address for --observe-port (default: %(default)s)")
+    boot.add_argument(
+        "--observe-poll-s",
+        type=_seconds,
+        default=OBSERVE_POLL_S,
+        metavar="SECONDS",
+        help="with --observe-port: read the run's records this often, as `observe --poll-s` (default: %(default)s)",
+    )
     boot.add_argument(
         "--observe-eval-every",
         type=_rounds,
@@ -391,7 +423,7 @@ def _observatory(cfg: config_mod.Config, node: Any, args: argparse.Namespace) ->
 
     reader = RunReader(cfg, node.dht, node.validator, node.gate)
     observatory = Observatory(cfg, reader.healthy, args.observe_host, args.observe_port)
-    observatory.reader = reader
+    observatory.reader, observatory.poll_s = reader, args.observe_poll_s
     observatory.evaluate(evaluation(cfg, reader, args.observe_eval_every, _warn), 1.0)
     print(f"observer: dashboard {observatory.server.url}, Prometheus {observatory.server.url}metrics", flush=True)
     return observatory
@@ -417,7 +449,7 @@ def cmd_observe(args: argparse.Namespace) -> int:
     running.set()
     try:
         evaluate = evaluation(cfg, reader, args.eval_every, _warn)
-        observe(cfg, reader.poll, reader.healthy, args.host, args.port, stop, emit=_say, evaluate=evaluate)
+        observe(cfg, reader.poll, reader.healthy, args.host, args.port, stop, _say, args.poll_s, evaluate)
     finally:
         reader.close()
     return 0

@@ -30,6 +30,7 @@ class Observatory:
     """A run's log and the HTTP server that shows it."""
 
     reader: Any = None  # what feeds it, for a caller that keeps the two together (a bootstrap node)
+    poll_s = 1.0  # how often that caller feeds it
 
     def __init__(self, config: Config, healthy: Callable[[], tuple[bool, str]], host: str, port: int):
         self.log = RunLog(config.run.run_id, config.fingerprint(), config.run.rounds)

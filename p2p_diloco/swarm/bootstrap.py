@@ -85,7 +85,7 @@ class Bootstrap:
     def serve(self, stop: threading.Event, report_every_s: float, observatory: Any = None) -> None:
         """Log the status every `report_every_s` seconds until `stop` is set; meanwhile read (and
         publish again) the organiser's revocations, and feed `observatory` (observe.Observatory,
-        with its `reader`) every second: this one thread uses the DHT handle."""
+        with its `reader`) every `observatory.poll_s` seconds: this one thread uses the DHT handle."""
         try:
             self._serve(stop, report_every_s, observatory)
         finally:
@@ -93,10 +93,11 @@ class Bootstrap:
                 observatory.close()
 
     def _serve(self, stop: threading.Event, report_every_s: float, observatory: Any) -> None:
-        last_report = time.monotonic()
+        last_report = last_poll = time.monotonic()
         while not stop.wait(min(report_every_s, REVOCATIONS_POLL_S)):
-            if observatory is not None:
+            if observatory is not None and time.monotonic() - last_poll >= observatory.poll_s - 0.05:
                 observatory.ingest(observatory.reader.poll())
+                last_poll = time.monotonic()
             seen = records.read_rounds(self.dht, self.prefix) if self.watch_run else {}
             self.entries.tend(time.time(), seen, str(self.dht.peer_id), also=self.remembered)
             if self.watch_run:

@@ -86,7 +86,7 @@ class Swarm:
                 "--config",
                 str(run_toml),
                 *(["--initial-peers", *initial_peers] if initial_peers else []),
-                *(["--observe-port", "0", "--observe-eval-every", "1"] if observe else []),
+                *(["--observe-port", "0", "--observe-eval-every", "1", "--observe-poll-s", "1"] if observe else []),
             ],
             stdout=subprocess.PIPE,
             stderr=log,
