@@ -42,6 +42,7 @@ Precision = Literal["auto", "fp32", "bf16"]
 Overlap = Literal["off", "delayed", "eager"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 AdmissionMode = Literal["open", "certified"]
+WandbMode = Literal["online", "offline"]
 
 
 def shared(default: Any, doc: str) -> Any:
@@ -71,7 +72,11 @@ class RunSection:
 class ModelSection:
     preset: str = shared("150m", "model preset: tiny, small, 150m or 1b (Llama-style)")
     config_path: str = shared("", "a transformers causal-LM config.json (or its folder); overrides preset")
-    tokenizer: str = shared("bytes", "bytes (byte-level, no download) or a tokenizer folder / tokenizer.json")
+    tokenizer: str = shared(
+        "bytes",
+        "bytes (byte-level, no download), a tokenizer folder / tokenizer.json, or a Hugging Face Hub id "
+        "org/name (downloaded once into the Hub cache)",
+    )
     seq_len: int = shared(1024, "tokens per training sequence")
 
 
@@ -105,6 +110,11 @@ class InnerSection:
     grad_clip: float = shared(1.0, "clip the gradient norm of each inner step to this (0 = off)")
     micro_batch_size: int = local(8, "sequences per forward pass; lower it if you run out of memory")
     precision: Precision = local("auto", "auto (bf16 autocast on CUDA, fp32 on CPU), fp32 or bf16")
+    compile: bool = local(
+        False,
+        "torch.compile the model for the inner steps (evaluation stays eager); the first step compiles "
+        "(a minute or more); needs a C++ compiler on the CPU, triton on CUDA",
+    )
 
 
 @dataclass(frozen=True)
@@ -200,6 +210,16 @@ class LogSection:
     progress: bool = local(True, "show a live progress bar on the terminal")
     metrics_port: int = local(0, "serve this peer's Prometheus /metrics on log.metrics_host at this port; 0: off")
     metrics_host: str = local("127.0.0.1", "address for log.metrics_port (0.0.0.0: every interface)")
+    tensorboard_dir: str = local(
+        "",
+        "write each round's record as TensorBoard scalars here (relative: in run.dir); empty: off; extra [tensorboard]",
+    )
+    wandb_project: str = local(
+        "", "log each round's record to this Weights & Biases project; empty: off; extra [wandb]"
+    )
+    wandb_mode: WandbMode = local(
+        "online", "online, or offline: the W&B run stays in run.dir/wandb (later: wandb sync)"
+    )
 
 
 @dataclass(frozen=True)
@@ -400,6 +420,7 @@ def save(config: Config, path: str | Path, then: str = "") -> None:
 PRESETS = ("tiny", "small", "150m", "1b")
 OVERLAP = typing.get_args(Overlap)
 SHARD_BY = typing.get_args(ShardBy)
+WANDB_FORBIDDEN = "/\\#?%:"  # characters W&B refuses in a project name
 
 
 def _require(ok: bool, where: str, problem: str, fix: str) -> None:
@@ -429,6 +450,25 @@ def validate(c: Config) -> None:
     )
     port = c.log.metrics_port
     _require(0 <= port <= 65535, "log.metrics_port", f"must be a TCP port or 0 (off), got {port}", "e.g. 9400")
+    _validate_sinks(c.log)
+
+
+def _validate_sinks(log: LogSection) -> None:
+    tb, project = log.tensorboard_dir, log.wandb_project
+    _require(tb == tb.strip(), "log.tensorboard_dir", f"must not start or end with spaces, got {tb!r}", "e.g. tb")
+    _require(
+        not set(project) & set(WANDB_FORBIDDEN) and len(project) <= 128 and project == project.strip(),
+        "log.wandb_project",
+        f"must be a W&B project name (at most 128 characters, none of {WANDB_FORBIDDEN}, no outer spaces), "
+        f"got {project!r}",
+        "e.g. p2p-diloco; empty: off",
+    )
+    _require(
+        log.wandb_mode in typing.get_args(WandbMode),
+        "log.wandb_mode",
+        f"must be online or offline, got {log.wandb_mode!r}",
+        "offline writes the W&B run to run.dir only",
+    )
 
 
 def _validate_run(r: RunSection) -> None:

@@ -3,6 +3,10 @@ gradient accumulation, clipping and mixed precision. Knows nothing of the networ
 
 The trainer takes a model that is already on its device and never moves it, so a later
 multi-GPU peer can hand it a DDP- or FSDP-wrapped model.
+
+Speed (bench/inner_speed.py measures it against a bare PyTorch loop): fused AdamW on CUDA,
+`inner.compile` (torch.compile of the training forward), and no CPU-GPU sync in the step loop:
+the step losses stay on the device until the phase ends.
 """
 
 from __future__ import annotations
@@ -12,10 +16,12 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from p2p_diloco.config import InnerSection
+from p2p_diloco.errors import ConfigError
 
 
 def lr_at(step: int, cfg: InnerSection, total_steps: int) -> float:
@@ -38,6 +44,58 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
     return None
 
 
+def adamw(model: torch.nn.Module, cfg: InnerSection, device: torch.device) -> torch.optim.AdamW:
+    """AdamW on the model's trainable parameters. On CUDA the fused kernel (one launch for all of
+    them); elsewhere foreach, which on the CPU gives the per-parameter loop's bits exactly and is no
+    slower (measured: tiny and small presets, torch 2.13; the fused CPU kernel is 4-9x faster
+    there but rounds differently, and CPU runs keep their bits)."""
+    decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
+    no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
+    cuda = device.type == "cuda"
+    # Norm gains are not decayed: pulling them toward 0 only hurts (nanoGPT, Chinchilla).
+    return torch.optim.AdamW(
+        [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
+        lr=cfg.lr,
+        betas=(cfg.beta1, cfg.beta2),
+        fused=True if cuda else None,
+        foreach=None if cuda else True,
+    )
+
+
+def compiled(model: torch.nn.Module) -> tuple[Callable[..., Any], tuple[type[Exception], ...]]:
+    """`model` under torch.compile, for the inner steps, and what a failed compilation raises.
+
+    The compiled model shares the model's parameters and its code reads them at every call, so θ
+    copied into them in place (`Peer.load`) is what the next step trains. It compiles at the first
+    step (forward) and the first backward; `compile_failed` words their errors.
+    """
+    import torch._dynamo  # 1.6 s to import: only a peer with inner.compile pays for it
+
+    if not torch._dynamo.is_dynamo_supported():
+        raise ConfigError(
+            f"inner.compile = true but torch {torch.__version__} cannot compile on this Python or platform; "
+            f"set [inner] compile = false in run.toml or --inner.compile=false"
+        )
+    return torch.compile(model), (torch._dynamo.exc.TorchDynamoException,)
+
+
+def compile_failed(error: Exception) -> ConfigError:
+    reason = str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+    return ConfigError(
+        f"inner.compile = true but torch.compile failed on this machine ({type(error).__name__}: {reason}); "
+        f"set [inner] compile = false in run.toml or --inner.compile=false"
+    )
+
+
+def mean_loss(losses: list[torch.Tensor]) -> float:
+    """The mean of a phase's step losses (0-d tensors on the device), summed as Python floats in step
+    order: the same bits as reading each loss at its step, with one copy to the CPU instead of H."""
+    if not losses:
+        return float("nan")
+    values = torch.stack(losses).tolist()
+    return sum(values) / len(values)
+
+
 @dataclass(frozen=True)
 class PhaseResult:
     """What one inner phase did. `stopped` means it was abandoned (Ctrl+C, or the swarm moved on)."""
@@ -56,14 +114,13 @@ class InnerTrainer:
     def __init__(self, model: torch.nn.Module, cfg: InnerSection, total_steps: int, device: torch.device):
         self.model, self.cfg, self.total_steps, self.device = model, cfg, total_steps, device
         self.amp_dtype = autocast_dtype(cfg.precision, device)
-        decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
-        no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
-        # Norm gains are not decayed: pulling them toward 0 only hurts (nanoGPT, Chinchilla).
-        self.optimizer = torch.optim.AdamW(
-            [{"params": decay, "weight_decay": cfg.weight_decay}, {"params": no_decay, "weight_decay": 0.0}],
-            lr=cfg.lr,
-            betas=(cfg.beta1, cfg.beta2),
-        )
+        self.optimizer = adamw(model, cfg, device)
+        # What the inner steps call; evaluation calls the eager model, so its losses are the same
+        # bits with or without inner.compile (an observer evaluates the run's states eagerly).
+        self.train_model: Callable[..., Any] = model
+        self.compile_errors: tuple[type[Exception], ...] = ()
+        if cfg.compile:
+            self.train_model, self.compile_errors = compiled(model)
         self.step = 0
 
     def train_step(self, batch: torch.Tensor) -> torch.Tensor:
@@ -83,10 +140,7 @@ class InnerTrainer:
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
             with sync:
-                with self._autocast():
-                    loss = self.model(input_ids=mb, labels=mb).loss / len(micro_batches)
-                loss.backward()
-            total += loss.detach().float()
+                total += self._forward_backward(mb, len(micro_batches))
         if self.cfg.grad_clip > 0:
             torch.nn.utils.clip_grad_norm_(self.model.parameters(), self.cfg.grad_clip)
         self.optimizer.step()
@@ -94,12 +148,22 @@ class InnerTrainer:
         self.step += 1
         return total
 
+    def _forward_backward(self, mb: torch.Tensor, parts: int) -> torch.Tensor:
+        """The loss of micro-batch `mb` / parts, its gradient accumulated into the parameters."""
+        try:
+            with self._autocast():
+                loss = self.train_model(input_ids=mb, labels=mb).loss / parts
+            loss.backward()
+        except self.compile_errors as e:  # () without inner.compile: nothing is caught
+            raise compile_failed(e) from e
+        return loss.detach().float()
+
     def run_phase(
         self,
         next_batch: Callable[[], torch.Tensor],
         steps: int,
         should_stop: Callable[[], bool] = lambda: False,
-        on_step: Callable[[int, float, int], None] = lambda step, loss, tokens: None,
+        on_step: Callable[[int, torch.Tensor, int], None] = lambda step, loss, tokens: None,
         should_end: Callable[[int, int], bool] = lambda steps, tokens: False,
     ) -> PhaseResult:
         """Up to `steps` inner steps.
@@ -107,11 +171,13 @@ class InnerTrainer:
         should_stop() true: the phase is abandoned (stopped=True; the caller discards it).
         should_end(steps_done, tokens) true: the phase is complete early (the swarm's round ended);
         asked only after the first step, so every phase has a pseudo-gradient to contribute.
-        on_step(step_in_phase, loss, tokens_so_far) is called after every step; reading the loss
-        there is a CPU-GPU sync point, which costs little next to a step of accumulated micro-batches.
+        on_step(step_in_phase, loss, tokens_so_far) is called after every step with the loss as a 0-d
+        tensor on the device. Reading it (float(loss)) is a CPU-GPU sync point: the CPU waits for the
+        step to finish instead of queueing the next, so read it only to show it, not every step.
         """
         start = time.perf_counter()
-        losses, tokens, lr_sum, stopped = [], 0, 0.0, False
+        losses: list[torch.Tensor] = []  # on the device until the phase ends: no sync per step
+        tokens, lr_sum, stopped = 0, 0.0, False
         for i in range(steps):
             if should_stop():
                 stopped = True
@@ -120,12 +186,12 @@ class InnerTrainer:
                 break
             batch = next_batch()
             lr_sum += lr_at(self.step, self.cfg, self.total_steps)
-            losses.append(float(self.train_step(batch)))
+            losses.append(self.train_step(batch))
             tokens += batch.numel()
             on_step(i + 1, losses[-1], tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        mean = sum(losses) / len(losses) if losses else float("nan")
+        mean = mean_loss(losses)
         return PhaseResult(len(losses), tokens, mean, time.perf_counter() - start, lr_sum, stopped)
 
     @torch.no_grad()

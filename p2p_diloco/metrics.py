@@ -1,6 +1,8 @@
 """Metrics are data, logs are for people.
 
-- `MetricsLog`: `metrics.jsonl` in the run dir, one JSON record per round.
+- `MetricsLog`: `metrics.jsonl` in the run dir, one JSON record per round (copied to TensorBoard or
+  W&B when configured: sinks.py).
+- `Phase`: what the peer is doing now (inner, averaging, agreement, catch-up, idle), for its /metrics.
 - `Progress`: the live progress bar of the inner phase (loss, tokens/s), on stderr.
 - `PeerLogger`: every log line says who and when: `[peer ab12 round 7 step 120/500] ...`.
 """
@@ -14,21 +16,28 @@ import logging
 import math
 import os
 import sys
-from collections.abc import Iterator
+import threading
+import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, SupportsFloat
 
 from tqdm import tqdm
 
 from p2p_diloco.errors import WriteError
 
+if TYPE_CHECKING:
+    from p2p_diloco.sinks import Sinks
+
 
 class MetricsLog:
-    """Append-only JSON lines; on resume, records past the checkpoint's round are dropped first."""
+    """Append-only JSON lines; on resume, records past the checkpoint's round are dropped first.
+    Each appended record also goes to `sinks` (TensorBoard, W&B), if any."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, sinks: Sinks | None = None):
         self.path = Path(path)
         self.latest: dict[str, Any] | None = None  # the last record appended (this peer's /metrics)
+        self.sinks = sinks
 
     def append(self, record: dict[str, Any]) -> None:
         """Add one line. A failed write (a full disk) cuts the file back to its whole lines and
@@ -41,6 +50,8 @@ class MetricsLog:
         except OSError as e:
             raise self._write_error(e) from None
         self.latest = clean
+        if self.sinks is not None:
+            self.sinks.write(clean)
 
     def records(self) -> Iterator[dict[str, Any]]:
         if not self.path.exists():
@@ -83,6 +94,31 @@ def _append_whole(f: io.FileIO, line: bytes) -> None:
         raise
 
 
+PHASES = ("inner", "averaging", "agreement", "catch-up", "idle")
+
+
+class Phase:
+    """What the peer is doing now, and since when: set by the round's code, read by /metrics (any thread)."""
+
+    def __init__(self, clock: Callable[[], float] = time.monotonic):
+        self._clock = clock
+        self._lock = threading.Lock()
+        self._name, self._since = "idle", clock()
+
+    def set(self, name: str) -> None:
+        """Enter phase `name` (one of PHASES); entering the current phase again keeps its start."""
+        if name not in PHASES:
+            raise ValueError(f"unknown phase {name!r}; one of {', '.join(PHASES)}")
+        with self._lock:
+            if name != self._name:
+                self._name, self._since = name, self._clock()
+
+    def now(self) -> tuple[str, float]:
+        """(the current phase, seconds in it)."""
+        with self._lock:
+            return self._name, self._clock() - self._since
+
+
 class PeerLogger(logging.LoggerAdapter):
     """Prefixes each message with the peer, the round and, inside the inner phase, the step."""
 
@@ -102,21 +138,30 @@ class PeerLogger(logging.LoggerAdapter):
 class Progress:
     """One bar per inner phase; does nothing when disabled or when stderr is not a terminal."""
 
+    LOSS_EVERY_S = 0.5  # how often the bar reads the loss: each read waits for the GPU's step
+
     def __init__(self, enabled: bool, peer: str):
         self.enabled = enabled and sys.stderr.isatty()
         self.peer = peer
         self.bar: tqdm | None = None
+        self._loss_read = -math.inf  # time.monotonic() of the last read
 
     def start(self, round_: int, steps: int) -> None:
+        self._loss_read = -math.inf
         if self.enabled:
             self.bar = tqdm(
                 total=steps, desc=f"peer {self.peer} round {round_}", unit="step", leave=False, dynamic_ncols=True
             )
 
-    def update(self, loss: float, tokens_per_s: float) -> None:
-        if self.bar is not None:
-            self.bar.set_postfix_str(f"loss {loss:.3f}  {tokens_per_s:,.0f} tok/s", refresh=False)
-            self.bar.update(1)
+    def update(self, loss: SupportsFloat, tokens_per_s: float) -> None:
+        """One step done. `loss` may be a tensor on the GPU: it is read at most every LOSS_EVERY_S."""
+        if self.bar is None:
+            return
+        now = time.monotonic()
+        if now - self._loss_read >= self.LOSS_EVERY_S:
+            self._loss_read = now
+            self.bar.set_postfix_str(f"loss {float(loss):.3f}  {tokens_per_s:,.0f} tok/s", refresh=False)
+        self.bar.update(1)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -182,8 +227,8 @@ PEER_GAUGES = {
 }
 
 
-def peer_prometheus(record: dict[str, Any] | None, run_id: str, peer: str) -> str:
-    """Prometheus text (0.0.4) of one peer: its latest round record, and whether it agreed."""
+def peer_prometheus(record: dict[str, Any] | None, run_id: str, peer: str, phase: Phase | None = None) -> str:
+    """Prometheus text (0.0.4) of one peer: its latest round record, whether it agreed, and its phase now."""
     labels = f'run_id="{prometheus_label(run_id)}",peer="{prometheus_label(peer)}"'
     lines = []
     for key, help_ in PEER_GAUGES.items():
@@ -198,7 +243,24 @@ def peer_prometheus(record: dict[str, Any] | None, run_id: str, peer: str) -> st
             "# TYPE p2p_diloco_peer_adopted gauge",
             f"p2p_diloco_peer_adopted{{{labels}}} {adopted}",
         ]
+    if phase is not None:
+        lines += phase_prometheus(phase.now(), labels)
     return "\n".join(lines) + "\n"
+
+
+def phase_prometheus(now: tuple[str, float], labels: str) -> list[str]:
+    """The peer's phase as one gauge per phase (1: the current one) and the seconds spent in it."""
+    current, seconds = now
+    lines = [
+        f"# HELP p2p_diloco_peer_phase 1 for the phase this peer is in now ({', '.join(PHASES)})",
+        "# TYPE p2p_diloco_peer_phase gauge",
+    ]
+    lines += [f'p2p_diloco_peer_phase{{{labels},phase="{name}"}} {int(name == current)}' for name in PHASES]
+    return lines + [
+        "# HELP p2p_diloco_peer_phase_seconds seconds this peer has been in its current phase",
+        "# TYPE p2p_diloco_peer_phase_seconds gauge",
+        f"p2p_diloco_peer_phase_seconds{{{labels}}} {seconds:.3f}",
+    ]
 
 
 def prometheus_label(text: str) -> str:

@@ -1,9 +1,10 @@
 """Model presets, model construction, tokenizers, and export to a transformers model folder.
 
 Every peer builds the same architecture from `[model]` (a preset or a transformers config.json) and
-the same θ(0) from the run's seed, so `init_model` must be bit-reproducible. Nothing here reaches
-the network: configs and tokenizers come from local paths only (`local_files_only=True`), and the
-default byte tokenizer needs no file at all.
+the same θ(0) from the run's seed, so `init_model` must be bit-reproducible. Configs come from
+local paths only (`local_files_only=True`), and the default byte tokenizer needs no file at all.
+The one thing here that may reach the network is a tokenizer named by its Hugging Face Hub id
+(`org/name`): transformers downloads its files once into the Hub cache and reads them from there.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ from __future__ import annotations
 import copy
 import json
 import os
+import re
 import secrets
 import shutil
 from collections.abc import Mapping
@@ -94,17 +96,28 @@ _EOS_SPELLINGS = ("</s>", "<|endoftext|>", "<|end_of_text|>", "<eos>", "<|eos|>"
 _BYTE_SPECIALS = {"bos_token": "<bos>", "eos_token": "<eos>", "pad_token": "<pad>"}
 
 
+# A Hub repository id with its owner (org/name). A bare name (gpt2) is read as a missing local
+# path instead: the Hub only redirects such legacy names, and a typo in a folder name should say so.
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+
+
 def load_tokenizer(spec: str) -> Tokenizer:
-    """`bytes`, a tokenizer.json file, or a transformers tokenizer folder (never a hub name)."""
+    """`bytes`, a tokenizer.json file, a transformers tokenizer folder, or a Hub tokenizer id `org/name`.
+
+    A local path wins over a Hub id of the same spelling. The spec itself is the tokenizer's identity
+    in the config fingerprint (`model.tokenizer` is a shared field), so peers must spell it alike.
+    """
     if spec == "bytes":
         return ByteTokenizer()
     path = Path(spec)
-    if not path.exists():
-        raise ModelError(
-            f"tokenizer {spec!r} does not exist; set [model] tokenizer to 'bytes', a tokenizer.json file "
-            "or a local tokenizer folder (hub names are not downloaded)"
-        )
-    return _FolderTokenizer(path) if path.is_dir() else _JsonTokenizer(path)
+    if path.exists():
+        return _FolderTokenizer(spec) if path.is_dir() else _JsonTokenizer(path)
+    if _HUB_ID.fullmatch(spec) and not spec.endswith(".json"):
+        return _FolderTokenizer(spec, from_hub=True)
+    raise ModelError(
+        f"tokenizer {spec!r} does not exist; set [model] tokenizer to 'bytes', a tokenizer.json file, "
+        "a local tokenizer folder or a Hugging Face Hub id such as org/name"
+    )
 
 
 class _JsonTokenizer:
@@ -141,19 +154,24 @@ def _find_eos(tok: tokenizers.Tokenizer, path: Path) -> tuple[str, int]:
 
 
 class _FolderTokenizer:
-    """A tokenizer folder that transformers.AutoTokenizer reads (tokenizer_config.json and files)."""
+    """A tokenizer that transformers.AutoTokenizer reads: a local folder (tokenizer_config.json and
+    files), or a Hub id, whose files transformers downloads once into the Hugging Face cache and
+    reads from there afterwards (also offline, HF_HUB_OFFLINE=1). Never with trust_remote_code:
+    a tokenizer's repository does not get to run code on a volunteer's machine."""
 
-    def __init__(self, path: Path) -> None:
+    def __init__(self, source: str, from_hub: bool = False) -> None:
         try:
-            self._tok = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            self._tok = AutoTokenizer.from_pretrained(source, local_files_only=not from_hub)
         except Exception as e:  # transformers raises OSError, ValueError, ImportError... by case
-            raise ModelError(f"cannot read tokenizer folder {path}: {e}") from e
-        self.path = path
+            if from_hub:
+                raise _hub_error(source, e) from e
+            raise ModelError(f"cannot read tokenizer folder {source}: {e}") from e
+        self.source = source
         self.vocab_size = len(self._tok)  # with added tokens; `.vocab_size` leaves them out
         eos = self._tok.eos_token_id if self._tok.eos_token_id is not None else self._tok.sep_token_id
         if eos is None:
             raise ModelError(
-                f"tokenizer folder {path} has no eos_token (nor sep_token); set eos_token in its tokenizer_config.json"
+                f"tokenizer {source} has no eos_token (nor sep_token); set eos_token in its tokenizer_config.json"
             )
         self.eos_token_id = eos
 
@@ -162,6 +180,18 @@ class _FolderTokenizer:
 
     def decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=True)
+
+
+def _hub_error(hub_id: str, error: Exception) -> ModelError:
+    """One line naming both fixes: a Hub error's own text runs over several lines (offline, not
+    found, gated), so only its first line is kept."""
+    lines = str(error).strip().splitlines()
+    first = lines[0] if lines else ""
+    return ModelError(
+        f"cannot load tokenizer {hub_id!r} from the Hugging Face Hub ({type(error).__name__}: {first[:200]}); "
+        "it is not a local path either: set [model] tokenizer to a local tokenizer folder or tokenizer.json, "
+        "or run once with network access to download it into the Hub cache"
+    )
 
 
 def model_config(cfg: ModelSection, vocab_size: int) -> PretrainedConfig:

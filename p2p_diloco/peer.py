@@ -20,15 +20,16 @@ from typing import IO, Any
 import torch
 from transformers import PretrainedConfig
 
-from p2p_diloco import checkpoint, data, faults, joining, outer
+from p2p_diloco import checkpoint, data, faults, joining, outer, sinks
 from p2p_diloco import config as config_mod
 from p2p_diloco import model as model_mod
 from p2p_diloco.agreement import still_finishing
 from p2p_diloco.config import Config
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.inner import InnerTrainer, PhaseResult, lr_at
-from p2p_diloco.metrics import MetricsLog, PeerLogger, Progress
+from p2p_diloco.metrics import MetricsLog, PeerLogger, Phase, Progress
 from p2p_diloco.network import COPIED, STARTED, ServedState, Solo, Swarm
+from p2p_diloco.prefetch import Prefetcher
 from p2p_diloco.round import RoundDriver
 from p2p_diloco.sync import StateSync
 
@@ -135,9 +136,13 @@ class Peer:
             from p2p_diloco.swarm.node import parse_initial_peers  # imports hivemind: swarm peers only
 
             parse_initial_peers(config.swarm.initial_peers)
+        sinks.require_packages(config.log)
         self._lock = claim_run_dir(self.run_dir, resume)
         self.progress = Progress(False, "")
+        self.phase = Phase()  # what it does now (its /metrics): set by round.py and sync.py
+        self.sinks = sinks.Sinks([])
         self._swarm: Swarm | None = None
+        self._prefetcher: Prefetcher | None = None
         self._metrics_server: Any = None
         try:
             self._build(resume)
@@ -157,7 +162,7 @@ class Peer:
         self.trainer = InnerTrainer(self.model, config.inner, self.total_steps, self.device)
         d = config.data
         shard = d.shard if d.shard >= 0 else data.pick_shard(self.peer_id, config.run.seed, d.num_shards)
-        self.stream = data.TrainStream(
+        stream = data.TrainStream(
             self.corpus,
             self.tokenizer,
             config.model.seq_len,
@@ -167,13 +172,17 @@ class Peer:
             d.heldout_fraction,
             data.sharding(self.corpus, d, config.run.seed),
         )
+        # Batches made ahead by a thread; its state (what a checkpoint saves) is the last batch trained on.
+        pin = self.device.type == "cuda"
+        self.stream = self._prefetcher = Prefetcher(stream, config.inner.batch_size, pin_memory=pin)
         self.heldout = None
         if config.run.eval_every_rounds > 0:
             self.heldout = data.heldout_batch(
                 self.corpus, self.tokenizer, config.model.seq_len, config.run.eval_sequences, d.heldout_fraction
             )
         self.totals = Totals()
-        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl")
+        self.sinks = sinks.open_sinks(config, self.run_dir, self.peer_id)
+        self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.sinks)
         self._serve_metrics()
         self.progress = Progress(config.log.progress, self.peer_id[-4:])
         self.sync = StateSync(self)
@@ -227,7 +236,7 @@ class Peer:
             return
         from p2p_diloco.web import serve_peer_metrics
 
-        self._metrics_server = serve_peer_metrics(self.config, self.peer_id, lambda: self.metrics.latest)
+        self._metrics_server = serve_peer_metrics(self.config, self.peer_id, lambda: self.metrics.latest, self.phase)
         self.log.info("Prometheus metrics of this peer: %smetrics", self._metrics_server.url)
 
     def record_start(self) -> None:
@@ -259,12 +268,14 @@ class Peer:
         stop = stop or threading.Event()
         while self.state.round < self.config.run.rounds:
             if stop.is_set() or not self.rounds.run_round(stop):
+                self.phase.set("idle")
                 self.log.info(
                     "stopped: the partial round was discarded; the checkpoint of round %d is on disk, "
                     "continue with --resume",
                     self.state.round,
                 )
                 return
+        self.phase.set("idle")
         self.log.info("run complete: %d rounds, digest %s", self.state.round, self.state.digest())
         self.log.info("export the model: p2p-diloco export %s <folder>", self.run_dir)
         self.swarm.publish_final(self.state.round, self.state.digest())
@@ -310,7 +321,7 @@ class Peer:
         ]
 
     def next_batch(self) -> torch.Tensor:
-        return self.stream.next_batch(self.config.inner.batch_size)
+        return self.stream.next_batch()
 
     def load_theta(self) -> None:
         """Copy θ(r) into the inner model: the start of an inner phase, and what is evaluated."""
@@ -381,9 +392,13 @@ class Peer:
     def close(self) -> None:
         """Leave the swarm and release the run dir; safe to call on a half-built peer."""
         self.progress.close()
+        self.sinks.close()
         if self._metrics_server is not None:
             self._metrics_server.close()
             self._metrics_server = None
+        if self._prefetcher is not None:
+            self._prefetcher.close()
+            self._prefetcher = None
         if self._swarm is not None:
             self._swarm.close()
             self._swarm = None

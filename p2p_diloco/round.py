@@ -17,7 +17,7 @@ from __future__ import annotations
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, SupportsFloat
 
 from p2p_diloco import agreement, averaging, faults, outer
 from p2p_diloco.averaging import Applied, Outcome, Overtaken
@@ -121,6 +121,7 @@ class RoundDriver:
     def start_averaging(self, trained: Trained, in_background: bool) -> InFlight:
         """Step 1: average this round's Δ with the peers at the same round (averaging.py)."""
         peer = self.peer
+        peer.phase.set("averaging")
         round_, expected = peer.state.round, self._expected_group()
 
         def work() -> Outcome:
@@ -133,6 +134,7 @@ class RoundDriver:
         """Step 2: wait for the round's average and commit θ(r+1). Returns False if the swarm
         finished the round without this peer: the next round starts by catching up."""
         pending = in_flight.outcome
+        self.peer.phase.set("averaging")  # overlapped rounds: waiting for the all-reduce that ran meanwhile
         blocked_from = time.perf_counter() if pending.in_background else pending.started
         outcome = pending.join()
         if isinstance(outcome, Overtaken):
@@ -273,10 +275,12 @@ class PhaseRunner:
         faults.reached(faults.FaultPoint.INNER)
         peer = self.peer
         self.view = None
+        peer.phase.set("inner")
         peer.progress.start(round_, self.steps)
         started = time.perf_counter()
 
-        def on_step(step: int, loss: float, tokens: int) -> None:
+        def on_step(step: int, loss: SupportsFloat, tokens: int) -> None:
+            # `loss` is a tensor on the device: the bar reads it twice a second, the debug line when on.
             peer.log.step, peer.log.steps = step, self.steps
             peer.progress.update(loss, tokens / max(time.perf_counter() - started, 1e-9))
             if step % max(self.steps // 4, 1) == 0:

@@ -74,6 +74,7 @@ class StateSync:
         swarm.agreement_timeout_s (I3); a peer that died is simply not counted. Returns whether
         this peer adopted the majority's state."""
         peer = self.peer
+        peer.phase.set("agreement")
         mine = peer.state.digest()
         peer.swarm.publish_round(peer.state.round, mine, phase.tokens, phase.mean_loss, made)
         majority, holders = self.collect(peer.state.round, expected, mine)
@@ -94,6 +95,7 @@ class StateSync:
         peer = self.peer
         if unsettled is None or unsettled.round != peer.state.round:  # the peer caught up meanwhile
             return
+        peer.phase.set("agreement")
         majority, holders = unsettled.collecting.join()
         if agreement.should_adopt(peer.state.digest(), majority) and self._adopt_majority(
             majority, holders, unsettled.phase
@@ -143,6 +145,7 @@ class StateSync:
         they published since, at most CATCH_UP_ATTEMPTS times. `starting`: the peer's first
         catch-up, which follows a state that one peer alone backs only after SETTLE_S."""
         peer = self.peer
+        peer.phase.set("catch-up")
         mine = self._mine()  # the peer's state does not change while it looks: hashed once
         target = self._settled(mine) if starting else self._target(mine)
         for _ in range(CATCH_UP_ATTEMPTS):

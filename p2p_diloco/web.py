@@ -20,7 +20,7 @@ from typing import Any
 
 from p2p_diloco.config import Config
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.metrics import peer_prometheus
+from p2p_diloco.metrics import Phase, peer_prometheus
 from p2p_diloco.observatory import prometheus
 
 logger = logging.getLogger(__name__)
@@ -111,13 +111,15 @@ def route(path: str, view: View, healthy: Health, page: bytes) -> Response:
     return 404, "text/plain", b"not found: try /, /api/v1/run, /metrics or /healthz\n"
 
 
-def serve_peer_metrics(config: Config, peer_id: str, latest: Callable[[], dict[str, Any] | None]) -> MetricsServer:
+def serve_peer_metrics(
+    config: Config, peer_id: str, latest: Callable[[], dict[str, Any] | None], phase: Phase | None = None
+) -> MetricsServer:
     """A peer's /metrics on log.metrics_host:log.metrics_port, from `latest()` (its last round
-    record); ConfigError if the port cannot be served."""
+    record) and its `phase` now; ConfigError if the port cannot be served."""
     log = config.log
 
     def text() -> str:
-        return peer_prometheus(latest(), config.run.run_id, peer_id)
+        return peer_prometheus(latest(), config.run.run_id, peer_id, phase)
 
     try:
         return MetricsServer(text, log.metrics_host, log.metrics_port)
