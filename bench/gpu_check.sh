@@ -81,7 +81,7 @@ run_steps() {
             --out "$OUT/gpu_public_150m.json"
         step swarm 120 "$PY" bench/gpu_swarm.py --device cpu --preset tiny --steps 3 --seq-len 64 \
             --out "$OUT/gpu_swarm.json"
-        inner_speed 60 --device cpu --out "$OUT/inner_speed_smoke.json"
+        inner_speed 60 --device cpu --budget-s 10 --warmup-steps 1 --out "$OUT/inner_speed_smoke.json"
         step diloco 60 "$PY" bench/gpu_diloco.py --device cpu --smoke --out "$OUT/gpu_diloco.json"
         return
     fi

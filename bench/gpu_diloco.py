@@ -28,6 +28,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from gpu_presets import usable  # bench/ is on sys.path: the scripts import each other
 from transformers import LlamaConfig
 
 from p2p_diloco import outer
@@ -170,9 +171,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    device = torch.device(args.device)
-    if device.type == "cuda" and not torch.cuda.is_available():
-        print("no CUDA device: torch.cuda.is_available() is False", file=sys.stderr)
+    device = usable(args.device)
+    if device is None:
         return 2
     bench = Bench(args, device)
     result: dict = {"setting": setting(bench), "runs": []}

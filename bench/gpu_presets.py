@@ -139,11 +139,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device)
+def usable(name: str) -> torch.device | None:
+    """The device named, or None (said on stderr) if it is CUDA and this machine has none."""
+    device = torch.device(name)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("no CUDA device: torch.cuda.is_available() is False", file=sys.stderr)
+        return None
+    return device
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = usable(args.device)
+    if device is None:
         return 2
     peak, name = peak_flops(device, args.peak_tflops)
     cases = []

@@ -60,6 +60,9 @@ DEFAULTS = {"cpu": {"steps": 1, "budget_s": 150.0}, "cuda": {"steps": 10, "budge
 TARGET = 0.98
 MIN_PAIRS = 6  # measured even past the budget: fewer give no interval worth the name
 BOOTSTRAP_SAMPLES = 5000
+# Pairs whose middle half spans more than this factor were measured on a machine too busy to
+# trust: with 2 torch threads on 2 shared cores, two identical arms spread 0.45-4.2.
+WIDE_QUARTILES = 1.25
 
 
 def sync(device: torch.device) -> None:
@@ -175,10 +178,13 @@ def summarise(ratios: list[float]) -> dict[str, Any]:
         verdict = f"below {TARGET}"
     else:
         verdict = f"not resolved: the interval holds {TARGET}; give it a longer --budget-s or a quieter machine"
+    quartiles = statistics.quantiles(ratios, n=4)[::2]
+    if quartiles[1] / quartiles[0] > WIDE_QUARTILES:
+        verdict += "; but the pairs spread widely (a busy machine): on a shared CPU measure with --threads 1"
     return {
         "median": statistics.median(ratios),
         "ci95": [low, high],
-        "quartiles": statistics.quantiles(ratios, n=4)[::2],
+        "quartiles": quartiles,
         "min": min(ratios),
         "max": max(ratios),
         "verdict": verdict,

@@ -209,7 +209,12 @@ class InnerTrainer:
         return {"optimizer": self.optimizer.state_dict(), "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        """Continue from `state_dict()`, with this device's AdamW kernel: a checkpoint records the
+        kernel it was saved with (none before fused and foreach were chosen), and a run dir may move
+        to another device."""
+        saved = state["optimizer"]
+        kernel = {key: self.optimizer.param_groups[0][key] for key in ("fused", "foreach")}
+        self.optimizer.load_state_dict({**saved, "param_groups": [{**g, **kernel} for g in saved["param_groups"]]})
         self.step = int(state["step"])
 
     def _autocast(self) -> contextlib.AbstractContextManager:

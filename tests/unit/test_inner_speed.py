@@ -163,6 +163,19 @@ def test_the_cpu_optimizer_gives_the_bits_of_the_per_parameter_loop():
     assert all(torch.equal(a, b) for a, b in zip(ours, loop))
 
 
+def test_a_checkpoint_of_another_kernel_resumes_with_this_devices_kernel():
+    cfg = inner_cfg(batch_size=8, micro_batch_size=8)
+    before = InnerTrainer(TinyLM(), cfg, 10, torch.device("cpu"))
+    before.optimizer = loop_adamw(before.model, cfg)  # as the trainer built it before it chose kernels
+    before.train_step(batch())
+    resumed = InnerTrainer(TinyLM(), cfg, 10, torch.device("cpu"))
+    resumed.load_state_dict(before.state_dict())
+    assert all(g["foreach"] is True and not g["fused"] for g in resumed.optimizer.param_groups)
+    assert resumed.optimizer.state_dict()["state"][0]["exp_avg"].equal(
+        before.optimizer.state_dict()["state"][0]["exp_avg"]
+    )
+
+
 def loop_adamw(model: torch.nn.Module, cfg) -> torch.optim.AdamW:
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
