@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import difflib
 import errno
+import os
 import signal
 import sys
 import threading
@@ -200,6 +201,9 @@ def _add_peer_command(sub: _Commands) -> None:
     peer = sub.add_parser("peer", help="train: alone, or as one peer of a swarm (--initial-peers)", epilog=EPILOG)
     peer.add_argument("--resume", action="store_true", help="continue from the latest checkpoint in --run.dir")
     peer.add_argument("--initial-peers", nargs="+", metavar="MADDR", help="same as --swarm.initial_peers")
+    peer.add_argument(
+        "--nproc", type=int, metavar="N", help="train on N GPUs, one process each (same as --run.nproc); not torchrun"
+    )
     _add_config_options(peer)
 
 
@@ -326,6 +330,8 @@ def config_from_args(args: argparse.Namespace) -> config_mod.Config:
     overrides = {k: v for k, v in vars(args).items() if "." in k and v is not None}
     if getattr(args, "initial_peers", None):
         overrides["swarm.initial_peers"] = ",".join(args.initial_peers)
+    if getattr(args, "nproc", None) is not None:
+        overrides["run.nproc"] = str(args.nproc)
     return config_mod.load(args.config, overrides)
 
 
@@ -335,6 +341,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
     cfg = config_from_args(args)
     setup_logging(cfg.log.level)
+    if int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        # torchrun would start N peers sharing one run dir; a peer starts its own ranks.
+        raise ConfigError("a peer starts its own processes: run `p2p-diloco peer --nproc N`, not under torchrun")
     if args.config is None:
         print(
             f"no --config given: run {cfg.run.run_id!r} with the built-in defaults (model preset {cfg.model.preset}, "

@@ -66,6 +66,11 @@ class RunSection:
     )
     eval_every_rounds: int = local(1, "evaluate held-out loss of theta every N rounds (0 = never)")
     eval_sequences: int = local(64, "held-out sequences per evaluation")
+    nproc: int = local(
+        1,
+        "processes this peer trains with, one per GPU (rank r on cuda:r; DDP between them); still one member of "
+        "the swarm. Each takes inner.batch_size / nproc sequences of every step",
+    )
 
 
 @dataclass(frozen=True)
@@ -437,6 +442,14 @@ def validate(c: Config) -> None:
     _validate_model(c.model)
     _validate_data(c.data)
     _validate_inner(c.inner)
+    rows = c.inner.batch_size // c.run.nproc
+    _require(
+        c.inner.batch_size % c.run.nproc == 0 and rows % c.inner.micro_batch_size == 0,
+        "inner.micro_batch_size",
+        f"({c.inner.micro_batch_size}) must divide each rank's share of inner.batch_size "
+        f"({c.inner.batch_size} / run.nproc {c.run.nproc})",
+        "run.nproc and micro_batch_size powers of two",
+    )
     _validate_sharding(c.data)
     _validate_outer(c.outer)
     _validate_swarm(c.swarm)
@@ -488,6 +501,13 @@ def _validate_run(r: RunSection) -> None:
         "0 = never",
     )
     _require(r.eval_sequences >= 1, "run.eval_sequences", f"must be >= 1, got {r.eval_sequences}", "e.g. 64")
+    _require(r.nproc >= 1, "run.nproc", f"must be >= 1, got {r.nproc}", "1 per GPU")
+    _require(
+        r.nproc == 1 or r.device in ("auto", "cpu", "cuda"),
+        "run.device",
+        f"= {r.device} names one GPU, but run.nproc = {r.nproc} trains on {r.nproc} (rank r on cuda:r)",
+        "cuda or auto",
+    )
 
 
 def _validate_model(m: ModelSection) -> None:

@@ -169,6 +169,14 @@ def _sha256(text: str) -> int:
     return int.from_bytes(hashlib.sha256(text.encode("utf-8")).digest()[:8], "big")
 
 
+def shard_stream(corpus: Corpus, tokenizer: Any, cfg: DataSection, seq_len: int, seed: int, shard: int) -> TrainStream:
+    """The training tokens of shard `shard`, cut as the run's config says: what a peer (every rank
+    of it) and a data-parallel worker read."""
+    return TrainStream(
+        corpus, tokenizer, seq_len, shard, cfg.num_shards, seed, cfg.heldout_fraction, sharding(corpus, cfg, seed)
+    )
+
+
 class TrainStream:
     """One peer's training tokens: its shard's train documents, each followed by eos, concatenated
     and cut into rows of seq_len tokens; after the last document of an epoch comes the next epoch.

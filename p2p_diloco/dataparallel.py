@@ -22,7 +22,6 @@ import logging
 import math
 import os
 import time
-import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 from pathlib import Path
@@ -39,6 +38,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.metrics import MetricsLog, setup_logging
+from p2p_diloco.ranks import ddp
 
 logger = logging.getLogger(__name__)
 INIT_TIMEOUT_S = 120  # all workers must have started and met within this
@@ -128,24 +128,12 @@ def _train(rank: int, config: Config, workers: int) -> None:
 def _train_stream(config: Config, corpus: data.Corpus, tokenizer: Any, rank: int) -> data.TrainStream:
     """This worker's training batches: shard `rank` of the run's shards, unless data.shard names one."""
     shard = config.data.shard if config.data.shard >= 0 else rank
-    return data.TrainStream(
-        corpus,
-        tokenizer,
-        config.model.seq_len,
-        shard,
-        config.data.num_shards,
-        config.run.seed,
-        config.data.heldout_fraction,
-        data.sharding(corpus, config.data, config.run.seed),
-    )
+    return data.shard_stream(corpus, tokenizer, config.data, config.model.seq_len, config.run.seed, shard)
 
 
 def _distributed(model: torch.nn.Module, comm: Communication) -> torch.nn.Module:
     """`model` wrapped in DDP, its gradient buckets all-reduced (and counted) by `comm`."""
-    # Buffers (rotary frequencies) are the same everywhere: no need to broadcast them every step.
-    with warnings.catch_warnings():  # newer torch renames the option; the old name still works
-        warnings.simplefilter("ignore", FutureWarning)
-        trained = torch.nn.parallel.DistributedDataParallel(model, broadcast_buffers=False)
+    trained = ddp(model, torch.device("cpu"))
     trained.register_comm_hook(comm, Communication.hook)
     return trained
 

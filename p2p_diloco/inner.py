@@ -1,8 +1,10 @@
 """The inner loop: H steps of AdamW on one peer's own data, with warm-up + cosine schedule,
 gradient accumulation, clipping and mixed precision. Knows nothing of the network.
 
-The trainer takes a model that is already on its device and never moves it, so a later
-multi-GPU peer can hand it a DDP- or FSDP-wrapped model.
+The trainer takes a model that is already on its device and never moves it. On a peer of several
+processes (`run.nproc`, ranks.py) every rank runs the same trainer: `RankGroup` wraps the model in
+DDP, cuts each rank's rows out of the peer's batch, and has rank 0 decide, before each step, whether
+the phase goes on; alone (`ONE`) all three do nothing.
 
 Speed (bench/inner_speed.py measures it against a bare PyTorch loop): fused AdamW on CUDA,
 `inner.compile` (torch.compile of the training forward), and no CPU-GPU sync in the step loop:
@@ -16,12 +18,51 @@ import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from p2p_diloco.config import InnerSection
 from p2p_diloco.errors import ConfigError
+
+GO, END, STOP = 0, 1, 2  # before each inner step: train it, end the phase complete, or abandon the phase
+
+
+class RankGroup(Protocol):
+    """The processes of one peer, as one of them sees them (ranks.py; `ONE` for a single process)."""
+
+    rank: int
+    world: int
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        """`model` as the inner steps call it: DDP across the ranks."""
+        ...
+
+    def agree(self, code: int) -> int:
+        """Rank 0's GO, END or STOP for the next step, on every rank."""
+        ...
+
+    def finish(self, loss: float, model: torch.nn.Module) -> float:
+        """After a phase: the ranks' mean loss; raises if their parameters differ."""
+        ...
+
+
+class OneRank:
+    """A peer of one process."""
+
+    rank, world = 0, 1
+
+    def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
+        return model
+
+    def agree(self, code: int) -> int:
+        return code
+
+    def finish(self, loss: float, model: torch.nn.Module) -> float:
+        return loss
+
+
+ONE = OneRank()
 
 
 def lr_at(step: int, cfg: InnerSection, total_steps: int) -> float:
@@ -111,34 +152,48 @@ class PhaseResult:
 class InnerTrainer:
     """AdamW on the inner model; its state (moments, step) stays on this peer across rounds."""
 
-    def __init__(self, model: torch.nn.Module, cfg: InnerSection, total_steps: int, device: torch.device):
+    def __init__(
+        self,
+        model: torch.nn.Module,
+        cfg: InnerSection,
+        total_steps: int,
+        device: torch.device,
+        ranks: RankGroup = ONE,
+    ):
         self.model, self.cfg, self.total_steps, self.device = model, cfg, total_steps, device
+        self.ranks = ranks
         self.amp_dtype = autocast_dtype(cfg.precision, device)
         self.optimizer = adamw(model, cfg, device)
-        # What the inner steps call; evaluation calls the eager model, so its losses are the same
-        # bits with or without inner.compile (an observer evaluates the run's states eagerly).
-        self.train_model: Callable[..., Any] = model
+        # What the inner steps call: the model, in DDP across the peer's ranks, maybe compiled.
+        # Evaluation calls the eager model alone, so its losses are the same bits with or without
+        # inner.compile (an observer evaluates the run's states eagerly) and need no other rank.
+        self.parallel = ranks.wrap(model)
+        self.train_model: Callable[..., Any] = self.parallel
         self.compile_errors: tuple[type[Exception], ...] = ()
         if cfg.compile:
-            self.train_model, self.compile_errors = compiled(model)
+            self.train_model, self.compile_errors = compiled(self.parallel)
         self.step = 0
 
     def train_step(self, batch: torch.Tensor) -> torch.Tensor:
-        """One optimizer step on `batch` [batch_size, seq_len], accumulated over micro-batches.
+        """One optimizer step on `batch` [batch_size, seq_len], accumulated over micro-batches. On a
+        peer of several ranks `batch` is the peer's whole batch and this rank trains its share of it.
 
-        Returns the mean loss as a 0-d tensor on the device (no CPU sync here).
+        Returns this rank's mean loss as a 0-d tensor on the device (no CPU sync here).
         """
         lr = lr_at(self.step, self.cfg, self.total_steps)
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.model.train()
+        if self.ranks.world > 1:
+            batch = batch.tensor_split(self.ranks.world)[self.ranks.rank]
         micro_batches = batch.split(self.cfg.micro_batch_size)
         total = torch.zeros((), device=self.device)
+        parallel = self.parallel
         for i, mb in enumerate(micro_batches):
             mb = mb.to(self.device, non_blocking=True)
             # A data-parallel model (DDP) syncs gradients on the last micro-batch only.
             last = i == len(micro_batches) - 1
-            sync = contextlib.nullcontext() if last or not hasattr(self.model, "no_sync") else self.model.no_sync()
+            sync = contextlib.nullcontext() if last or not hasattr(parallel, "no_sync") else parallel.no_sync()
             with sync:
                 total += self._forward_backward(mb, len(micro_batches))
         if self.cfg.grad_clip > 0:
@@ -174,15 +229,19 @@ class InnerTrainer:
         on_step(step_in_phase, loss, tokens_so_far) is called after every step with the loss as a 0-d
         tensor on the device. Reading it (float(loss)) is a CPU-GPU sync point: the CPU waits for the
         step to finish instead of queueing the next, so read it only to show it, not every step.
+        On a peer of several ranks, rank 0's should_stop and should_end decide for all of them, and
+        tokens and the mean loss are the peer's.
         """
         start = time.perf_counter()
         losses: list[torch.Tensor] = []  # on the device until the phase ends: no sync per step
         tokens, lr_sum, stopped = 0, 0.0, False
         for i in range(steps):
-            if should_stop():
+            code = STOP if should_stop() else END if i > 0 and should_end(i, tokens) else GO
+            code = self.ranks.agree(code)
+            if code == STOP:
                 stopped = True
                 break
-            if i > 0 and should_end(i, tokens):
+            if code == END:
                 break
             batch = next_batch()
             lr_sum += lr_at(self.step, self.cfg, self.total_steps)
@@ -191,7 +250,7 @@ class InnerTrainer:
             on_step(i + 1, losses[-1], tokens)
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        mean = mean_loss(losses)
+        mean = self.ranks.finish(mean_loss(losses), self.model)
         return PhaseResult(len(losses), tokens, mean, time.perf_counter() - start, lr_sum, stopped)
 
     @torch.no_grad()

@@ -20,7 +20,7 @@ from typing import IO, Any
 import torch
 from transformers import PretrainedConfig
 
-from p2p_diloco import checkpoint, data, faults, joining, outer, sinks
+from p2p_diloco import checkpoint, data, faults, joining, outer, ranks, sinks
 from p2p_diloco import config as config_mod
 from p2p_diloco import model as model_mod
 from p2p_diloco.agreement import still_finishing
@@ -131,7 +131,10 @@ class Peer:
         self.tokenizer = model_mod.load_tokenizer(config.model.tokenizer)
         self.model_config = model_mod.model_config(config.model, self.tokenizer.vocab_size)
         self.corpus = data.open_corpus(config.data)
-        self.device = resolve_device(config.run.device, self.model_config)
+        device = resolve_device(config.run.device, self.model_config)
+        count = torch.cuda.device_count() if device.type == "cuda" else 0
+        self.devices = ranks.rank_devices(device, config.run.nproc, count)  # run.nproc: one per rank
+        self.device = self.devices[0]
         if config.swarm.initial_peers:
             from p2p_diloco.swarm.node import parse_initial_peers  # imports hivemind: swarm peers only
 
@@ -141,6 +144,7 @@ class Peer:
         self.progress = Progress(False, "")
         self.phase = Phase()  # what it does now (its /metrics): set by round.py and sync.py
         self.sinks = sinks.Sinks([])
+        self.ranks: ranks.Alone | ranks.Leader = ranks.Alone()
         self._swarm: Swarm | None = None
         self._prefetcher: Prefetcher | None = None
         self._metrics_server: Any = None
@@ -152,6 +156,7 @@ class Peer:
 
     def _build(self, resume: bool) -> None:
         config = self.config
+        self.ranks = ranks.start(config, self.devices)  # the other ranks build while this one joins
         self.model = model_mod.init_model(self.model_config, config.run.seed).to(self.device)
         self.state = outer.initial_state(dict(self.model.named_parameters()))
         self.theta0 = self.state.digest()  # the run's genesis names it (genesis.py)
@@ -159,19 +164,10 @@ class Peer:
         self.peer_id = self.swarm.peer_id
         self.log = PeerLogger(logger, self.peer_id[-4:])
         self.total_steps = config.run.rounds * config.inner.steps
-        self.trainer = InnerTrainer(self.model, config.inner, self.total_steps, self.device)
+        self.trainer = InnerTrainer(self.model, config.inner, self.total_steps, self.device, self.ranks.meet())
         d = config.data
         shard = d.shard if d.shard >= 0 else data.pick_shard(self.peer_id, config.run.seed, d.num_shards)
-        stream = data.TrainStream(
-            self.corpus,
-            self.tokenizer,
-            config.model.seq_len,
-            shard,
-            d.num_shards,
-            config.run.seed,
-            d.heldout_fraction,
-            data.sharding(self.corpus, d, config.run.seed),
-        )
+        stream = data.shard_stream(self.corpus, self.tokenizer, d, config.model.seq_len, config.run.seed, shard)
         # Batches made ahead by a thread; its state (what a checkpoint saves) is the last batch trained on.
         pin = self.device.type == "cuda"
         self.stream = self._prefetcher = Prefetcher(stream, config.inner.batch_size, pin_memory=pin)
@@ -210,6 +206,7 @@ class Peer:
             self.log.info("resumed from %s (digest %s)", path, self.state.digest())
         elif resume:
             self.log.info("no checkpoint in %s: starting at round 0", checkpoint.checkpoint_dir(self.run_dir))
+        self.ranks.set_up(shard, path)
         faults.reached(faults.FaultPoint.START)
         self.verdict = self.swarm.check_config(self.theta0)
         if self.verdict.kind != "join":
@@ -396,6 +393,7 @@ class Peer:
         if self._metrics_server is not None:
             self._metrics_server.close()
             self._metrics_server = None
+        self.ranks.close()
         if self._prefetcher is not None:
             self._prefetcher.close()
             self._prefetcher = None

@@ -276,6 +276,8 @@ class PhaseRunner:
         peer = self.peer
         self.view = None
         peer.phase.set("inner")
+        steps = self.steps * MAX_ROUND_SHARE if self.speed_aware else self.steps
+        peer.ranks.phase(peer.model, steps, peer.trainer.step)  # the peer's other ranks train it too
         peer.progress.start(round_, self.steps)
         started = time.perf_counter()
 

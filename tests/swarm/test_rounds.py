@@ -8,6 +8,7 @@ import time
 import pytest
 
 from tests.swarm.conftest import SWARM, wait_until
+from tests.swarm.procs import alive
 
 ROUNDS = int(SWARM["run.rounds"])
 
@@ -45,7 +46,8 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
     # given both. The first goes down mid-run (its whole process group, p2pd included): d joins
     # through the second alone. The first comes back (same key, same port) with an empty DHT: the
     # running peers ping their entry nodes every 10 s, so it knows the swarm again and c, given
-    # only the first, joins the running swarm. Every round a joiner holds is the swarm's.
+    # only the first, joins the running swarm. Every round a joiner holds is the swarm's. d trains
+    # with two processes (gloo on the CPU): one member all the same.
     first_node = swarm.maddr
     port = int(first_node.split("/tcp/")[1].split("/")[0])
     last = 36  # rounds take about 1.5-2 s here: the last joiner comes at about round 25 and trains the rest
@@ -55,7 +57,7 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
     wait_until(lambda: 2 in swarm.records("a") and 2 in swarm.records("b"), running, 120, "2 rounds done")
     os.killpg(swarm.nodes["bootstrap"].pid, signal.SIGKILL)
     swarm.nodes["bootstrap"].wait(timeout=30)
-    d = swarm.peer("d", extra, entries=(second,))  # the second alone lets it in (checked at the end)
+    d = swarm.peer("d", {**extra, "run.nproc": "2"}, entries=(second,))  # the second alone lets it in
     log = swarm.folder / "bootstrap.log"
     before = len(log.read_text())
     assert swarm.bootstrap("bootstrap", port=port, run=extra) == first_node
@@ -73,7 +75,9 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
         assert min(joined) >= 2 and max(joined) == last, joined.keys()
         for r in joined:  # it may catch up again past the round it was training
             assert joined[r]["digest"] == records["a"][r]["digest"] == records["b"][r]["digest"], (joiner, r)
-    assert records["c"][last]["group_size"] == 4
+    assert records["c"][last]["group_size"] == 4  # d's two processes are one member
+    follower = int(re.search(r"rank 1 of 2 started on cpu \(pid (\d+)\)", swarm.log("d")).group(1))
+    assert "rank 1 ready on cpu" in swarm.log("d") and not alive(follower)
     print(f"the restarted entry node knew the swarm again {knew_again_s:.1f} s after it came up")
 
 

@@ -1,0 +1,72 @@
+"""A follower: rank r > 0 of a peer of several processes (ranks.py). It holds the peer's model, its
+inner trainer and its own copy of the peer's data stream, and trains the inner phases rank 0 starts.
+It knows nothing of the swarm, writes nothing, and exits when rank 0 says so."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from p2p_diloco import checkpoint, data
+from p2p_diloco import model as model_mod
+from p2p_diloco.config import Config
+from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.prefetch import Prefetcher
+from p2p_diloco.ranks import Ranks
+
+logger = logging.getLogger(__name__)
+
+
+class Follower:
+    """Built before the ranks meet (an error here is reported to rank 0, which refuses to start)."""
+
+    def __init__(self, config: Config, device: torch.device, rank: int):
+        self.config, self.device, self.rank = config, device, rank
+        self.tokenizer = model_mod.load_tokenizer(config.model.tokenizer)
+        model_config = model_mod.model_config(config.model, self.tokenizer.vocab_size)
+        self.corpus = data.open_corpus(config.data)
+        self.model = model_mod.init_model(model_config, config.run.seed).to(device)
+        self.stream: Prefetcher | None = None
+
+    def run(self, ranks: Ranks) -> None:
+        """Set up as rank 0 says, then one inner phase per word until it says exit."""
+        cfg = self.config
+        trainer = InnerTrainer(self.model, cfg.inner, cfg.run.rounds * cfg.inner.steps, self.device, ranks)
+        word = ranks.receive()
+        if "exit" in word:
+            return
+        stream = self._open(word, trainer)
+        while "exit" not in (word := ranks.receive()):
+            ranks.share(self.model)
+            trainer.step = word["step"]
+            phase = trainer.run_phase(stream.next_batch, word["steps"])
+            logger.debug(
+                "rank %d: %d steps from step %d, mean loss %.4f", self.rank, phase.steps, word["step"], phase.mean_loss
+            )
+
+    def _open(self, word: dict[str, Any], trainer: InnerTrainer) -> Prefetcher:
+        """The peer's data stream (its shard) and, on a resumed peer, the state of its checkpoint."""
+        cfg = self.config
+        shard = int(word["shard"])
+        stream = data.shard_stream(self.corpus, self.tokenizer, cfg.data, cfg.model.seq_len, cfg.run.seed, shard)
+        self.stream = Prefetcher(stream, cfg.inner.batch_size, pin_memory=self.device.type == "cuda")
+        if word["restore"] is not None:
+            payload = checkpoint.load(Path(word["restore"]), cfg.shared_dict())
+            trainer.load_state_dict(payload["trainer"])
+            self.stream.load_state_dict(payload["data"])
+            torch.set_rng_state(payload["rng"]["torch"])
+        logger.info(
+            "rank %d ready on %s: shard %d%s",
+            self.rank,
+            self.device,
+            shard,
+            f", resumed from {word['restore']}" if word["restore"] else "",
+        )
+        return self.stream
+
+    def close(self) -> None:
+        if self.stream is not None:
+            self.stream.close()
