@@ -11,31 +11,16 @@ from tests.swarm.conftest import CLI, ENV
 from tests.swarm.procs import alive, descendants, signal_tree
 
 
-@pytest.mark.timeout(240)
-def test_demo_runs_two_peers_that_agree_and_stops_them(tmp_path):
-    result = subprocess.run(
-        [*CLI, "demo", "--peers", "2", "--rounds", "2", "--dir", str(tmp_path / "demo")],
-        capture_output=True,
-        text=True,
-        timeout=220,
-        env=ENV,
-    )
-    assert result.returncode == 0, result.stdout + result.stderr[-2000:]
-    lines = result.stdout.splitlines()
-    rounds = [line for line in lines if line.startswith("round ")]
-    assert [line.split()[1] for line in rounds] == ["0", "1", "2"]
-    assert all("digests equal" in line for line in rounds)
+def _assert_rounds_agree(rounds: list[str], folder: Path) -> None:
+    assert [line.split()[1] for line in rounds] == ["0", "1", "2"], rounds
+    assert all("digests equal" in line for line in rounds), rounds
     # The peers average together. A round they miss (one averages alone, the other catches up or
     # defers; seen once in CI under load) is the designed fallback, so it warns with the peers'
     # own account instead of failing, as long as the digests stay equal.
-    assert any("group 2" in line for line in rounds[1:]), result.stdout
+    assert any("group 2" in line for line in rounds[1:]), rounds
     missed = [line for line in rounds[1:] if "group 2" not in line or "caught up" in line]
     if missed:
-        warnings.warn(
-            f"the demo's peers missed each other: {missed}\n{_peer_accounts(tmp_path / 'demo')}", stacklevel=1
-        )
-    assert "peers exited with [0, 0]" in lines
-    assert "digests equal on every peer in every round" in result.stdout
+        warnings.warn(f"the demo's peers missed each other: {missed}\n{_peer_accounts(folder)}", stacklevel=2)
 
 
 def _peer_accounts(folder: Path) -> str:
@@ -48,9 +33,10 @@ def _peer_accounts(folder: Path) -> str:
 
 
 @pytest.mark.timeout(240)
-def test_sigterm_to_its_group_stops_the_demo_and_every_peer_cleanly(tmp_path):
-    """What `timeout` or a supervisor does (Ctrl+C in a terminal is the same with SIGINT): every
-    process the demo started ends, its peers with exit 0, and nobody prints a traceback."""
+def test_demo_runs_two_peers_that_agree_and_sigterm_to_its_group_stops_every_one_cleanly(tmp_path):
+    """Its peers agree round after round and its dashboard sees them. Then what `timeout` or a
+    supervisor does (Ctrl+C in a terminal is the same with SIGINT): every process the demo started
+    ends, its peers with exit 0, and nobody prints a traceback."""
     import selectors
     import signal
     import time
@@ -68,11 +54,12 @@ def test_sigterm_to_its_group_stops_the_demo_and_every_peer_cleanly(tmp_path):
         sel = selectors.DefaultSelector()
         sel.register(proc.stdout, selectors.EVENT_READ)
         deadline, seen = time.monotonic() + 150, []
-        while not any(line.startswith("round   1") for line in seen):
+        while not any(line.startswith("round   2") for line in seen):
             assert sel.select(max(deadline - time.monotonic(), 0)), f"no round 1 within the deadline: {seen}"
             line = proc.stdout.readline()
             assert line, f"demo exited early: {seen}"
             seen.append(line)
+        _assert_rounds_agree([line for line in seen if line.startswith("round ")], tmp_path / "demo")
         url = next(line.split()[1] for line in seen if line.startswith("dashboard: "))
         assert _dashboard_sees(url, peers=2, deadline_s=30)  # the demo prints its observer's dashboard
         tree = set(descendants(proc.pid))  # the demo, its bootstrap node's DHT, the peers, their children, p2pds
