@@ -71,6 +71,11 @@ class RunSection:
         "processes this peer trains with, one per GPU (rank r on cuda:r; DDP between them); still one member of "
         "the swarm. Each takes inner.batch_size / nproc sequences of every step",
     )
+    fsdp: bool = local(
+        False,
+        "with run.nproc > 1: shard theta, gradients and AdamW's state across the ranks (FSDP) instead of "
+        "copying them to each (DDP): for a model whose training state does not fit one GPU",
+    )
 
 
 @dataclass(frozen=True)
@@ -502,6 +507,7 @@ def _validate_run(r: RunSection) -> None:
     )
     _require(r.eval_sequences >= 1, "run.eval_sequences", f"must be >= 1, got {r.eval_sequences}", "e.g. 64")
     _require(r.nproc >= 1, "run.nproc", f"must be >= 1, got {r.nproc}", "1 per GPU")
+    _require(not r.fsdp or r.nproc > 1, "run.fsdp", "shards across ranks, but run.nproc = 1", "--nproc 2 or more")
     _require(
         r.nproc == 1 or r.device in ("auto", "cpu", "cuda"),
         "run.device",

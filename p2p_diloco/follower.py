@@ -30,9 +30,10 @@ class Follower:
         self.corpus = data.open_corpus(config.data)
         self.model = model_mod.init_model(model_config, config.run.seed).to(device)
         self.stream: Prefetcher | None = None
+        self.heldout: torch.Tensor | None = None  # rank 0's held-out batch, made the same way when first needed
 
     def run(self, ranks: Ranks) -> None:
-        """Set up as rank 0 says, then one inner phase per word until it says exit."""
+        """Set up as rank 0 says, then do what each word says until it says exit."""
         cfg = self.config
         trainer = InnerTrainer(self.model, cfg.inner, cfg.run.rounds * cfg.inner.steps, self.device, ranks)
         word = ranks.receive()
@@ -40,12 +41,31 @@ class Follower:
             return
         stream = self._open(word, trainer)
         while "exit" not in (word := ranks.receive()):
-            ranks.share(self.model)
-            trainer.step = word["step"]
-            phase = trainer.run_phase(stream.next_batch, word["steps"])
-            logger.debug(
-                "rank %d: %d steps from step %d, mean loss %.4f", self.rank, phase.steps, word["step"], phase.mean_loss
+            if "phase" in word:
+                self._phase(ranks, trainer, stream, word)
+            elif "evaluate" in word:  # sharded: rank 0's held-out loss needs every rank's forward
+                ranks.share(self.model)
+                trainer.evaluate(self._heldout())
+            elif "save" in word:  # sharded: AdamW's state gathered to rank 0
+                trainer.state_dict()
+
+    def _phase(self, ranks: Ranks, trainer: InnerTrainer, stream: Prefetcher, word: dict[str, Any]) -> None:
+        ranks.share(self.model)
+        trainer.step = word["step"]
+        phase = trainer.run_phase(stream.next_batch, word["steps"])
+        if not phase.stopped:
+            ranks.gather(self.model)  # sharded: rank 0's pseudo-gradient needs the rows of every rank
+        logger.debug(
+            "rank %d: %d steps from step %d, mean loss %.4f", self.rank, phase.steps, word["step"], phase.mean_loss
+        )
+
+    def _heldout(self) -> torch.Tensor:
+        if self.heldout is None:
+            cfg = self.config
+            self.heldout = data.heldout_batch(
+                self.corpus, self.tokenizer, cfg.model.seq_len, cfg.run.eval_sequences, cfg.data.heldout_fraction
             )
+        return self.heldout
 
     def _open(self, word: dict[str, Any], trainer: InnerTrainer) -> Prefetcher:
         """The peer's data stream (its shard) and, on a resumed peer, the state of its checkpoint."""

@@ -16,7 +16,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -46,6 +46,22 @@ class RankGroup(Protocol):
         """After a phase: the ranks' mean loss; raises if their parameters differ."""
         ...
 
+    def load(self, model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+        """θ (whole tensors) into the model: this rank's rows of a sharded parameter."""
+        ...
+
+    def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        """The trained parameters whole (sharded ones gathered, by every rank at once)."""
+        ...
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        """AdamW's whole state, on rank 0 (every rank calls this)."""
+        ...
+
+    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        """Load AdamW's whole state (every rank, the same state)."""
+        ...
+
 
 class OneRank:
     """A peer of one process."""
@@ -61,8 +77,27 @@ class OneRank:
     def finish(self, loss: float, model: torch.nn.Module) -> float:
         return loss
 
+    def load(self, model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+        copy_params(model, params)
+
+    def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        return dict(model.named_parameters())
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        return optimizer.state_dict()
+
+    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        optimizer.load_state_dict(state)
+
 
 ONE = OneRank()
+
+
+def copy_params(model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+    """Copy `params` into the model's parameters of the same names, in place."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(params[name])
 
 
 def lr_at(step: int, cfg: InnerSection, total_steps: int) -> float:
@@ -163,11 +198,12 @@ class InnerTrainer:
         self.model, self.cfg, self.total_steps, self.device = model, cfg, total_steps, device
         self.ranks = ranks
         self.amp_dtype = autocast_dtype(cfg.precision, device)
-        self.optimizer = adamw(model, cfg, device)
-        # What the inner steps call: the model, in DDP across the peer's ranks, maybe compiled.
-        # Evaluation calls the eager model alone, so its losses are the same bits with or without
-        # inner.compile (an observer evaluates the run's states eagerly) and need no other rank.
+        # What the inner steps call: the model, in DDP across the peer's ranks or sharded (FSDP, in
+        # place: before the optimizer takes its parameters), maybe compiled. Evaluation calls the
+        # eager model, so its losses are the same bits with or without inner.compile (an observer
+        # evaluates the run's states eagerly); under DDP rank 0 evaluates alone.
         self.parallel = ranks.wrap(model)
+        self.optimizer = adamw(model, cfg, device)
         self.train_model: Callable[..., Any] = self.parallel
         self.compile_errors: tuple[type[Exception], ...] = ()
         if cfg.compile:
@@ -194,6 +230,8 @@ class InnerTrainer:
             # A data-parallel model (DDP) syncs gradients on the last micro-batch only.
             last = i == len(micro_batches) - 1
             sync = contextlib.nullcontext() if last or not hasattr(parallel, "no_sync") else parallel.no_sync()
+            if hasattr(parallel, "set_requires_gradient_sync"):  # FSDP: reduce-scatter after the last only
+                parallel.set_requires_gradient_sync(last)
             with sync:
                 total += self._forward_backward(mb, len(micro_batches))
         if self.cfg.grad_clip > 0:
@@ -265,7 +303,8 @@ class InnerTrainer:
         return total / len(batch)
 
     def state_dict(self) -> dict:
-        return {"optimizer": self.optimizer.state_dict(), "step": self.step}
+        """AdamW's whole state and the step (sharded: gathered to rank 0, by every rank at once)."""
+        return {"optimizer": self.ranks.optimizer_state(self.model, self.optimizer), "step": self.step}
 
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state_dict()`, with this device's AdamW kernel: a checkpoint records the
@@ -273,7 +312,8 @@ class InnerTrainer:
         to another device."""
         saved = state["optimizer"]
         kernel = {key: self.optimizer.param_groups[0][key] for key in ("fused", "foreach")}
-        self.optimizer.load_state_dict({**saved, "param_groups": [{**g, **kernel} for g in saved["param_groups"]]})
+        saved = {**saved, "param_groups": [{**g, **kernel} for g in saved["param_groups"]]}
+        self.ranks.load_optimizer_state(self.model, self.optimizer, saved)
         self.step = int(state["step"])
 
     def _autocast(self) -> contextlib.AbstractContextManager:

@@ -201,12 +201,13 @@ class Peer:
             self.config.fingerprint(),
         )
         path = checkpoint.latest(self.run_dir) if resume else None
-        if path is not None:
-            self._restore(checkpoint.load(path, self.config.shared_dict()))
+        payload = checkpoint.load(path, self.config.shared_dict()) if path is not None else None
+        self.ranks.set_up(shard, path)  # a checkpoint is checked before the other ranks load it too
+        if payload is not None:
+            self._restore(payload)
             self.log.info("resumed from %s (digest %s)", path, self.state.digest())
         elif resume:
             self.log.info("no checkpoint in %s: starting at round 0", checkpoint.checkpoint_dir(self.run_dir))
-        self.ranks.set_up(shard, path)
         faults.reached(faults.FaultPoint.START)
         self.verdict = self.swarm.check_config(self.theta0)
         if self.verdict.kind != "join":
@@ -325,9 +326,7 @@ class Peer:
         self.load(self.state.params)
 
     def load(self, params: outer.Tensors) -> None:
-        with torch.no_grad():
-            for name, p in self.model.named_parameters():
-                p.copy_(params[name])
+        self.trainer.ranks.load(self.model, params)  # sharded (run.fsdp): this rank's rows
 
     # --- records and checkpoints --------------------------------------------------------------
 
@@ -351,6 +350,7 @@ class Peer:
 
     def _eval_record(self) -> dict[str, float]:
         assert self.heldout is not None
+        self.ranks.evaluating(self.model, self.state.params)  # sharded (run.fsdp): every rank evaluates
         loss = self.trainer.evaluate(self.heldout)
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
 
@@ -370,6 +370,7 @@ class Peer:
         )
 
     def save(self) -> None:
+        self.ranks.saving()  # sharded (run.fsdp): every rank gathers AdamW's state
         payload = {
             "round": self.state.round,
             "params": self.state.params,

@@ -37,6 +37,7 @@ import tempfile
 import threading
 import time
 import warnings
+from collections.abc import Mapping
 from datetime import timedelta
 from multiprocessing.connection import Connection, wait
 from pathlib import Path
@@ -47,7 +48,7 @@ import torch.distributed as dist
 
 from p2p_diloco.config import Config
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.inner import ONE, RankGroup
+from p2p_diloco.inner import ONE, RankGroup, copy_params
 
 logger = logging.getLogger(__name__)
 
@@ -100,18 +101,22 @@ class Ranks:
     rank 0 sends the followers. Collectives of training go over the default group (NCCL on CUDA,
     gloo on the CPU), words over a gloo group."""
 
-    def __init__(self, rank: int, world: int, device: torch.device, rendezvous: Path):
+    def __init__(self, rank: int, world: int, device: torch.device, rendezvous: Path, sharded: bool = False):
         backend = "nccl" if device.type == "cuda" else "gloo"
         if device.type == "cuda":
             torch.cuda.set_device(device)
         init = f"file://{rendezvous}"
         dist.init_process_group(backend, init_method=init, rank=rank, world_size=world, timeout=STEP_TIMEOUT)
         self.words = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-        self.rank, self.world, self.device = rank, world, device
+        self.rank, self.world, self.device, self.sharded = rank, world, device, sharded
         self.idle = False  # rank 0: the followers wait for its next word (set up, and between phases)
 
     def wrap(self, model: torch.nn.Module) -> torch.nn.Module:
-        return ddp(model, self.device)
+        if not self.sharded:
+            return ddp(model, self.device)
+        from p2p_diloco import fsdp  # 2 s to import: only a sharded peer pays for it
+
+        return fsdp.shard(model)
 
     def agree(self, code: int) -> int:
         word = torch.tensor([code], dtype=torch.int64)
@@ -119,7 +124,8 @@ class Ranks:
         return int(word)
 
     def finish(self, loss: float, model: torch.nn.Module) -> float:
-        mine = torch.tensor([loss, *checksum(model)], dtype=torch.float64)
+        # Replicated ranks must hold the same bits; sharded ones hold different rows.
+        mine = torch.tensor([loss, *([0.0, 0.0] if self.sharded else checksum(model))], dtype=torch.float64)
         every = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.words)
         sums = [tuple(t[1:].tolist()) for t in every]
@@ -136,11 +142,46 @@ class Ranks:
         dist.broadcast_object_list(box, 0, group=self.words)
         return box[0]
 
-    def share(self, model: torch.nn.Module) -> None:
-        """Rank 0's parameters into every rank's model."""
+    def load(self, model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+        if not self.sharded:
+            return copy_params(model, params)
+        from p2p_diloco import fsdp
+
+        fsdp.load_params(model, params)
+
+    def gather(self, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+        if not self.sharded:
+            return dict(model.named_parameters())
+        from p2p_diloco import fsdp
+
+        return fsdp.gather(model)
+
+    def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+        if not self.sharded:
+            return optimizer.state_dict()
+        from p2p_diloco import fsdp
+
+        return fsdp.optimizer_state(model, optimizer)
+
+    def load_optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer, state: dict) -> None:
+        if not self.sharded:
+            return optimizer.load_state_dict(state)
+        from p2p_diloco import fsdp
+
+        fsdp.load_optimizer_state(model, optimizer, state)
+
+    def share(self, model: torch.nn.Module, params: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Rank 0's `params` (θ, whole, on the CPU) into every rank's model; others pass None."""
         with torch.no_grad():
-            for p in model.parameters():
-                dist.broadcast(p.data, 0)
+            whole = {}
+            for name, p in model.named_parameters():
+                if params is None:
+                    t = torch.empty(p.shape, dtype=p.dtype, device=self.device)
+                else:
+                    t = params[name].to(self.device, p.dtype)
+                dist.broadcast(t, 0)
+                whole[name] = t
+        self.load(model, whole)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -158,7 +199,13 @@ class Alone:
     def set_up(self, shard: int, restored: Path | None) -> None:
         pass
 
-    def phase(self, model: torch.nn.Module, steps: int, step: int) -> None:
+    def phase(self, model: torch.nn.Module, start: Mapping[str, torch.Tensor], steps: int, step: int) -> None:
+        pass
+
+    def evaluating(self, model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+        pass
+
+    def saving(self) -> None:
         pass
 
     def close(self) -> None:
@@ -172,7 +219,7 @@ class Leader:
     models meanwhile; `meet` (before the trainer is made) waits for them."""
 
     def __init__(self, config: Config, devices: list[torch.device]):
-        self.nproc, self._device = len(devices), devices[0]
+        self.nproc, self._device, self._sharded = len(devices), devices[0], config.run.fsdp
         self._folder = Path(tempfile.mkdtemp(prefix="p2p-diloco-ranks-"))
         self._rendezvous = self._folder / "rendezvous"
         self._followers: list[Any] = []
@@ -203,7 +250,7 @@ class Leader:
         """Wait until every follower has built its model, then form the process group."""
         for r, (process, pipe) in enumerate(zip(self._followers, self._pipes), start=1):
             _await_ready(r, process, pipe)
-        self._ranks = Ranks(0, self.nproc, self._device, self._rendezvous)
+        self._ranks = Ranks(0, self.nproc, self._device, self._rendezvous, self._sharded)
         threading.Thread(target=self._watch, name="ranks-watch", daemon=True).start()
         return self._ranks
 
@@ -216,12 +263,24 @@ class Leader:
         self.ranks.send({"shard": shard, "restore": str(restored) if restored else None})
         self.ranks.idle = True
 
-    def phase(self, model: torch.nn.Module, steps: int, step: int) -> None:
-        """Start the followers on an inner phase of at most `steps` from rank 0's θ; the phase's
-        last collective (`Ranks.finish`) leaves them waiting for the next word."""
+    def phase(self, model: torch.nn.Module, start: Mapping[str, torch.Tensor], steps: int, step: int) -> None:
+        """Start the followers on an inner phase of at most `steps` from θ = `start`; the phase's
+        last collective (`Ranks.finish`, or the gather of a sharded model) leaves them waiting for
+        the next word."""
         self.ranks.idle = False
-        self.ranks.send({"steps": steps, "step": step})
-        self.ranks.share(model)
+        self.ranks.send({"phase": True, "steps": steps, "step": step})
+        self.ranks.share(model, start)
+
+    def evaluating(self, model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> None:
+        """Before rank 0 evaluates θ = `params`: a sharded model's forward needs every rank."""
+        if self.ranks.sharded:
+            self.ranks.send({"evaluate": True})
+            self.ranks.share(model, params)
+
+    def saving(self) -> None:
+        """Before rank 0 takes AdamW's state for a checkpoint: sharded, every rank gathers it."""
+        if self.ranks.sharded:
+            self.ranks.send({"save": True})
 
     def close(self) -> None:
         """Tell the followers to exit, or terminate them if they are in the middle of something
@@ -230,15 +289,20 @@ class Leader:
             return
         self._closing.set()
         idle = self._ranks is not None and self._ranks.idle
-        if self._ranks is not None and idle:
-            try:
-                self._ranks.send({"exit": True})
-            except Exception as e:  # a follower died: the others are terminated below
-                logger.debug("could not tell the ranks to exit: %s", e)
+        if idle:
+            # From a thread: a follower that is not listening (rank 0 failed within a collective)
+            # is terminated after the grace period instead of holding rank 0 here.
+            threading.Thread(target=self._say_exit, name="ranks-exit", daemon=True).start()
         _end(self._followers, EXIT_TIMEOUT_S if idle else 0.0)
         if self._ranks is not None:
             self._ranks.close()
         shutil.rmtree(self._folder, ignore_errors=True)
+
+    def _say_exit(self) -> None:
+        try:
+            self.ranks.send({"exit": True})
+        except Exception as e:  # a follower died: the others are terminated
+            logger.debug("could not tell the ranks to exit: %s", e)
 
     def _watch(self) -> None:
         """Say at once when a follower dies: rank 0's next collective fails, or (NCCL) waits."""
@@ -313,7 +377,7 @@ def follow(
         ready.send(("error", f"{type(e).__name__}: {e}"))
         raise SystemExit(1) from None
     ready.send(("ready", None))
-    ranks = Ranks(rank, world, torch.device(device), rendezvous)
+    ranks = Ranks(rank, world, torch.device(device), rendezvous, config.run.fsdp)
     try:
         follower.run(ranks)
     finally:

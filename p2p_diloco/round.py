@@ -265,19 +265,20 @@ class PhaseRunner:
             peer.trainer.step = (peer.state.round + lead) * self.steps
         peer.log.round = peer.state.round + lead
         peer.load(start)
-        phase = self._phase(stop, peer.state.round + lead)
+        phase = self._phase(stop, peer.state.round + lead, start)
         if phase.stopped:
             return None
-        delta = outer.pseudo_gradient(start, dict(peer.model.named_parameters()))
+        # Sharded (run.fsdp): every rank gathers the trained parameters whole.
+        delta = outer.pseudo_gradient(start, peer.trainer.ranks.gather(peer.model))
         return Trained(phase, delta, outer.check_pseudo_gradient(delta, phase.lr_sum, peer.config.inner.weight_decay))
 
-    def _phase(self, stop: threading.Event, round_: int) -> PhaseResult:
+    def _phase(self, stop: threading.Event, round_: int, start: outer.Tensors) -> PhaseResult:
         faults.reached(faults.FaultPoint.INNER)
         peer = self.peer
         self.view = None
         peer.phase.set("inner")
         steps = self.steps * MAX_ROUND_SHARE if self.speed_aware else self.steps
-        peer.ranks.phase(peer.model, steps, peer.trainer.step)  # the peer's other ranks train it too
+        peer.ranks.phase(peer.model, start, steps, peer.trainer.step)  # the peer's other ranks train it too
         peer.progress.start(round_, self.steps)
         started = time.perf_counter()
 
