@@ -94,6 +94,10 @@ class RunFinished(P2PDilocoError):
     exit_code = 0
 
 
+class RankLost(P2PDilocoError):
+    """A process of this peer of several (run.nproc) exited unbidden: the peer stops."""
+
+
 class StateDownloadError(P2PDilocoError):
     """No peer served a state that matches the digest the swarm published."""
 

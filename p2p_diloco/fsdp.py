@@ -51,16 +51,28 @@ def load_params(model: torch.nn.Module, params: Mapping[str, torch.Tensor]) -> N
     resharded(model)
     with torch.no_grad():
         for name, p in model.named_parameters():
-            if isinstance(p, DTensor):
-                p.to_local().copy_(local_rows(params[name], p))
-            else:
-                p.copy_(params[name])
+            load_param(p, params[name])
 
 
-def gather(model: torch.nn.Module) -> dict[str, torch.Tensor]:
-    """The model's parameters whole (sharded ones gathered: every rank must call this)."""
+def load_param(param: torch.Tensor, full: torch.Tensor) -> None:
+    """One full tensor into one parameter of a resharded model (`resharded`)."""
+    with torch.no_grad():
+        if isinstance(param, DTensor):
+            param.to_local().copy_(local_rows(full, param))
+        else:
+            param.copy_(full)
+
+
+def gather(model: torch.nn.Module, keep: bool) -> dict[str, torch.Tensor]:
+    """The model's parameters whole, on the CPU in fp32 (sharded ones gathered one at a time: every
+    rank must call this); with `keep` false, gathered and dropped (an empty dict)."""
     resharded(model)
-    return {name: p.full_tensor() if isinstance(p, DTensor) else p for name, p in model.named_parameters()}
+    whole = {}
+    for name, p in model.named_parameters():
+        full = p.full_tensor() if isinstance(p, DTensor) else p.detach()
+        if keep:
+            whole[name] = full.to("cpu", torch.float32)
+    return whole
 
 
 def optimizer_state(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:

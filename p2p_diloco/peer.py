@@ -26,7 +26,7 @@ from p2p_diloco import model as model_mod
 from p2p_diloco.agreement import still_finishing
 from p2p_diloco.config import Config
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.inner import InnerTrainer, PhaseResult, lr_at
+from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.metrics import MetricsLog, PeerLogger, Phase, Progress
 from p2p_diloco.network import COPIED, STARTED, ServedState, Solo, Swarm
 from p2p_diloco.prefetch import Prefetcher
@@ -241,7 +241,7 @@ class Peer:
         """The metrics record of the state this peer starts from: θ(0), or the round it caught up to."""
         record: dict[str, Any] = {"round": self.state.round, "tokens": 0, "digest": self.state.digest()}
         if self.heldout is not None:
-            record.update(self._eval_record())
+            record.update(self.eval_record())
             self.log.info("held-out loss of theta(%d): %.4f", self.state.round, record["eval_loss"])
         self.metrics.append(record)
 
@@ -261,9 +261,16 @@ class Peer:
         """Run rounds until config.run.rounds are done or `stop` is set (e.g. by Ctrl+C).
 
         A round interrupted by `stop` is discarded: the peer's state stays at the last round
-        boundary, which is already checkpointed, so a resume repeats that round exactly.
+        boundary, which is already checkpointed, so a resume repeats that round exactly. A failure
+        that comes from one of the peer's other processes dying is said as that (`RankLost`).
         """
-        stop = stop or threading.Event()
+        try:
+            self._run(stop or threading.Event())
+        except Exception as e:
+            self.ranks.raise_if_lost(e, self.state.round)
+            raise
+
+    def _run(self, stop: threading.Event) -> None:
         while self.state.round < self.config.run.rounds:
             if stop.is_set() or not self.rounds.run_round(stop):
                 self.phase.set("idle")
@@ -330,44 +337,12 @@ class Peer:
 
     # --- records and checkpoints --------------------------------------------------------------
 
-    def round_record(self, phase: PhaseResult, delta_norm: float) -> dict[str, Any]:
-        record: dict[str, Any] = {
-            "round": self.state.round,
-            "inner_steps": phase.steps,
-            "tokens": phase.tokens,
-            "total_tokens": self.totals.tokens,
-            "train_loss": phase.mean_loss,
-            "lr": lr_at(self.trainer.step - 1, self.config.inner, self.total_steps),
-            "pseudo_grad_norm": delta_norm,
-            "digest": self.state.digest(),
-            "compute_s": phase.compute_s,
-            "tokens_per_s": phase.tokens / max(phase.compute_s, 1e-9),
-        }
-        every = self.config.run.eval_every_rounds
-        if self.heldout is not None and (self.state.round % every == 0 or self.state.round == self.config.run.rounds):
-            record.update(self._eval_record())
-        return record
-
-    def _eval_record(self) -> dict[str, float]:
+    def eval_record(self) -> dict[str, float]:
+        """The held-out loss of θ as it is in the model now."""
         assert self.heldout is not None
         self.ranks.evaluating(self.model, self.state.params)  # sharded (run.fsdp): every rank evaluates
         loss = self.trainer.evaluate(self.heldout)
         return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
-
-    def log_round(self, record: dict[str, Any]) -> None:
-        evaluated = f", held-out loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
-        size = record.get("group_size", 1)
-        group = "" if self.swarm.solo else " (averaged alone)" if size == 1 else f" (group of {size})"
-        self.log.info(
-            "round done%s: train loss %.4f%s, %s tokens at %s tok/s, |delta| %.3g, digest %s",
-            group,
-            record["train_loss"],
-            evaluated,
-            f"{record['tokens']:,}",
-            f"{record['tokens_per_s']:,.0f}",
-            record["pseudo_grad_norm"],
-            record["digest"][:12],
-        )
 
     def save(self) -> None:
         self.ranks.saving()  # sharded (run.fsdp): every rank gathers AdamW's state

@@ -47,7 +47,7 @@ import torch
 import torch.distributed as dist
 
 from p2p_diloco.config import Config
-from p2p_diloco.errors import ConfigError
+from p2p_diloco.errors import ConfigError, RankLost
 from p2p_diloco.inner import ONE, RankGroup, copy_params
 
 logger = logging.getLogger(__name__)
@@ -57,6 +57,7 @@ STEP_TIMEOUT = timedelta(minutes=30)  # one collective of training: DDP's all-re
 # Followers wait this long for rank 0's next word: it may average, catch up or linger for long.
 COMMAND_TIMEOUT = timedelta(days=7)
 EXIT_TIMEOUT_S = 30.0  # followers told to exit end within this, or are terminated
+LOST_WAIT_S = 5.0  # after a failed collective: how long a follower may take to be seen dead
 PARENT_POLL_S = 1.0
 
 
@@ -88,12 +89,22 @@ def ddp(model: torch.nn.Module, device: torch.device) -> torch.nn.Module:
         return torch.nn.parallel.DistributedDataParallel(model, device_ids=ids, broadcast_buffers=False)
 
 
-def checksum(model: torch.nn.Module) -> list[float]:
-    """Two sums over every parameter in float64: equal on ranks that hold the same bits, and unequal
-    with near certainty otherwise."""
+BITS = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def checksum(model: torch.nn.Module) -> list[int]:
+    """Two sums over the bits of every parameter, as integers (the bits, and the product of their
+    high and low halves; neither overflows below 2^30 parameters): equal on ranks that hold the same
+    bits, unequal with near certainty otherwise.
+    Integer sums do not depend on the order of addition; float sums do, and a rank with fewer
+    threads sums in another order (seen: two equal models 1 ulp apart in a float64 sum)."""
     with torch.no_grad():
-        values = [p.detach().double() for p in model.parameters()]
-        return [float(sum(v.sum() for v in values)), float(sum((v * v).sum() for v in values))]
+        total, mixed = torch.zeros((), dtype=torch.int64), torch.zeros((), dtype=torch.int64)
+        for p in model.parameters():
+            bits = p.detach().contiguous().view(BITS[p.element_size()]).to(torch.int64)
+            total += bits.sum().cpu()
+            mixed += ((bits >> 16) * (bits & 0xFFFF)).sum().cpu()
+        return [int(total), int(mixed)]
 
 
 class Ranks:
@@ -125,14 +136,19 @@ class Ranks:
 
     def finish(self, loss: float, model: torch.nn.Module) -> float:
         # Replicated ranks must hold the same bits; sharded ones hold different rows.
-        mine = torch.tensor([loss, *([0.0, 0.0] if self.sharded else checksum(model))], dtype=torch.float64)
+        sums = self._every(torch.tensor([0, 0] if self.sharded else checksum(model), dtype=torch.int64))
+        losses = self._every(torch.tensor([loss], dtype=torch.float64))
+        if len({tuple(t.tolist()) for t in sums}) > 1:
+            raise RanksDiverged(
+                f"the ranks of this peer hold different parameters after the inner phase: {[t.tolist() for t in sums]}"
+            )
+        self.idle = True
+        return float(torch.stack(losses).mean())
+
+    def _every(self, mine: torch.Tensor) -> list[torch.Tensor]:
         every = [torch.zeros_like(mine) for _ in range(self.world)]
         dist.all_gather(every, mine, group=self.words)
-        sums = [tuple(t[1:].tolist()) for t in every]
-        if len(set(sums)) > 1:
-            raise RanksDiverged(f"the ranks of this peer hold different parameters after the inner phase: {sums}")
-        self.idle = True
-        return float(torch.stack(every)[:, 0].mean())
+        return every
 
     def send(self, word: dict[str, Any]) -> None:
         dist.broadcast_object_list([word], 0, group=self.words)
@@ -154,7 +170,7 @@ class Ranks:
             return dict(model.named_parameters())
         from p2p_diloco import fsdp
 
-        return fsdp.gather(model)
+        return fsdp.gather(model, keep=self.rank == 0)  # the others take part and keep nothing
 
     def optimizer_state(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> dict[str, Any]:
         if not self.sharded:
@@ -171,17 +187,23 @@ class Ranks:
         fsdp.load_optimizer_state(model, optimizer, state)
 
     def share(self, model: torch.nn.Module, params: Mapping[str, torch.Tensor] | None = None) -> None:
-        """Rank 0's `params` (θ, whole, on the CPU) into every rank's model; others pass None."""
+        """Rank 0's `params` (θ, whole, on the CPU) into every rank's model; others pass None. One
+        parameter at a time: a sharded model never holds all of θ whole on the device."""
+        if self.sharded:
+            from p2p_diloco import fsdp
+
+            fsdp.resharded(model)
         with torch.no_grad():
-            whole = {}
             for name, p in model.named_parameters():
                 if params is None:
                     t = torch.empty(p.shape, dtype=p.dtype, device=self.device)
                 else:
                     t = params[name].to(self.device, p.dtype)
                 dist.broadcast(t, 0)
-                whole[name] = t
-        self.load(model, whole)
+                if self.sharded:
+                    fsdp.load_param(p, t)
+                else:
+                    p.copy_(t)
 
     def close(self) -> None:
         if dist.is_initialized():
@@ -206,6 +228,9 @@ class Alone:
         pass
 
     def saving(self) -> None:
+        pass
+
+    def raise_if_lost(self, error: Exception, round_: int) -> None:
         pass
 
     def close(self) -> None:
@@ -297,6 +322,19 @@ class Leader:
         if self._ranks is not None:
             self._ranks.close()
         shutil.rmtree(self._folder, ignore_errors=True)
+
+    def raise_if_lost(self, error: Exception, round_: int) -> None:
+        """Raise RankLost if `error` (a collective that failed) came from a follower that died: it
+        is dead, or dies within LOST_WAIT_S. Otherwise return, and the caller raises `error`."""
+        deadline = time.monotonic() + LOST_WAIT_S
+        for p in self._followers:
+            p.join(max(0.0, deadline - time.monotonic()))
+            if p.exitcode is not None:
+                raise RankLost(
+                    f"{p.name} of this peer exited with code {p.exitcode} ({type(error).__name__}: "
+                    f"{str(error).strip().splitlines()[0] if str(error).strip() else '-'}); the checkpoint of "
+                    f"round {round_} is on disk, continue with --resume"
+                ) from error
 
     def _say_exit(self) -> None:
         try:

@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any, SupportsFloat
 
 from p2p_diloco import agreement, averaging, faults, outer
 from p2p_diloco.averaging import Applied, Outcome, Overtaken
-from p2p_diloco.inner import PhaseResult
+from p2p_diloco.inner import PhaseResult, lr_at
 from p2p_diloco.network import Made
 from p2p_diloco.pending import Pending
 from p2p_diloco.rounds import SwarmProgress
@@ -174,7 +174,7 @@ class RoundDriver:
             self.unsettled = Unsettled(peer.state.round, collecting, trained.phase, record)
         peer.save()
         peer.log.round = peer.state.round
-        peer.log_round(record)
+        log_round(peer, record)
         if self.alone >= ALONE_WARN and not peer.swarm.solo:
             peer.log.warning(
                 "no other peer of run %r at round %d: %d rounds in a row alone. Is the bootstrap node up, and are "
@@ -192,7 +192,7 @@ class RoundDriver:
         peer.totals.inner_steps += phase.steps
         peer.totals.compute_s += phase.compute_s
         record = {
-            **peer.round_record(phase, trained.delta_norm),
+            **round_fields(peer, phase, trained.delta_norm),
             "group_size": len(outcome.group),
             **outcome.comm.record(),
         }
@@ -320,3 +320,41 @@ class PhaseRunner:
         # The phase is over: report the final tokens at rate 0, so nobody extrapolates more.
         swarm.report_progress(round_, phase.tokens, 0.0)
         return phase
+
+
+def round_fields(peer: Peer, phase: PhaseResult, delta_norm: float) -> dict[str, Any]:
+    """A round's metrics record as the peer knows it after the outer step (and the held-out loss
+    of θ(r+1) on the rounds run.eval_every_rounds names, and the last)."""
+    cfg = peer.config
+    record: dict[str, Any] = {
+        "round": peer.state.round,
+        "inner_steps": phase.steps,
+        "tokens": phase.tokens,
+        "total_tokens": peer.totals.tokens,
+        "train_loss": phase.mean_loss,
+        "lr": lr_at(peer.trainer.step - 1, cfg.inner, peer.total_steps),
+        "pseudo_grad_norm": delta_norm,
+        "digest": peer.state.digest(),
+        "compute_s": phase.compute_s,
+        "tokens_per_s": phase.tokens / max(phase.compute_s, 1e-9),
+    }
+    every = cfg.run.eval_every_rounds
+    if peer.heldout is not None and (peer.state.round % every == 0 or peer.state.round == cfg.run.rounds):
+        record.update(peer.eval_record())
+    return record
+
+
+def log_round(peer: Peer, record: dict[str, Any]) -> None:
+    evaluated = f", held-out loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
+    size = record.get("group_size", 1)
+    group = "" if peer.swarm.solo else " (averaged alone)" if size == 1 else f" (group of {size})"
+    peer.log.info(
+        "round done%s: train loss %.4f%s, %s tokens at %s tok/s, |delta| %.3g, digest %s",
+        group,
+        record["train_loss"],
+        evaluated,
+        f"{record['tokens']:,}",
+        f"{record['tokens_per_s']:,.0f}",
+        record["pseudo_grad_norm"],
+        record["digest"][:12],
+    )

@@ -242,6 +242,36 @@ def stop_after_rounds(args, run_dir, rounds, signum):
     return proc.returncode, err
 
 
+def test_a_peer_whose_second_process_is_killed_stops_with_one_line_and_resumes(tmp_path):
+    """SIGKILL to rank 1 of a peer of 2 processes (an out-of-memory kill, say): rank 0's next collective
+    fails, and the peer says which process died and that its last checkpoint is on disk."""
+    from tests.swarm.procs import descendants
+
+    run_dir = tmp_path / "run"
+    args = [*options({**TINY, "run.dir": str(run_dir), "run.rounds": "1000"}), "--nproc", "2"]
+    proc = subprocess.Popen([*CLI, "peer", *args], stderr=subprocess.PIPE, text=True, start_new_session=True)
+    try:
+        wait_until(lambda: len(metric_rounds(run_dir)) >= 3, proc, timeout_s=120)
+        (follower,) = [pid for pid in descendants(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
+        os.kill(follower, signal.SIGKILL)
+        _, err = proc.communicate(timeout=60)
+        assert_group_ends(proc.pid, deadline_s=30)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=30)
+    saved = checkpoint.load(checkpoint.latest(run_dir))["round"]
+    assert proc.returncode == 1, err
+    # Said at once, then as the peer's one error line. (A process killed with SIGKILL leaves a
+    # semaphore that multiprocessing's resource tracker warns about afterwards.)
+    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert line.startswith("error: rank-1 of this peer exited with code -9 ("), err
+    assert line.endswith(f"the checkpoint of round {saved} is on disk, continue with --resume"), err
+    assert "Traceback" not in err, err
+    code, err = stop_after_rounds(["--resume", *args], run_dir, 1, signal.SIGINT)
+    assert code == 0 and f"resumed from {checkpoint.path_for(run_dir, saved)}" in err, err
+
+
 def assert_group_ends(pgid, deadline_s):
     deadline = time.monotonic() + deadline_s
     while True:
