@@ -160,7 +160,8 @@ class Swarm:
                 p.send_signal(signal.SIGINT)
         # The test is over: a peer still busy after Ctrl+C (in an all-reduce or agreement, whose
         # deadlines are tens of seconds) is killed with its group after one shared grace period.
-        deadline = time.monotonic() + 10
+        # (What a clean stop leaves is asserted by the tests that stop peers, not here.)
+        deadline = time.monotonic() + 3
         for p in self.procs:
             try:
                 p.wait(timeout=max(0.1, deadline - time.monotonic()))
