@@ -71,8 +71,11 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
     records = {name: swarm.records(name) for name in ("a", "b", "c", "d")}
     for joiner in ("c", "d"):
         assert "caught up with the swarm at round" in swarm.log(joiner), swarm.log(joiner)[-2000:]
+        # A joiner that found no state half of the live peers backed at its start (in rounds of about
+        # a second, the holders' records can straddle two rounds) records θ(0), everyone's round 0,
+        # and catches up at its first round.
         joined = records[joiner]
-        assert min(joined) >= 2 and max(joined) == last, joined.keys()
+        assert min(r for r in joined if r) >= 2 and max(joined) == last, joined.keys()
         for r in joined:  # it may catch up again past the round it was training
             assert joined[r]["digest"] == records["a"][r]["digest"] == records["b"][r]["digest"], (joiner, r)
     assert records["c"][last]["group_size"] == 4  # d's two processes are one member
