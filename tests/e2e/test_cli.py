@@ -226,13 +226,14 @@ def test_a_disk_full_at_start_is_one_line_with_the_fix(tmp_path, capsys):
     assert result.returncode == 1
 
 
-def stop_after_rounds(args, run_dir, rounds, signum):
-    """Start a peer, let it finish `rounds` more rounds, send `signum`; return (exit code, stderr)."""
+def stop_after_rounds(args, run_dir, rounds, stop):
+    """Start a peer, let it finish `rounds` more rounds, then `stop` it: a signal to its process
+    group (as a terminal sends Ctrl+C), or a function of the process; return (exit code, stderr)."""
     start = len(metric_rounds(run_dir))
     proc = subprocess.Popen([*CLI, "peer", *args], stderr=subprocess.PIPE, text=True, start_new_session=True)
     try:
         wait_until(lambda: len(metric_rounds(run_dir)) >= start + rounds, proc, timeout_s=120)
-        os.killpg(proc.pid, signum)  # as a terminal does: to every process of the peer
+        stop(proc) if callable(stop) else os.killpg(proc.pid, stop)
         _, err = proc.communicate(timeout=60)
         assert_group_ends(proc.pid, deadline_s=30)
     finally:
@@ -249,19 +250,14 @@ def test_a_peer_whose_second_process_is_killed_stops_with_one_line_and_resumes(t
 
     run_dir = tmp_path / "run"
     args = [*options({**TINY, "run.dir": str(run_dir), "run.rounds": "1000"}), "--nproc", "2"]
-    proc = subprocess.Popen([*CLI, "peer", *args], stderr=subprocess.PIPE, text=True, start_new_session=True)
-    try:
-        wait_until(lambda: len(metric_rounds(run_dir)) >= 3, proc, timeout_s=120)
+
+    def kill_rank_1(proc):
         (follower,) = [pid for pid in descendants(proc.pid) if "spawn_main" in Path(f"/proc/{pid}/cmdline").read_text()]
         os.kill(follower, signal.SIGKILL)
-        _, err = proc.communicate(timeout=60)
-        assert_group_ends(proc.pid, deadline_s=30)
-    finally:
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        proc.wait(timeout=30)
+
+    code, err = stop_after_rounds(args, run_dir, 3, kill_rank_1)
     saved = checkpoint.load(checkpoint.latest(run_dir))["round"]
-    assert proc.returncode == 1, err
+    assert code == 1, err
     # Said at once, then as the peer's one error line. (A process killed with SIGKILL leaves a
     # semaphore that multiprocessing's resource tracker warns about afterwards.)
     (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
