@@ -213,8 +213,6 @@ class Ranks:
 class Alone:
     """A peer of one process: nothing to tell anyone."""
 
-    nproc = 1
-
     def meet(self) -> RankGroup:
         return ONE
 
@@ -363,8 +361,9 @@ def _await_ready(rank: int, process: Any, pipe: Connection) -> None:
         if pipe.poll(PARENT_POLL_S):
             try:
                 kind, text = pipe.recv()
-            except EOFError:
-                kind, text = "error", f"it exited with code {process.join(5) or process.exitcode}"
+            except EOFError:  # it died before it could say why
+                process.join(5)
+                kind, text = "error", f"it exited with code {process.exitcode}"
             if kind == "ready":
                 return
             raise ConfigError(f"rank {rank} of this peer could not start: {text}")
