@@ -206,8 +206,12 @@ class Ranks:
                     p.copy_(t)
 
     def close(self) -> None:
-        if dist.is_initialized():
+        if not dist.is_initialized():
+            return
+        try:
             dist.destroy_process_group()
+        except Exception as e:  # a group whose member died may fail to end; the process ends anyway
+            logger.warning("could not end this peer's process group cleanly: %s", e)
 
 
 class Alone:

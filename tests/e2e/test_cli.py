@@ -260,7 +260,9 @@ def test_a_peer_whose_second_process_is_killed_stops_with_one_line_and_resumes(t
     assert code == 1, err
     # Said at once, then as the peer's one error line. (A process killed with SIGKILL leaves a
     # semaphore that multiprocessing's resource tracker warns about afterwards.)
-    (line,) = [line for line in err.splitlines() if line.startswith("error: ")]
+    errors = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(errors) == 1, err
+    (line,) = errors
     assert line.startswith("error: rank-1 of this peer exited with code -9 ("), err
     assert line.endswith(f"the checkpoint of round {saved} is on disk, continue with --resume"), err
     assert "Traceback" not in err, err
