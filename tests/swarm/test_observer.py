@@ -115,7 +115,7 @@ def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_c
     summary = re.match(r"round (\d+): digest ([0-9a-f]{12}), every peer agrees, ([0-2]) counted", status[2])
     assert summary, status
     (same,) = [r for r in view["rounds"] if r["round"] == int(summary[1])]  # a view holds the latest 200
-    assert same["digest"][:12] == summary[2] and len(same["counted"]) >= int(summary[3]), status
+    assert same["digest"][:12] == summary[2], status  # counts: each reader's partial view (see the note)
     assert re.match(rf"peer {c[-8:]}: [\d,]+ tokens credited in the rounds seen", status[3]), status
     assert any(line.endswith(f"not counted: {SILENT}") for line in status[4:]), status
 
