@@ -18,6 +18,7 @@ import base64
 import binascii
 import json
 import os
+import re
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -31,6 +32,9 @@ from p2p_diloco.errors import AdmissionError
 
 KEY_PREFIX = "ed25519:"
 REVOKED_DIR = "revoked"  # where `admission revoke` keeps the organiser's copy, inside the certificates folder
+# libp2p ids are base58: letters and digits. A revocation's file is named after the id, so an id is
+# checked against this before it becomes a path ("../x" would write outside revoked/).
+_PEER_ID = re.compile(r"[A-Za-z0-9]{1,128}")
 MAX_SIGNED_BYTES = 4096  # a certificate or revocation from another peer larger than this is refused unread
 
 
@@ -259,9 +263,9 @@ def _organiser_key_of(key_path: Path, organiser_key: str) -> Ed25519PrivateKey:
 def revoke(key_path: Path, run_id: str, organiser_key: str, peer_id: str, reason: str, out: Path) -> Revocation:
     """Sign a revocation of `peer_id` and write it to `out` (the organiser's record of it)."""
     key = _organiser_key_of(key_path, organiser_key)
-    if not peer_id.strip() or len(peer_id) > 128:
-        raise AdmissionError(f"{peer_id!r} is not a peer id")
-    revocation: Revocation = Revocation(run_id, peer_id.strip(), reason[:200], int(time.time())).signed_with(key)
+    if not _PEER_ID.fullmatch(peer_id):
+        raise AdmissionError(f"{peer_id!r} is not a peer id (letters and digits, as `p2p-diloco id` prints it)")
+    revocation: Revocation = Revocation(run_id, peer_id, reason[:200], int(time.time())).signed_with(key)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(revocation.to_json())
     return revocation

@@ -260,7 +260,12 @@ def _add_demo_command(sub: _Commands) -> None:
     demo = sub.add_parser("demo", help="a bootstrap node and N peers on 127.0.0.1, one combined view")
     demo.add_argument("--peers", type=int, default=3, help="number of peer processes")
     demo.add_argument("--rounds", type=int, default=10, help="rounds to train")
-    demo.add_argument("--dir", default="runs/demo", help="folder for the peers' run dirs and logs (emptied first)")
+    demo.add_argument(
+        "--dir",
+        default="runs/demo",
+        help="folder for the peers' run dirs and logs: a new or empty one, or a previous demo's (its files are "
+        "replaced); any other folder is refused, nothing of yours is deleted",
+    )
 
 
 def _add_baseline_command(sub: _Commands) -> None:

@@ -3,22 +3,28 @@
 Each peer is a real `p2p-diloco peer` subprocess with its own run dir and log; the view reads
 their metrics.jsonl and prints one line per round once every peer finished it, with the held-out
 losses and whether all digests are equal. Ctrl+C stops every peer cleanly.
+
+The demo writes only into a folder of its own: one it creates, or an empty one, marked as its own
+by a MARKER file. Run again in a marked folder, it removes only what a demo writes there (OWN);
+any other non-empty folder is refused, so a mistyped --dir never costs a user's files.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from pathlib import Path
 from typing import Any
 
 from p2p_diloco import config as config_mod
+from p2p_diloco.errors import ConfigError
 
 DEMO = {
     "run.run_id": "demo",
@@ -36,6 +42,14 @@ DEMO = {
     "log.progress": "false",
 }
 STOP_DEADLINE_S = 60
+MARKER = ".p2p-diloco-demo"
+# What a demo writes into its folder besides the marker: the run's config, the bootstrap node's key
+# and address book (with their temporary names), each peer's run dir and log.
+OWN = re.compile(r"run\.toml(\.tmp)?|bootstrap\.(key|peers(\.partial)?)|peer-\d+(\.log)?")
+MARKER_TEXT = (
+    "This folder was made by `p2p-diloco demo`. A demo run again with --dir here replaces what a demo\n"
+    "writes (run.toml, bootstrap.key, bootstrap.peers, peer-N/, peer-N.log) and nothing else.\n"
+)
 
 
 def demo_config(rounds: int) -> config_mod.Config:
@@ -44,11 +58,10 @@ def demo_config(rounds: int) -> config_mod.Config:
 
 def run_demo(n_peers: int, rounds: int, folder: str | Path, stop: threading.Event, emit: Callable[[str], None]) -> int:
     """Run the demo until every peer finished `rounds` or `stop` is set; 0 if all peers agreed and exited cleanly."""
+    folder = Path(folder)
+    prepare_folder(folder)  # before anything slow: a refused folder costs no peer and no import
     from p2p_diloco.swarm.bootstrap import Bootstrap  # imports hivemind
 
-    folder = Path(folder)
-    shutil.rmtree(folder, ignore_errors=True)
-    folder.mkdir(parents=True)
     cfg = demo_config(rounds)
     config_mod.save(cfg, folder / "run.toml")
     boot = Bootstrap(cfg, folder / "bootstrap.key")
@@ -70,6 +83,45 @@ def run_demo(n_peers: int, rounds: int, folder: str | Path, stop: threading.Even
     emit(f"peers exited with {codes}")
     # Done, or stopped by the user: either way a success if every peer agreed and left cleanly.
     return 0 if agreed and (shown >= rounds or stop.is_set()) and all(code == 0 for code in codes) else 1
+
+
+def stale_entries(folder: Path, names: Collection[str] | None) -> list[str]:
+    """What the demo removes from `folder` before it starts, given the names in it (None: there is
+    no such folder): nothing from a missing or empty folder, the entries a demo writes (OWN) from a
+    folder that carries the MARKER. Any other folder is refused: it holds files the demo did not write."""
+    if not names:
+        return []
+    if MARKER not in names:
+        raise ConfigError(
+            f"--dir {folder} is not empty and was not made by the demo (it has no {MARKER} file); "
+            "choose a new or empty folder, e.g. --dir runs/demo-2"
+        )
+    return sorted(name for name in names if OWN.fullmatch(name))
+
+
+def prepare_folder(folder: Path) -> None:
+    """Make `folder` the demo's: create or mark it, and remove a previous demo's files from it."""
+    if folder.exists() and not folder.is_dir():
+        raise ConfigError(f"--dir {folder} is a file, not a folder; choose a new or empty folder")
+    names = [p.name for p in folder.iterdir()] if folder.exists() else None
+    for name in stale_entries(folder, names):
+        _remove(folder / name)
+    folder.mkdir(parents=True, exist_ok=True)
+    # Before anything else is written: a demo stopped at any later point leaves a marked folder.
+    (folder / MARKER).write_text(MARKER_TEXT)
+
+
+def _remove(path: Path) -> None:
+    # A link is removed, never followed: what it points to was not written by the demo.
+    try:
+        if path.is_dir() and not path.is_symlink():
+            shutil.rmtree(path)
+        else:
+            path.unlink(missing_ok=True)
+    except OSError as e:
+        raise ConfigError(
+            f"cannot remove {path}, left by a previous demo ({e.strerror}); remove it or choose another --dir"
+        ) from None
 
 
 class _Dashboard:

@@ -120,3 +120,15 @@ def test_the_organiser_revokes_with_the_run_key_only(tmp_path):
     }
     with pytest.raises(AdmissionError, match="is not the key of this run"):
         admission.revoke(tmp_path / "run.key", "run-a", other, "QmBob", "left", tmp_path / "s.json")
+
+
+@pytest.mark.parametrize("peer_id", ["../notes", "revoked/../../x", "Qm Bob", "", "Qm/Bob", "Qm.Bob"])
+def test_a_revocation_of_an_id_that_is_not_a_plain_name_is_refused_and_writes_nothing(tmp_path, peer_id):
+    # The CLI names the organiser's copy revoked/<peer id>.json: "../notes" would write over notes.json.
+    public = admission.make_run_key(tmp_path / "run.key")
+    (tmp_path / "notes.json").write_text("mine")
+    out = tmp_path / "certs" / admission.REVOKED_DIR / f"{peer_id}.json"
+    with pytest.raises(AdmissionError, match="is not a peer id"):
+        admission.revoke(tmp_path / "run.key", "run-a", public, peer_id, "left", out)
+    assert (tmp_path / "notes.json").read_text() == "mine"
+    assert not (tmp_path / "certs").exists()
