@@ -18,8 +18,8 @@ import contextlib
 import logging
 import re
 import secrets
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
@@ -92,6 +92,81 @@ MAX_GROUP = 64  # members listed in a round record
 # started from (θ(0), a checkpoint, a catch-up: no round trained).
 OUTCOMES = ("averaged", "alone", "failed", "start")
 
+# A record repeats its peer's final records of its latest past rounds (`RoundRecord.history`): a
+# reader that polls less often than rounds end (the observer, `status`) still sees every round each
+# peer went through. Bounded: at most HISTORY_ROUNDS rounds, and fewer when groups are large (at
+# most HISTORY_MEMBERS members listed in all: a swarm of large groups has rounds of minutes).
+HISTORY_ROUNDS = 8
+HISTORY_MEMBERS = 64
+
+
+@dataclass(frozen=True)
+class PastRound:
+    """A peer's final record of one of its past rounds, as its later records repeat it."""
+
+    round: int
+    digest: str
+    tokens: int
+    loss: float
+    copied: bool = False
+    group: tuple[str, ...] = ()
+    outcome: str = ""
+
+    @classmethod
+    def parse(cls, value: Any) -> PastRound | None:
+        """One entry of a record's history, or None if it is malformed (untrusted, like the record)."""
+        if not isinstance(value, dict):
+            return None
+        try:
+            outcome = str(value.get("outcome", ""))
+            past = cls(
+                int(value["round"]),
+                str(value["digest"]),
+                int(value["tokens"]),
+                float(value["loss"]),
+                bool(value.get("copied", False)),
+                tuple(str(p)[:128] for p in value.get("group", ())[:MAX_GROUP]),
+                outcome if outcome in OUTCOMES else "",
+            )
+        except (KeyError, TypeError, ValueError, OverflowError):  # int(inf) raises OverflowError
+            return None
+        return past if past.round >= 0 and past.tokens >= 0 and _DIGEST.match(past.digest) else None
+
+
+def bounded(past: Iterable[PastRound]) -> tuple[PastRound, ...]:
+    """Past rounds newest first, one entry a round (the first given: the latest published), at most
+    HISTORY_ROUNDS of them and HISTORY_MEMBERS group members in all."""
+    out: list[PastRound] = []
+    members = 0
+    for entry in sorted(past, key=lambda p: -p.round):
+        if out and out[-1].round == entry.round:
+            continue
+        members += len(entry.group)
+        if len(out) == HISTORY_ROUNDS or members > HISTORY_MEMBERS:
+            break
+        out.append(entry)
+    return tuple(out)
+
+
+def parse_history(value: Any, before: int) -> tuple[PastRound, ...]:
+    """A record's history as read: each entry parsed on its own (a malformed one is dropped, never
+    the record), only rounds before the record's own, bounded as its publisher bounds it."""
+    if not isinstance(value, list | tuple):
+        return ()
+    found = (PastRound.parse(v) for v in value[:HISTORY_ROUNDS])
+    return bounded(p for p in found if p is not None and p.round < before)
+
+
+def history_after(previous: RoundRecord | None, round_: int) -> tuple[PastRound, ...]:
+    """The history a peer's next record, of `round_`, carries: its previous record (its final word
+    on that round once it publishes a later one, or was replaced by a copy of the same round) and
+    that record's history."""
+    if previous is None:
+        return ()
+    p = previous
+    latest = PastRound(p.round, p.digest, p.tokens, p.loss, p.copied, p.group, p.outcome)
+    return bounded(e for e in (latest, *p.history) if e.round < round_)
+
 
 @dataclass(frozen=True)
 class RoundRecord:
@@ -107,6 +182,7 @@ class RoundRecord:
     copied: bool = False  # the peer holds this state by download (catch-up, agreement), not by its own outer step
     group: tuple[str, ...] = ()  # the peers whose average made this state (observers credit work by it)
     outcome: str = ""  # how the round went: one of OUTCOMES ("" from a peer that does not say)
+    history: tuple[PastRound, ...] = ()  # its final records of its latest past rounds, newest first
 
     @classmethod
     def parse(cls, value: Any) -> RoundRecord | None:
@@ -129,11 +205,11 @@ class RoundRecord:
                 group,
                 outcome if outcome in OUTCOMES else "",
             )
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):  # int(inf) raises OverflowError
             return None
         if record.round < 0 or record.tokens < 0 or not _DIGEST.match(record.digest) or len(record.peer) > 128:
             return None
-        return record
+        return replace(record, history=parse_history(value.get("history"), record.round))
 
 
 @dataclass(frozen=True)

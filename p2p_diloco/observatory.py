@@ -13,8 +13,10 @@ volunteer's questions from it:
 - throughput, and when the current round is due (the median round's length after its start).
 
 Records are untrusted (I4): they arrive parsed and signed by their peer, and nothing here trusts a
-claim that only its peer makes. The observer sees each peer's *latest* record when it polls: a
-round shorter than the poll interval may be missed for a peer (the round is then not credited).
+claim that only its peer makes. A poll reads each peer's latest record, and that record repeats the
+peer's final records of its last rounds (`RoundRecord.history`): a poll every few rounds misses no
+round, and a round is *closed* (its counts final) once every online peer that took part in it has
+published a later round.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2p_diloco.metrics import prometheus_label
-from p2p_diloco.network import RoundRecord
+from p2p_diloco.network import PastRound, RoundRecord
 from p2p_diloco.rounds import Progress
 
 ONLINE_S = 10.0  # a peer with no progress report or new record for this long is offline (as heartbeat.STALE_S)
@@ -55,6 +57,7 @@ class RoundSeen:
     records: dict[str, RoundRecord] = field(default_factory=dict)
     online: set[str] = field(default_factory=set)  # peers with a fresh heartbeat while the round was under way
     present: set[str] = field(default_factory=set)  # peers with a record in the DHT meanwhile (gone: expired)
+    live: bool = True  # first seen as a peer's latest record, not in a later one's history: `started` dates it
 
 
 @dataclass(frozen=True)
@@ -108,6 +111,9 @@ class RunLog:
                 seen.last_seen = now
             seen.record = record  # a record seen for the first time may be old: only a report dates it
             self._round(record.round, now).records[peer] = record
+        for peer, record in records.items():  # after the latest records: a round some peer is at is live
+            for past in record.history:  # its final word on each round, also those it passed between polls
+                self._round(past.round, now, live=False).records[peer] = as_record(record, past)
         self.convicted = {p: list(by) for p, by in convicted.items()}
         # The rounds that started since the last poll, and the newest (still under way), note who
         # was online and who was in the run at all (a record in the DHT) meanwhile. A round is
@@ -166,14 +172,25 @@ class RunLog:
     def _peer(self, peer: str, now: float) -> PeerSeen:
         return self.peers.setdefault(peer, PeerSeen(now, -math.inf))
 
-    def _round(self, round_: int, now: float) -> RoundSeen:
-        return self.rounds.setdefault(round_, RoundSeen(round_, now))
+    def _round(self, round_: int, now: float, live: bool = True) -> RoundSeen:
+        return self.rounds.setdefault(round_, RoundSeen(round_, now, live=live))
+
+    def closed(self, round_: int, now: float) -> bool:
+        """Whether the round's records are all in: every online peer that holds a record of it or is
+        listed in one of its groups has published a later round (whose history holds its final
+        record of this one), or the run's last round (there is no later one). An offline peer
+        publishes nothing more: it holds nobody's round open."""
+        seen = self.rounds[round_]
+        involved = set(seen.records) | {m for r in seen.records.values() for m in r.group}
+        latest = {p: s.record.round for p, s in self.peers.items() if s.record is not None}
+        done = self.rounds_total if round_ >= self.rounds_total else round_ + 1
+        return all(latest.get(p, -1) >= done for p in involved & self.online(now))
 
     # --- the view ---------------------------------------------------------------------------------
 
     def view(self, now: float) -> dict[str, Any]:
         """The dashboard's and the API's JSON (docs/observer.md documents every field)."""
-        rounds = [self._round_view(r) for r in sorted(self.rounds)[-MAX_ROUNDS_SHOWN:]]
+        rounds = [self._round_view(r, self.closed(r, now)) for r in sorted(self.rounds)[-MAX_ROUNDS_SHOWN:]]
         latest = max(self.rounds, default=0)
         return {
             "run": {
@@ -210,16 +227,16 @@ class RunLog:
             "addrs": list(record.addrs) if record is not None else [],
         }
 
-    def _round_view(self, r: int) -> dict[str, Any]:
+    def _round_view(self, r: int, closed: bool) -> dict[str, Any]:
         seen = self.rounds[r]
         agreed = agreed_digest(seen.records)
         counted = counted_peers(seen.records, agreed)
         known = seen.online | seen.present | set(seen.records)
-        open_ = r == max(self.rounds)  # the latest round: peers without a record may still be training it
         evaluated = self.evaluated.get(r)
         return {
             "round": r,
             "started": seen.started,
+            "closed": closed,
             "digest": agreed,
             "all_agree": len({rec.digest for rec in seen.records.values()}) <= 1,
             "group": sorted({m for rec in seen.records.values() for m in rec.group} | set(counted)),
@@ -227,7 +244,7 @@ class RunLog:
             "not_counted": [
                 {"peer": p, "name": self.name(p), "reason": REASONS[why]}
                 for p in sorted(known - set(counted))
-                if (why := reason(p, seen, agreed, counted, open_)) is not None
+                if (why := reason(p, seen, agreed, counted, not closed)) is not None
             ],
             "tokens": sum(seen.records[p].tokens for p in counted),
             "train_loss": _mean(seen.records[p].loss for p in counted if seen.records[p].loss >= 0),
@@ -235,12 +252,16 @@ class RunLog:
         }
 
     def _due_in(self, now: float) -> float | None:
-        """Seconds until the latest round is due to end, from the median length of the last rounds."""
-        starts = [self.rounds[r].started for r in sorted(self.rounds)[-11:]]
-        lengths = [b - a for a, b in zip(starts, starts[1:], strict=False) if b > a]
+        """Seconds until the latest round is due to end, from the median length of the last rounds:
+        those whose start a poll saw (a round learned from a later record's history was not), a
+        gap of k rounds between two of them counting as k rounds of equal length."""
+        live = [r for r in sorted(self.rounds) if self.rounds[r].live][-11:]
+        starts = [(r, self.rounds[r].started) for r in live]
+        lengths = [(tb - ta) / (b - a) for (a, ta), (b, tb) in zip(starts, starts[1:], strict=False) if tb > ta]
         if not lengths:
             return None
-        return round(max(0.0, starts[-1] + statistics.median(lengths) - now), 1)
+        latest = self.rounds[max(self.rounds)].started
+        return round(max(0.0, latest + statistics.median(lengths) - now), 1)
 
 
 def agreed_digest(records: Mapping[str, RoundRecord]) -> str:
@@ -271,7 +292,7 @@ def reason(peer: str, seen: RoundSeen, agreed: str, counted: set[str], open_: bo
     if record.digest != agreed:
         return "other-digest"
     if peer in counted or not any(m != peer and m in seen.records for m in record.group):
-        return None  # counted, or no other member's record of the round was seen (rounds faster than polls)
+        return None  # counted, or no other member's record of the round was seen (expired before the observer came)
     return "unconfirmed"
 
 
@@ -289,6 +310,21 @@ def contributors(rounds: Iterable[RoundSeen], name: Callable[[str], str] = lambd
     ]
 
 
+def as_record(latest: RoundRecord, past: PastRound) -> RoundRecord:
+    """A peer's past round, repeated in its `latest` record, as a record of that round."""
+    return RoundRecord(
+        latest.peer,
+        past.round,
+        past.digest,
+        past.tokens,
+        past.loss,
+        serves=latest.serves,
+        copied=past.copied,
+        group=past.group,
+        outcome=past.outcome,
+    )
+
+
 def short(peer: str) -> str:
     return peer[-8:]
 
@@ -301,7 +337,7 @@ def _mean(values: Iterable[float]) -> float | None:
 def prometheus(view: Mapping[str, Any]) -> str:
     """The view as Prometheus text exposition (version 0.0.4)."""
     run, rounds = view["run"], view["rounds"]
-    last = rounds[-1] if rounds else {}
+    last = last_closed(rounds) or {}
     label = f'run_id="{prometheus_label(run["run_id"])}"'
     lines = [
         *_metric("p2p_diloco_round", "gauge", "the latest round any peer published", label, run["round"]),
@@ -311,14 +347,14 @@ def prometheus(view: Mapping[str, Any]) -> str:
         *_metric(
             "p2p_diloco_round_counted_peers",
             "gauge",
-            "peers counted in the latest round",
+            "peers counted in the latest closed round",
             label,
             len(last.get("counted", [])),
         ),
         *_metric(
             "p2p_diloco_round_all_agree",
             "gauge",
-            "1 if every peer of the latest round holds one digest",
+            "1 if every peer of the latest closed round holds one digest",
             label,
             int(last.get("all_agree", True)),
         ),
@@ -340,6 +376,12 @@ def prometheus(view: Mapping[str, Any]) -> str:
         for c in view["contributors"]
     ]
     return "\n".join(lines) + "\n"
+
+
+def last_closed(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
+    """The latest closed round of a view's rounds: its counts are final (`RunLog.closed`). A round
+    still open is still being published: read meanwhile it said "0 counted" of a healthy swarm."""
+    return next((r for r in reversed(rounds) if r["closed"]), None)
 
 
 def _evaluation(run: Mapping[str, Any], label: str) -> list[str]:

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 from p2p_diloco.config import Config
 from p2p_diloco.errors import StateDownloadError
 from p2p_diloco.network import StateSource
-from p2p_diloco.observatory import RunLog, Target
+from p2p_diloco.observatory import RunLog, Target, last_closed
 from p2p_diloco.web import ObserverServer
 
 if TYPE_CHECKING:  # evaluate.py imports transformers: `status` does without it
@@ -205,20 +205,11 @@ def fetch_agreed(
         time.sleep(1.0)  # a DHT poll interval, bounded by the deadline above
 
 
-def last_closed(rounds: list[dict[str, Any]], finished: bool) -> dict[str, Any] | None:
-    """The round a summary reports: the latest but one while the run goes on. The latest is still
-    open: its members publish their records, and the records that confirm one another, over a
-    second or so, and a summary read meanwhile said "0 counted" of a healthy swarm."""
-    if not rounds:
-        return None
-    return rounds[-1] if finished or len(rounds) == 1 else rounds[-2]
-
-
 def status_lines(view: dict[str, Any], peer: str | None = None) -> list[str]:
     """The swarm at a glance, then (with `peer`) that peer's rounds: counted or not, and why."""
     run, rounds, peers = view["run"], view["rounds"], view["peers"]
     online = [p for p in peers if p["online"]]
-    last = last_closed(rounds, run["finished"])
+    last = last_closed(rounds)  # a round still being published would undercount (observatory.RunLog.closed)
     lines = [
         f"run {run['run_id']!r} (config {run['fingerprint']}): round {run['round']} of {run['rounds_total']}"
         + (", finished" if run["finished"] else ""),

@@ -28,7 +28,16 @@ from p2p_diloco import agreement, codecs
 from p2p_diloco.config import Config
 from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.genesis import Genesis, Verdict
-from p2p_diloco.network import STARTED, AllReduced, Made, RoundRecord, ServedState, StateCheck, download_verified
+from p2p_diloco.network import (
+    STARTED,
+    AllReduced,
+    Made,
+    RoundRecord,
+    ServedState,
+    StateCheck,
+    download_verified,
+    history_after,
+)
 from p2p_diloco.rounds import SwarmProgress
 from p2p_diloco.swarm import entry, records
 from p2p_diloco.swarm.allreduce import WireCodec
@@ -51,6 +60,7 @@ class Swarm:
     """One peer's membership of a run's swarm."""
 
     solo = False
+    _last_record: RoundRecord | None = None  # the latest record it published: the next one repeats it (history)
 
     def __init__(
         self, config: Config, run_dir: Path, numel: int, state_provider: Callable[[], ServedState], exact_numel: int = 0
@@ -188,9 +198,11 @@ class Swarm:
             copied=made.copied,
             group=tuple(sorted(made.group)),
             outcome=made.outcome,
+            history=history_after(self._last_record, round_),
         )
         with self._dht_lock:
             records.publish_round(self.dht, self.validator, self.prefix, record)
+        self._last_record = record
         self.heartbeat.published(record)
 
     def peers(self) -> dict[str, RoundRecord]:
