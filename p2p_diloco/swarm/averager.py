@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
 import time
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable, Sequence
@@ -38,9 +39,11 @@ from p2p_diloco.swarm.doors import Doors
 from p2p_diloco.swarm.evidence import Case, Evidence
 from p2p_diloco.swarm.ledger import Ledger
 from p2p_diloco.swarm.probes import LinkProbes
+from p2p_diloco.swarm.processes import quiet_fork, wait_result, wait_started
 from p2p_diloco.swarm.state_client import read_served_state, state_limit
 
 logger = get_logger(__name__)
+START_TIMEOUT_S = 30.0  # the averager's start deadline if its DHT has none of its own (swarm.join_timeout_s's default)
 
 
 def _not_a_failed_step(record: logging.LogRecord) -> bool:
@@ -101,6 +104,17 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         self.link = links.LinkMeter()  # lives in the averager process, where probes are sent and received
         self._receiving_probe = False  # one probe arrives at a time: two would share this peer's download
         super().__init__(*args, **kwargs)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        """Fork the averager process with no garbage collection in flight (processes.quiet_fork) and
+        wait until it is ready within the deadline its DHT was given (swarm.join_timeout_s): hivemind
+        waits forever, also for a process that died while it started. SwarmError otherwise."""
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # as hivemind does: the child inherits it
+        with quiet_fork():
+            self.start()
+        deadline_s = timeout if timeout is not None else float(getattr(self.dht, "timeout_s", START_TIMEOUT_S))
+        if await_ready:
+            wait_started(self, "averaging process", deadline_s)
 
     # --- admission (doors.py) ---------------------------------------------------------------
 
@@ -194,7 +208,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         future_for_init = MPFuture()
         self._outer_pipe.send(("_step", [], dict(step=step, future_for_init=future_for_init)))
         try:
-            step.attach(*future_for_init.result(timeout=init_timeout))
+            step.attach(*wait_result(self, future_for_init, "averaging process", init_timeout))
         except FuturesTimeout:
             future_for_init.cancel()
             raise TimeoutError(f"the averager process did not take the step within {init_timeout:g} s") from None
@@ -224,7 +238,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         self._outer_pipe.send(
             ("_download_state_from", [], dict(peer=peer, deadline=time.monotonic() + timeout, future=future))
         )
-        return future.result(timeout=timeout + 5)
+        return wait_result(self, future, "averaging process", timeout + 5)
 
     async def _download_state_from(self, peer: str, deadline: float, future: MPFuture) -> None:
         try:

@@ -10,6 +10,7 @@ import ipaddress
 import logging
 import socket
 from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any
 
@@ -18,9 +19,51 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import SwarmError
-from p2p_diloco.swarm.processes import children_started
+from p2p_diloco.swarm.processes import children_started, quiet_fork, wait_result, wait_started
 
 logger = logging.getLogger(__name__)
+
+
+class SwarmDHT(hivemind.DHT):
+    """hivemind's DHT, forked with no garbage collection in flight (processes.quiet_fork), and
+    with a deadline and a liveness check on its start and on every call that waits for its answer.
+
+    hivemind waits for the DHT process without a deadline: for it to start, and for each answer
+    (get, store, run_coroutine, hence peer_id and get_visible_maddrs). A DHT process that died
+    (measured in CI: a segfault while it imported a module) left its caller waiting forever.
+    `timeout_s` (swarm.join_timeout_s) bounds the start and each call; a dead process is a
+    SwarmError within processes.LIVENESS_S.
+    """
+
+    def __init__(self, *args: Any, timeout_s: float, **kwargs: Any):
+        self.timeout_s = timeout_s  # read by run_in_background, which hivemind's __init__ calls
+        super().__init__(*args, **kwargs)
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        with quiet_fork():
+            self.start()
+        if await_ready:
+            wait_started(self, "DHT process", timeout or self.timeout_s)
+
+    def get(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
+        return self._answer(super().get(*args, return_future=True, **kwargs), return_future)
+
+    def store(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
+        return self._answer(super().store(*args, return_future=True, **kwargs), return_future)
+
+    def run_coroutine(self, coro: Any, return_future: bool = False) -> Any:
+        return self._answer(super().run_coroutine(coro, return_future=True), return_future)
+
+    def _answer(self, future: Any, return_future: bool) -> Any:
+        if return_future:
+            return future
+        try:
+            return wait_result(self, future, "DHT process", self.timeout_s)
+        except FuturesTimeout:
+            future.cancel()
+            raise SwarmError(
+                f"the DHT process did not answer within {self.timeout_s:g} s (swarm.join_timeout_s)"
+            ) from None
 
 
 def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
@@ -67,7 +110,7 @@ def start_dht(
         _check_identity(identity_path)
     try:
         with children_started():  # a signal to the peer's group leaves the DHT process to the peer
-            return hivemind.DHT(
+            return SwarmDHT(
                 initial_peers=parse_initial_peers(initial_peers),
                 start=True,
                 client_mode=client_mode,
@@ -81,6 +124,7 @@ def start_dht(
                 use_relay=nat,
                 use_auto_relay=nat,
                 startup_timeout=cfg.join_timeout_s,
+                timeout_s=cfg.join_timeout_s,
             )
     except SwarmError:
         raise

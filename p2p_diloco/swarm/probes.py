@@ -20,6 +20,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import links
+from p2p_diloco.swarm.processes import wait_result
 
 logger = get_logger(__name__)
 
@@ -141,7 +142,7 @@ class LinkProbes:
         """(this peer's figure, what it measured of each sender) from the averager process."""
         future = MPFuture()
         self._outer_pipe.send(("_link_report", [], dict(future=future)))
-        return future.result(timeout=timeout)
+        return wait_result(self, future, "averaging process", timeout)
 
     async def _link_report(self, future: MPFuture) -> None:
         future.set_result((self.link.bandwidth(), self.link.seen()))

@@ -18,6 +18,15 @@ A child that ignores SIGTERM would survive `multiprocessing`'s exit handler (whi
 then joins: a hang), so `stop_process` kills what does not stop in time, and `_kill_leftovers`
 (registered after multiprocessing's own handler, so it runs first) kills any child still alive at
 exit.
+
+Forks. hivemind forks its children (the DHT is a ForkProcess, the averager an mp.Process that
+inherits the running DHT handle, its pipes and locks, so neither spawn nor forkserver can start it).
+A fork copies the parent as its other threads left it. If one of them is inside a collection of
+the cycle GC (running a finalizer that released the GIL: closing a pipe, joining an old child),
+the child inherits "a collection is in progress" and never collects again, and a crash in it is
+reported as "Garbage-collecting". `quiet_fork` pauses automatic collections and waits for the one
+in flight to end before it forks. A child that dies or does not start within its deadline is one
+SwarmError (`wait_started`, `wait_result`), never a wait on a dead pipe.
 """
 
 from __future__ import annotations
@@ -25,19 +34,117 @@ from __future__ import annotations
 import asyncio
 import asyncio.subprocess
 import atexit
+import gc
 import logging
 import multiprocessing
 import multiprocessing.util  # registers its exit handler before ours: ours runs first
 import os
+import queue
 import signal
 import threading
+import time
 from collections.abc import Iterator
+from concurrent.futures import TimeoutError as FuturesTimeout
 from contextlib import contextmanager
 from typing import Any
+
+from p2p_diloco.errors import SwarmError
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0  # the longest wait for a killed child to be reaped
+LIVENESS_S = 0.5  # how often a wait on a child checks that the child still lives
+QUIET_TIMEOUT_S = 10.0  # the longest wait for a collection in flight (a finalizer joining a child)
+
+
+class _Collections:
+    """Whether the cycle GC is collecting, in any thread, and a wake-up when it stops.
+
+    gc.callbacks run in the collecting thread, possibly inside a finalizer's own locks: a
+    SimpleQueue is the one primitive that is safe to put to from there."""
+
+    def __init__(self) -> None:
+        self.running = False
+        self.stopped: queue.SimpleQueue[bool] = queue.SimpleQueue()
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        self.running = phase == "start"
+        if not self.running:
+            self.stopped.put(True)
+
+    def wait_idle(self, timeout_s: float) -> bool:
+        """Whether no collection runs (within `timeout_s`); new ones must be paused by the caller."""
+        while not self.stopped.empty():  # wake-ups of collections that ended before this wait
+            self.stopped.get_nowait()
+        if not self.running:
+            return True
+        try:
+            self.stopped.get(timeout=timeout_s)
+        except queue.Empty:
+            return False
+        return True
+
+
+_COLLECTIONS = _Collections()
+gc.callbacks.append(_COLLECTIONS)
+
+
+@contextmanager
+def quiet_fork() -> Iterator[None]:
+    """Fork a hivemind child inside this block: no collection of the cycle GC is in flight in any
+    thread (automatic ones are paused for the block: keep it to the fork itself)."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        if not _COLLECTIONS.wait_idle(QUIET_TIMEOUT_S):
+            logger.warning("a garbage collection still ran after %g s: forking anyway", QUIET_TIMEOUT_S)
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+def wait_started(part: Any, what: str, timeout_s: float) -> None:
+    """Wait until hivemind's child `part` is ready (its `_ready` future), within `timeout_s`.
+    Raises SwarmError at once if it dies, and if it is not ready in time (it is then killed)."""
+    try:
+        wait_result(part, part._ready, what, timeout_s)
+    except FuturesTimeout:
+        part.kill()
+        part.join(STOP_TIMEOUT_S)
+        raise SwarmError(
+            f"the {what} did not start within {timeout_s:g} s (swarm.join_timeout_s); the machine may be "
+            f"overloaded: raise swarm.join_timeout_s or free some CPU"
+        ) from None
+
+
+def wait_result(part: Any, future: Any, what: str, timeout_s: float) -> Any:
+    """`future`'s result, which the child `part` sets, within `timeout_s` (else FuturesTimeout).
+    Raises SwarmError as soon as the child is found dead: its answer will never come."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            return future.result(timeout=max(0.0, min(LIVENESS_S, deadline - time.monotonic())))
+        except FuturesTimeout:
+            if future.done() or time.monotonic() >= deadline:
+                raise
+            check_alive(part, what)
+
+
+def check_alive(part: Any, what: str) -> None:
+    """SwarmError if the child `part` died. Only its parent can ask (elsewhere: nothing to check)."""
+    if getattr(part, "_parent_pid", None) != os.getpid() or part.is_alive():
+        return
+    raise SwarmError(f"the {what} (pid {part.pid}) died: {_how(part.exitcode)}; see its log lines above")
+
+
+def _how(exitcode: int | None) -> str:
+    if exitcode is not None and exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
 
 
 @contextmanager
