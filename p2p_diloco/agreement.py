@@ -8,7 +8,7 @@ round's state instead of training a round nobody else is in. This module decides
 - what the majority is, with the tie-break every peer computes the same way (`majority`, `reference`);
 - the swarm's state, backed by at least half of the live peers (`backed`), and whether this
   peer ran ahead of it (`runs_ahead`);
-- adopt or keep (`should_adopt`, `catch_up_target`, `moved_on`);
+- adopt or keep (`should_adopt`, `catch_up_target`);
 - which holders to download from (`download_sources`).
 sync.py carries the decisions out; the `Swarm` (network.py) only reads and writes.
 
@@ -153,12 +153,6 @@ def catch_up_target(swarm_state: Reference | None, my_round: int, my_digest: str
     return swarm_state
 
 
-def moved_on(failed: Reference, now: Reference | None) -> bool:
-    """Whether the swarm published a later round than the one a catch-up failed to download: its
-    holders moved on while this peer asked them, so asking again for the new round can succeed."""
-    return now is not None and now.round > failed.round
-
-
 def download_sources(holders: Iterable[str], me: str) -> list[str]:
     """The holders to ask, in order (sorted by peer id, so every joiner asks in the same order);
     never this peer itself."""
@@ -173,9 +167,11 @@ def expected_group(peers_in_round: int, at_rounds: set[str]) -> int:
 
 
 def still_finishing(records: Mapping[str, RoundRecord], stale: set[str], final: int, mine: str) -> list[str]:
-    """Live peers of the last two rounds that do not hold this peer's final state yet: whom a peer
-    that finished the run lingers for, so they can download it."""
-    return [p for p, r in records.items() if r.round in (final - 1, final) and r.digest != mine and p not in stale]
+    """Live peers that do not hold this peer's final state yet, at any round: whom a peer that
+    finished the run lingers for, so they can download it. A peer that is starting up (settling,
+    downloading) publishes its start record and beats while it looks, so it counts too: otherwise
+    the last holders could leave while it settles, and it would find nobody to download from."""
+    return [p for p, r in records.items() if r.round <= final and r.digest != mine and p not in stale]
 
 
 def config_to_defer_to(mine: str, live: Mapping[str, int]) -> str | None:

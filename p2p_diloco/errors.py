@@ -94,6 +94,11 @@ class RunFinished(P2PDilocoError):
     exit_code = 0
 
 
+class CatchUpFailed(SwarmError):
+    """Live peers hold a later state that this peer could not download in time, or the run ended
+    before it could: it stops rather than train on a state the swarm did not agree on (I1)."""
+
+
 class RankLost(P2PDilocoError):
     """A process of this peer of several (run.nproc) exited unbidden: the peer stops."""
 

@@ -16,6 +16,7 @@ Hook = Callable[..., None]
 
 class FaultPoint(enum.Enum):
     START = "start"  # the peer joined the swarm and is about to look for the run's state
+    LOOK = "look"  # the peer published its start record and is about to catch up with the swarm
     INNER = "inner"  # an inner phase starts (the peer's main process)
     MATCHMAKING = "matchmaking"  # the peer starts looking for its round's group (context: window_s)
     ALLREDUCE_PART = "allreduce"  # the averager process sends or receives a part of an all-reduce

@@ -5,26 +5,40 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from p2p_diloco.errors import RunFinished
+from p2p_diloco.errors import CatchUpFailed, RunFinished, StateDownloadError
 from p2p_diloco.genesis import Verdict
 
 if TYPE_CHECKING:
     from p2p_diloco.peer import Peer
 
 
-def refuse_a_finished_run(peer: Peer) -> None:
-    """A run whose genesis says it ended is never trained again from an earlier state (alone,
-    from θ(0)): RunFinished, exit 0. A peer that downloaded the final state goes on to the end."""
-    final = peer.verdict.final
+def refuse_a_finished_run(peer: Peer, failure: StateDownloadError | None = None) -> None:
+    """A run whose genesis says it ended is never trained on from an earlier state (alone, from
+    θ(0) or from a round the peer slept through): RunFinished, exit 0, or CatchUpFailed with the
+    reason when this peer tried to download the final state (`failure`) and could not. A peer that
+    downloaded the final state goes on to the end.
+
+    The claim is read afresh (the run may have ended while this peer settled or slept), but only
+    when no other live peer trains at or behind this peer's round: in a healthy swarm, no DHT read."""
+    stale = peer.swarm.stale_peers()
+    live = [r.round for p, r in peer.swarm.peers().items() if p not in stale and p != peer.peer_id]
+    if failure is None and any(r <= peer.state.round for r in live):
+        return
+    final = peer.swarm.final_state()
     if final is None or peer.state.round >= final.final_round:
         return
-    live = [r.round for p, r in peer.swarm.peers().items() if p not in peer.swarm.stale_peers()]
     if max(live, default=final.final_round) < final.final_round:
         return  # live peers still train the run: a claim of its end is false (anyone may publish one)
+    run_id, digest = peer.config.run.run_id, final.final_digest[:12]
+    ended = f"run {run_id!r} finished at round {final.final_round} (final digest {digest})"
+    if failure is not None:
+        raise CatchUpFailed(
+            f"{ended}; the final state could not be downloaded: {failure}. This peer writes no final model of its "
+            f"own: export the model from a peer's run dir (p2p-diloco export)"
+        )
     raise RunFinished(
-        f"run {peer.config.run.run_id!r} finished at round {final.final_round} (final digest "
-        f"{final.final_digest[:12]}) and no peer serves its final state any more: nothing to train. Ask the "
-        f"organiser for the model, or start a new run with another run.run_id"
+        f"{ended} and no peer serves its final state any more: nothing to train. Ask the organiser for the model, "
+        f"or start a new run with another run.run_id"
     )
 
 

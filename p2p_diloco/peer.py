@@ -28,7 +28,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.metrics import MetricsLog, PeerLogger, Phase, Progress
-from p2p_diloco.network import COPIED, STARTED, ServedState, Solo, Swarm
+from p2p_diloco.network import COPIED, ServedState, Solo, Swarm
 from p2p_diloco.prefetch import Prefetcher
 from p2p_diloco.round import RoundDriver
 from p2p_diloco.sync import StateSync
@@ -212,20 +212,20 @@ class Peer:
         self.verdict = self.swarm.check_config(self.theta0)
         if self.verdict.kind != "join":
             joining.refuse_a_finished_run(self)  # nobody is live to download its end from
+        # Announce first, and beat while settling and downloading: peers that finished the run linger
+        # for a live peer without their final state, and reachable peers wait for a client at matchmaking.
+        self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
         if self.config.swarm.client_mode:
-            # Announce first, so reachable peers know to wait for this one at the next matchmaking.
-            self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
             self.swarm.wait_for_reachable_peer()
-        caught_up = self.sync.catch_up(starting=True)
-        joining.refuse_a_finished_run(self)  # the live peers did not serve its end
+        faults.reached(faults.FaultPoint.LOOK)
+        caught_up = self.sync.catch_up(starting=True)  # refuses a run that ended meanwhile (joining.py)
         if path is None:
             self.metrics.truncate_after(-1)
         if path is None or caught_up:
             self.record_start()
             self.save()
-        self.swarm.publish_round(
-            self.state.round, self.state.digest(), 0, float("nan"), COPIED if caught_up else STARTED
-        )
+        if caught_up:
+            self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), COPIED)
         joining.say_whom_it_joined(self)
 
     def _serve_metrics(self) -> None:
@@ -287,9 +287,9 @@ class Peer:
         self._linger(stop)
 
     def _linger(self, stop: threading.Event) -> None:
-        """Stay a while after the last round so that a peer still finishing it can download the
-        final state from us: until every live peer of the last two rounds holds our final digest,
-        or swarm.agreement_timeout_s + swarm.join_timeout_s, or Ctrl+C."""
+        """Stay a while after the last round so that a peer still finishing it, or starting up, can
+        download the final state from us: until every live peer holds our final digest, or
+        swarm.agreement_timeout_s + swarm.join_timeout_s, or Ctrl+C."""
         final, mine = self.state.round, self.state.digest()
         deadline = time.monotonic() + self.config.swarm.agreement_timeout_s + self.config.swarm.join_timeout_s
         while not stop.is_set() and time.monotonic() < deadline:

@@ -13,8 +13,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2p_diloco import agreement, outer
-from p2p_diloco.errors import StateDownloadError
+from p2p_diloco import agreement, joining, outer
+from p2p_diloco.errors import CatchUpFailed, StateDownloadError
 from p2p_diloco.inner import PhaseResult
 from p2p_diloco.network import COPIED, Made, RoundRecord
 from p2p_diloco.pending import Pending
@@ -27,7 +27,7 @@ POLL_S = 0.5  # how often a peer that runs ahead of the swarm reads the others' 
 # peers started at the same moment publish their first records within seconds of each other, and
 # one that saw only an attacker's later round would otherwise follow it (bench/attacks.py ahead:50).
 SETTLE_S = 10.0
-CATCH_UP_ATTEMPTS = 3  # downloads of a catch-up whose holders moved on to a later round meanwhile
+CATCH_UP_JOINS = 4  # a catch-up that cannot download keeps trying for this many swarm.join_timeout_s
 
 
 @dataclass(frozen=True)
@@ -140,27 +140,59 @@ class StateSync:
         """If the swarm is at a later round (or the same round with another majority digest),
         download its state. Returns whether this peer adopted one.
 
-        In a swarm whose rounds are short, the holders may have moved on while this peer asked
-        them: they serve a later round than the one it asked for. It then asks again for the round
-        they published since, at most CATCH_UP_ATTEMPTS times. `starting`: the peer's first
-        catch-up, which follows a state that one peer alone backs only after SETTLE_S."""
+        A peer never trains on while live peers hold a later state it could not download: it asks
+        the holders it knows again, and the holders of the round they publish next (in a swarm
+        whose rounds are short they move on while it asks), for up to `patience_s`; then it stops
+        with CatchUpFailed. If the holders left because the run ended, it says so
+        (`joining.refuse_a_finished_run`): it writes no final model of its own. `starting`: the
+        peer's first catch-up, which follows a state that one peer alone backs only after SETTLE_S."""
         peer = self.peer
         peer.phase.set("catch-up")
         mine = self._mine()  # the peer's state does not change while it looks: hashed once
         target = self._settled(mine) if starting else self._target(mine)
-        for _ in range(CATCH_UP_ATTEMPTS):
-            if target is None:
+        deadline = time.monotonic() + self.patience_s()
+        failure: StateDownloadError | None = None
+        while target is not None:
+            try:
+                offered = self._download(target.round, target.digest, list(target.holders))
+            except StateDownloadError as e:
+                failure = e
+                self.failed_catch_up = max(self.failed_catch_up, target.round)
+                target = self._retry(target, e, deadline, mine)
+                continue
+            if not self._accept(offered, list(target.holders)):
                 return False
-            if self.try_adopt(target.round, target.digest, list(target.holders)):
-                # The inner lr schedule follows the swarm's round, not this peer's own step count.
-                peer.trainer.step = max(peer.trainer.step, target.round * peer.config.inner.steps)
-                peer.log.info("caught up with the swarm at round %d (digest %s)", target.round, target.digest[:12])
-                return True
-            self.failed_catch_up = max(self.failed_catch_up, target.round)
-            failed, target = target, self._target(mine)
-            if not agreement.moved_on(failed, target):
-                return False
+            # The inner lr schedule follows the swarm's round, not this peer's own step count.
+            peer.trainer.step = max(peer.trainer.step, target.round * peer.config.inner.steps)
+            peer.log.info("caught up with the swarm at round %d (digest %s)", target.round, target.digest[:12])
+            return True
+        joining.refuse_a_finished_run(peer, failure)  # the holders may have left because the run ended
+        if failure is not None:
+            peer.log.info("the peers ahead of this one left before it could download their state: going on")
         return False
+
+    def patience_s(self) -> float:
+        """How long a peer that cannot download the swarm's state keeps trying before it stops (I3):
+        CATCH_UP_JOINS download deadlines, so that the holders of the next round or two are asked too."""
+        return CATCH_UP_JOINS * self.peer.config.swarm.join_timeout_s
+
+    def _retry(
+        self, failed: agreement.Reference, error: StateDownloadError, deadline: float, mine: RoundRecord
+    ) -> agreement.Reference | None:
+        """After a failed download: the state to ask for next (the same, or the holders' later one), or
+        None if no live peer holds a later state any more. CatchUpFailed past the deadline."""
+        peer = self.peer
+        if time.monotonic() >= deadline:
+            raise CatchUpFailed(
+                f"could not download the swarm's state (round {failed.round}, digest {failed.digest[:12]}) in "
+                f"{self.patience_s():g} s: {error}. This peer trains nothing of its own while the swarm is ahead; "
+                f"check that this machine reaches the peers' addresses, then restart it with --resume"
+            )
+        peer.log.info(
+            "could not download round %d yet (%s): asking its holders again, or the next round's", failed.round, error
+        )
+        time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
+        return self._target(mine)
 
     def _target(self, mine: RoundRecord) -> agreement.Reference | None:
         """The backed state to catch up to, if any. A peer ahead of the swarm's backed state waits
@@ -219,25 +251,31 @@ class StateSync:
         return target, target is None and agreement.runs_ahead(swarm_state, seen, counted, mine.round, mine.digest)
 
     def try_adopt(self, round_: int, digest: str, holders: list[str]) -> bool:
-        """Download and adopt a verified state; on failure keep this peer's own and say so.
-
-        The holders may all be gone (their records outlive them for a while): the peer then
-        carries on with its own state, and the next round's catch-up or agreement tries again.
-        """
-        peer = self.peer
+        """Download and adopt a verified state (agreement: the group's majority); on failure keep
+        this peer's own and say so: the next round's catch-up or agreement tries again."""
         try:
-            sources = agreement.download_sources(holders, peer.peer_id)
-            _, (theta, momentum) = peer.swarm.download_state(round_, digest, sources, self.verify_state)
+            offered = self._download(round_, digest, holders)
         except StateDownloadError as e:
-            peer.log.warning("%s; keeping this peer's own state (round %d)", e, peer.state.round)
+            self.peer.log.warning("%s; keeping this peer's own state (round %d)", e, self.peer.state.round)
             return False
+        return self._accept(offered, holders)
+
+    def _download(self, round_: int, digest: str, holders: list[str]) -> outer.GlobalState:
+        """The verified state of `round_` with `digest` from one of `holders`, or StateDownloadError."""
+        peer = self.peer
+        sources = agreement.download_sources(holders, peer.peer_id)
+        _, (theta, momentum) = peer.swarm.download_state(round_, digest, sources, self.verify_state)
         like = peer.state.params
-        offered = outer.GlobalState(round_, outer.unflatten(theta, like), outer.unflatten(momentum, like))
+        return outer.GlobalState(round_, outer.unflatten(theta, like), outer.unflatten(momentum, like))
+
+    def _accept(self, offered: outer.GlobalState, holders: list[str]) -> bool:
+        """Adopt `offered`, unless the average that made it points against this peer's own Δ."""
+        peer = self.peer
         if (cosine := self._against_own(offered)) is not None:
             peer.log.warning(
                 "the state of round %d that %s hold was made with an average pointing against this peer's own "
                 "pseudo-gradient (cosine %.2f): keeping this peer's own state",
-                round_,
+                offered.round,
                 ", ".join(h[-4:] for h in holders),
                 cosine,
             )

@@ -1,6 +1,7 @@
 """A peer that fails on purpose at a chosen fault point and count: the fault-injection tests' subject.
 
-    FAULT=<phase>:<n>:<KILL|STOP|INT> python -m tests.swarm.faulty_peer peer ...   (same arguments as p2p-diloco peer)
+    FAULT=<phase>:<n>:<KILL|STOP|INT|TERM|WAIT> python -m tests.swarm.faulty_peer peer ...
+    (the same arguments as p2p-diloco peer)
 
 The phases are the peer's own fault points (p2p_diloco.faults.FaultPoint); at the n-th time the
 peer reaches one, it signals its whole process group (itself, its DHT and averager processes and
@@ -14,6 +15,9 @@ terminal (which also signals the whole foreground process group), SIGTERM `timeo
 - `matchmaking`: the n-th time this peer looks for its round's group, half a matchmaking window
   after it declared itself (others have seen it and may be waiting for it).
 - `serve`: when another peer downloads this peer's state for the n-th time, before a byte was sent.
+- `look`: the peer published its start record and is about to catch up with the swarm. With the
+  signal WAIT (`FAULT=look:1:WAIT`, `FAULT_GO=<path>`) the peer is held there until the test
+  creates the file: a delay hook, not a fault.
 Counting from this peer's start makes the fault land after it took part in the swarm, however many
 rounds it skipped by catching up. The tests start this process in a session of its own, so the
 group is exactly this peer.
@@ -23,6 +27,7 @@ import os
 import signal
 import sys
 import threading
+import time
 
 from p2p_diloco import cli
 from p2p_diloco.faults import FaultPoint, install
@@ -30,8 +35,17 @@ from tests.swarm.procs import signal_tree
 
 PHASE, NTH, SIGNAL = os.environ["FAULT"].split(":")
 NTH = int(NTH)
-SIGNUM = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "INT": signal.SIGINT, "TERM": signal.SIGTERM}[SIGNAL]
+SIGNUM = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "INT": signal.SIGINT, "TERM": signal.SIGTERM}.get(SIGNAL)
+GO_TIMEOUT_S = 120.0  # WAIT: the longest the test may take to say go
 FIRED = threading.Event()
+
+
+def wait_for_go() -> None:
+    """WAIT: hold the peer at the point until the test creates the file $FAULT_GO (a delay hook:
+    the test chooses what the swarm has done meanwhile). Bounded: the peer goes on after GO_TIMEOUT_S."""
+    go, deadline = os.environ["FAULT_GO"], time.monotonic() + GO_TIMEOUT_S
+    while not os.path.exists(go) and time.monotonic() < deadline:
+        FIRED.wait(0.1)  # a poll of the file, bounded by the deadline
 
 
 def fail() -> None:
@@ -84,6 +98,8 @@ if PHASE == "allreduce":
     in_allreduce_after_completed()
 elif PHASE == "matchmaking":
     on_nth(FaultPoint.MATCHMAKING, mid_matchmaking)
+elif SIGNAL == "WAIT":
+    on_nth(FaultPoint(PHASE), lambda **context: wait_for_go())
 else:
     on_nth(FaultPoint(PHASE))
 

@@ -124,18 +124,29 @@ def swarm_python():
 
 
 @pytest.mark.timeout(240)
-def test_client_mode_peers_average_through_one_reachable_peer(swarm):
+def test_client_mode_peers_average_through_one_reachable_peer_and_a_slow_one_ends_on_the_swarms_model(swarm):
     # One peer others can connect to, two behind NAT (client mode: they never reduce or serve).
+    # client1 starts with the others but is held (a delay hook) after it announced itself, until the
+    # run has ended: as a slow machine was in CI, where it then looked at the swarm for 10 s (one
+    # reachable peer alone backs the state: sync.SETTLE_S), found the final state's holder gone,
+    # trained rounds 1-4 alone and exited 0 on a model of its own. The linger must count it.
     names = ("reachable", "client1", "client2")
-    peers = [swarm.peer("reachable")] + [swarm.peer(n, {"swarm.client_mode": "true"}) for n in names[1:]]
-    wait_until(lambda: all(p.poll() is not None for p in peers), peers, 200, "all finish")
+    go = swarm.folder / "go"
+    client = {"swarm.client_mode": "true"}
+    peers = [swarm.peer("reachable"), swarm.peer("client2", client)]
+    peers.append(swarm.peer("client1", client, fault="look:1:WAIT", env={"FAULT_GO": str(go)}))
+    wait_until(lambda: ROUNDS in swarm.records("reachable"), peers, 150, "the run's last round")
+    go.touch()
+    wait_until(lambda: all(p.poll() is not None for p in peers), peers, 150, "all finish")
     assert [p.returncode for p in peers] == [0, 0, 0], swarm.log("client1")[-2000:]
     recs = {n: swarm.records(n) for n in names}
     for r in range(1, ROUNDS + 1):
-        assert len({recs[n][r]["digest"] for n in names}) == 1, r
-    assert [recs["client1"][r]["group_size"] for r in range(2, ROUNDS + 1)] == [3] * (ROUNDS - 1)
+        assert len({recs[n][r]["digest"] for n in names if r in recs[n]}) == 1, r
+    assert sorted(recs["client1"]) == [ROUNDS], "client1's one state is the swarm's final one"
+    assert f"caught up with the swarm at round {ROUNDS}" in swarm.log("client1")
+    assert all(recs["client2"][r]["group_size"] == 2 for r in range(1, ROUNDS + 1))
     # the clients send and receive; only the reachable peer reduces
-    assert all(recs[n][ROUNDS]["bytes_sent"] > 0 and recs[n][ROUNDS]["bytes_received"] > 0 for n in names)
+    assert all(recs[n][ROUNDS]["bytes_sent"] > 0 and recs[n][ROUNDS]["bytes_received"] > 0 for n in names[::2])
 
 
 @pytest.mark.timeout(240)

@@ -299,23 +299,17 @@ def test_expected_group_is_the_larger_of_the_swarms_progress_and_the_peers_at_th
 # still_finishing
 
 
-def test_still_finishing_lists_live_peers_of_the_last_two_rounds_without_my_final_state():
+def test_still_finishing_lists_live_peers_at_any_round_without_my_final_state():
     rs = records(
         rec("p1", 10, A),  # holds my final state: done
         rec("p2", 10, B),  # final round, other state
         rec("p3", 9, A),  # round before, already holds my state (same digest)
         rec("p4", 9, B),  # round before, other state
-        rec("p5", 8, B),  # too far behind
+        rec("p5", 8, B),  # further behind: it will catch up to the final state
         rec("p6", 10, C),  # stale
+        rec("p7", 0, C),  # starting up: settling or downloading from round 0
     )
-    assert agreement.still_finishing(rs, {"p6"}, 10, A) == ["p2", "p4"]
-
-
-def test_a_failed_catch_up_is_retried_only_if_the_swarm_moved_on():
-    failed = Reference(5, "a" * 32, ("p1",))
-    assert agreement.moved_on(failed, Reference(6, "b" * 32, ("p1",)))
-    assert not agreement.moved_on(failed, Reference(5, "b" * 32, ("p2",)))
-    assert not agreement.moved_on(failed, None)
+    assert agreement.still_finishing(rs, {"p6"}, 10, A) == ["p2", "p4", "p5", "p7"]
 
 
 def test_a_peer_defers_to_another_config_only_when_nobody_runs_its_own():

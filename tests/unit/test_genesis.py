@@ -139,6 +139,28 @@ def test_a_false_claim_of_the_end_does_not_stop_a_peer_while_peers_train(tmp_pat
     peer.close()
 
 
+def test_a_peer_that_slept_through_the_end_does_not_finish_the_run_alone(tmp_path):
+    # It averaged round 0 with p1, then slept: p1 finished the run (round 4), lingered and left.
+    # Training rounds 1-3 alone would end the run on a model the swarm never agreed on.
+    end = moved(make_peer(tmp_path / "first", FakeSwarm()).state, 0.01, 4)
+    fake = FakeSwarm()
+    group = fake.group("p1")
+
+    def averaged_then_slept(call):
+        average = group(call)
+        fake.final = final_of(end)
+        fake.publish_other("p1", end)
+        fake.stale = {"p1"}
+        return average
+
+    fake.script = [averaged_then_slept]
+    peer = make_peer(tmp_path / "slept", fake, **{"run.rounds": "4"})
+    with pytest.raises(RunFinished, match=r"finished at round 4 \(final digest .*no peer serves its final state"):
+        run(peer)
+    assert len(fake.calls) == 1 and [r["round"] for r in records(peer)] == [0, 1]
+    assert peer.state.round == 1, "it trained nothing after round 1"
+
+
 def test_a_peer_that_finishes_the_run_publishes_its_end(tmp_path):
     fake = FakeSwarm()
     peer = run(make_peer(tmp_path, fake, **{"run.rounds": "2"}))

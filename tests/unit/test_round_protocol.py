@@ -16,7 +16,8 @@ import pytest
 import torch
 
 from p2p_diloco import checkpoint, config, outer, sync
-from p2p_diloco.errors import AveragingError
+from p2p_diloco.errors import AveragingError, CatchUpFailed
+from p2p_diloco.genesis import Genesis
 from p2p_diloco.network import AllReduced
 from p2p_diloco.peer import Peer
 from tests.conftest import TINY
@@ -209,6 +210,74 @@ def test_a_joiner_whose_holders_moved_on_during_its_download_asks_for_their_new_
     assert [r["round"] for r in records(joiner)] == [6], "the joiner's first state is the swarm's"
     assert "caught up with the swarm at round 6" in caplog.text
     assert "one peer alone holds round 5 as the swarm's state: looking at the swarm for up to 0.5 s" in caplog.text
+
+
+def joiner_of(tmp_path, fake: FakeSwarm, state: outer.GlobalState, monkeypatch) -> FakeSwarm:
+    """Two holders of `state` that serve nothing yet: every download the joiner tries fails."""
+    monkeypatch.setattr(sync, "POLL_S", 0.01)
+    for holder in ("p1", "p2"):
+        fake.publish_other(holder, state)
+    served, fake.states = dict(fake.states), {}
+    fake.served_later = served  # type: ignore[attr-defined]
+    return fake
+
+
+def test_a_joiner_that_cannot_download_yet_keeps_asking_and_never_trains_alone(tmp_path, caplog, monkeypatch):
+    # The client-mode failure of CI: a joiner whose downloads failed trained rounds alone and ended
+    # the run on a model of its own. Here its first three downloads fail, the fourth succeeds.
+    caplog.set_level(logging.INFO)
+    first = make_peer(tmp_path / "first", FakeSwarm())
+    round5 = moved(first.state, 0.01, 5)
+    first.close()
+    fake = joiner_of(tmp_path, FakeSwarm(), round5, monkeypatch)
+
+    def serve_at_the_fourth(round_):
+        if len(fake.downloads) == 4:
+            fake.states = fake.served_later  # type: ignore[attr-defined]
+        assert not fake.calls, "the joiner trained and averaged before it held the swarm's state"
+
+    fake.on_download = serve_at_the_fourth
+    joiner = run(make_peer(tmp_path / "joiner", fake, **{"run.rounds": "5"}))
+    assert [(r, d) for r, d, _ in fake.downloads] == [(5, round5.digest())] * 4
+    assert joiner.state.digest() == round5.digest() and not fake.calls
+    assert [r["round"] for r in records(joiner)] == [5]
+    assert caplog.text.count("could not download round 5 yet") == 3
+
+
+def test_a_joiner_whose_holders_left_at_the_runs_end_says_so_and_writes_no_model(tmp_path, caplog, monkeypatch):
+    first = make_peer(tmp_path / "first", FakeSwarm())
+    final = moved(first.state, 0.01, 5)
+    first.close()
+    fake = joiner_of(tmp_path, FakeSwarm(), final, monkeypatch)
+    fake.final = Genesis("fp", "t0", 5, final.digest())
+
+    def holders_leave(round_):  # their linger ended while the joiner asked: their heartbeats stop
+        if len(fake.downloads) == 2:
+            fake.stale = {"p1", "p2"}
+
+    fake.on_download = holders_leave
+    with pytest.raises(CatchUpFailed) as e:
+        make_peer(tmp_path / "joiner", fake, **{"run.rounds": "5"})
+    assert str(e.value).startswith(
+        f"run 'p2p-diloco' finished at round 5 (final digest {final.digest()[:12]}); the final state could not "
+        f"be downloaded: no peer served round 5 with digest {final.digest()[:12]}"
+    )
+    assert not fake.calls and checkpoint.latest(tmp_path / "joiner" / "run") is None
+    assert len(fake.downloads) == 2
+
+
+def test_a_joiner_that_cannot_download_for_its_patience_stops_with_one_line(tmp_path, monkeypatch):
+    first = make_peer(tmp_path / "first", FakeSwarm())
+    round5 = moved(first.state, 0.01, 5)
+    first.close()
+    fake = joiner_of(tmp_path, FakeSwarm(), round5, monkeypatch)
+    with pytest.raises(CatchUpFailed) as e:
+        make_peer(tmp_path / "joiner", fake, **{"run.rounds": "9", "swarm.join_timeout_s": "0.2"})
+    assert str(e.value).startswith(
+        f"could not download the swarm's state (round 5, digest {round5.digest()[:12]}) in 0.8 s: no peer served"
+    )
+    assert len(fake.downloads) >= 2 and not fake.calls
+    assert checkpoint.latest(tmp_path / "joiner" / "run") is None
 
 
 def test_a_minority_digest_adopts_the_majority_state(tmp_path, caplog):
