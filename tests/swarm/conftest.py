@@ -2,10 +2,12 @@
 
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
 import time
+from contextlib import ExitStack
 from pathlib import Path
 
 import pytest
@@ -64,10 +66,12 @@ class Swarm:
         initial_peers: tuple[str, ...] = (),
         run: dict | None = None,
         observe: bool = False,
+        observe_poll_s: float = 1.0,
     ) -> str:
         """A bootstrap node (`name` keeps its key and log; the same name and port restart it):
         its address; the first one's is what peers are given. It watches the run of SWARM + `run`;
-        with `observe` it serves the observer too (the next line of its stdout has the URL)."""
+        with `observe` it serves the observer too, polling every `observe_poll_s` (the next line of
+        its stdout has the URL)."""
         log = open(self.folder / f"{name}.log", "a")
         run_toml = self.folder / ("run.toml" if name == "bootstrap" else f"{name}.toml")
         config.save(config.load(None, {**SWARM, **(run or {})}), run_toml)  # it reports this run's rounds
@@ -86,7 +90,8 @@ class Swarm:
                 "--config",
                 str(run_toml),
                 *(["--initial-peers", *initial_peers] if initial_peers else []),
-                *(["--observe-port", "0", "--observe-eval-every", "1", "--observe-poll-s", "1"] if observe else []),
+                *(["--observe-port", "0", "--observe-eval-every", "1"] if observe else []),
+                *(["--observe-poll-s", str(observe_poll_s)] if observe else []),
             ],
             stdout=subprocess.PIPE,
             stderr=log,
@@ -182,11 +187,45 @@ def _end_session(pgid: int) -> None:
     signal_tree(pgid, signal.SIGKILL)  # p2pd too: a stopped one would not notice its parent died
 
 
+# Timing chaos for chosen swarm tests (bench/chaos_kinds.py, docs/benchmarks.md "Timing chaos"):
+# P2P_DILOCO_CHAOS=hog a CPU hog on core 0 for the test's duration; quota: the test's first peer
+# in 15 % of a core (cgroup v1); pauses: its process tree stopped 0.1-3 s at random moments
+# (seed P2P_DILOCO_CHAOS_SEED). Comma-separated; unset (the default) costs nothing.
+CHAOS = {kind for kind in os.environ.get("P2P_DILOCO_CHAOS", "").split(",") if kind}
+CHAOS_KINDS = {"hog", "quota", "pauses"}
+
+
+def _with_chaos(s: Swarm, stack: ExitStack) -> None:
+    from bench.chaos_kinds import CpuQuota, Hog, Pauses  # only when asked for
+
+    if CHAOS - CHAOS_KINDS:
+        raise pytest.UsageError(f"P2P_DILOCO_CHAOS: unknown {sorted(CHAOS - CHAOS_KINDS)}; use {sorted(CHAOS_KINDS)}")
+    if "hog" in CHAOS:
+        stack.enter_context(Hog(core=0))
+    start, subjects = s.peer, []
+
+    def peer(name, *args, **kwargs):
+        proc = start(name, *args, **kwargs)
+        if not subjects and CHAOS & {"quota", "pauses"}:  # the test's first peer, from its start
+            subjects.append(proc)
+            if "quota" in CHAOS:
+                stack.enter_context(CpuQuota(name, 0.15)).add(proc.pid)
+            if "pauses" in CHAOS:
+                rng = random.Random(int(os.environ.get("P2P_DILOCO_CHAOS_SEED", "0")))
+                stack.enter_context(Pauses(proc.pid, rng))
+        return proc
+
+    s.peer = peer  # type: ignore[method-assign]
+
+
 @pytest.fixture
 def swarm(tmp_path):
     s = Swarm(tmp_path)
-    s.bootstrap()
-    try:
-        yield s
-    finally:
-        s.end_all()
+    with ExitStack() as chaos:  # ended after end_all: SIGCONT, the hog killed, the cgroup removed
+        if CHAOS:
+            _with_chaos(s, chaos)
+        s.bootstrap()
+        try:
+            yield s
+        finally:
+            s.end_all()
