@@ -103,12 +103,13 @@ def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_c
         wait_until(lambda: all(len(swarm.records(n)) >= 3 for n in peers), list(peers.values()), 120, "3 rounds each")
         signal_tree(peers["c"].pid, signal.SIGSTOP)  # c sleeps through rounds: its heartbeat stops
         wait_until(lambda: any(_silent(r, "c", swarm) for r in api(url)["rounds"]), [peers["a"]], 90, "c not counted")
-        wait_until(lambda: api(url)["run"]["eval_loss"] is not None, [peers["a"]], 60, "the observer's own loss")
-        dom = browser_dom(url)
-        (tmp_path / "dashboard.html").write_text(dom)  # what the browser drew, kept for a failed run
+        # status at once: c's record, never refreshed while it sleeps, leaves the DHT 90 s after it stopped
         export = start_export(swarm, extra, tmp_path / "model")  # a and b serve the agreed state
         status = run_status(swarm, extra, "--run-dir", str(swarm.folder / "c"))  # meanwhile
         exported = finish_export(export, tmp_path / "model")
+        wait_until(lambda: api(url)["run"]["eval_loss"] is not None, [peers["a"]], 60, "the observer's own loss")
+        dom = browser_dom(url)
+        (tmp_path / "dashboard.html").write_text(dom)  # what the browser drew, kept for a failed run
         for name in ("a", "b"):  # they leave; the observer's figures then stop changing (c stays asleep)
             peers[name].send_signal(signal.SIGINT)
         wait_until(lambda: all(peers[n].poll() is not None for n in "ab"), [swarm.nodes["bootstrap"]], 60, "stop")
