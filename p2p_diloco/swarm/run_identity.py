@@ -98,13 +98,18 @@ class RunIdentity:
         """This peer finished the run's last round with `digest`: the run's genesis says so from
         now on (a peer that comes later is told the run is over instead of training it alone)."""
         final = self.genesis.finished_at(round_, digest)
-        with self._dht_lock:
-            found = self._believed(records.read_geneses(self.dht, self.config.run.run_id))
-            if genesis.should_publish(found, final):
+        if genesis.should_publish(self._geneses(), final):
+            with self._dht_lock:
                 records.publish_genesis(self.dht, self.validator, self.config.run.run_id, final)
 
     def final_state(self) -> Genesis | None:
         """The run's end as the genesis records claim it (genesis.final_claim), if any."""
+        return genesis.final_claim(self._geneses(), self.config.fingerprint(), self.config.run.rounds)
+
+    def _geneses(self) -> dict[str, Genesis]:
+        """The run's genesis records that count. Read under the DHT lock, judged after it: in a
+        certified run the gate reads the certificates of publishers it does not know yet, under
+        the same lock (a nested take of it was a deadlock at every certified peer's start)."""
         with self._dht_lock:
-            found = self._believed(records.read_geneses(self.dht, self.config.run.run_id))
-        return genesis.final_claim(found, self.config.fingerprint(), self.config.run.rounds)
+            found = records.read_geneses(self.dht, self.config.run.run_id)
+        return self._believed(found)
