@@ -104,7 +104,12 @@ class RankLost(P2PDilocoError):
 
 
 class StateDownloadError(P2PDilocoError):
-    """No peer served a state that matches the digest the swarm published."""
+    """No peer served a state that matches the digest the swarm published. `served`: what each peer
+    that sent a state sent instead, (round, digest) by peer id (a liar, or a holder that moved on)."""
+
+    def __init__(self, message: str, served: dict[str, tuple[int, str]] | None = None):
+        super().__init__(message)
+        self.served = dict(served or {})
 
 
 class AdmissionError(P2PDilocoError):

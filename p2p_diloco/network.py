@@ -63,7 +63,7 @@ def download_verified(
     """(the peer, the state): the first state one of `from_peers` serves whose (round, digest) is `wanted`, the digest
     computed by `verify` from what arrived. A peer that fails or sends anything else is skipped,
     and `say` it (a warning); StateDownloadError naming each one's problem if none served one."""
-    problems = []
+    problems, served = [], {}
     for peer in from_peers:
         try:
             got = fetch(peer, timeout)
@@ -83,8 +83,10 @@ def download_verified(
         problems.append(
             f"{peer[-6:]}: state of round {round_} digest {actual[:12]} does not match {describe} (rejected)"
         )
+        if isinstance(round_, int):
+            served[peer] = (round_, actual)
         say("rejected the state offered by %s: round %s digest %s", peer, round_, actual)
-    raise StateDownloadError(f"no peer served {describe}: {'; '.join(problems) or 'no peers'}")
+    raise StateDownloadError(f"no peer served {describe}: {'; '.join(problems) or 'no peers'}", served)
 
 
 MAX_GROUP = 64  # members listed in a round record

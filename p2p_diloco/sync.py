@@ -28,6 +28,7 @@ POLL_S = 0.5  # how often a peer that runs ahead of the swarm reads the others' 
 # one that saw only an attacker's later round would otherwise follow it (bench/attacks.py ahead:50).
 SETTLE_S = 10.0
 CATCH_UP_JOINS = 4  # a catch-up that cannot download keeps trying for this many swarm.join_timeout_s
+RETRY_MAX_S = 8.0  # the longest pause between two downloads of one state (each may move gigabytes)
 
 
 @dataclass(frozen=True)
@@ -49,6 +50,32 @@ class OwnRound:
     round: int  # the round Δ was trained in: offered states are of round + 1
     own: outer.Tensors
     applied: outer.Tensors | None
+
+
+class Retry:
+    """A catch-up's failed downloads: its deadline, a backoff, and the holders that served another
+    state of the very round asked for (liars, or broken): never asked for that state again."""
+
+    def __init__(self, deadline: float):
+        self.deadline = deadline
+        self.tries = 0  # failed downloads of the current state
+        self.wanted: tuple[int, str] | None = None
+        self.refused: set[tuple[str, int, str]] = set()  # (holder, round, digest) it did not serve
+
+    def sources(self, target: agreement.Reference) -> list[str]:
+        return [h for h in target.holders if (h, target.round, target.digest) not in self.refused]
+
+    def failed(self, target: agreement.Reference, error: StateDownloadError) -> Retry:
+        wanted = (target.round, target.digest)
+        self.tries = self.tries + 1 if wanted == self.wanted else 1
+        self.wanted = wanted
+        self.refused |= {(p, *wanted) for p, (r, _) in error.served.items() if r == target.round}
+        return self
+
+    def pause_s(self) -> float:
+        """POLL_S, doubling with each failure of the same state, at most RETRY_MAX_S; never past the deadline."""
+        pause = min(POLL_S * 2 ** (self.tries - 1), RETRY_MAX_S)
+        return max(0.0, min(pause, self.deadline - time.monotonic()))
 
 
 class StateSync:
@@ -150,15 +177,15 @@ class StateSync:
         peer.phase.set("catch-up")
         mine = self._mine()  # the peer's state does not change while it looks: hashed once
         target = self._settled(mine) if starting else self._target(mine)
-        deadline = time.monotonic() + self.patience_s()
+        retry = Retry(time.monotonic() + self.patience_s())
         failure: StateDownloadError | None = None
         while target is not None:
             try:
-                offered = self._download(target.round, target.digest, list(target.holders))
+                offered = self._download(target.round, target.digest, retry.sources(target))
             except StateDownloadError as e:
                 failure = e
                 self.failed_catch_up = max(self.failed_catch_up, target.round)
-                target = self._retry(target, e, deadline, mine)
+                target = self._retry(target, retry.failed(target, e), e, mine)
                 continue
             if not self._accept(offered, list(target.holders)):
                 return False
@@ -177,21 +204,24 @@ class StateSync:
         return CATCH_UP_JOINS * self.peer.config.swarm.join_timeout_s
 
     def _retry(
-        self, failed: agreement.Reference, error: StateDownloadError, deadline: float, mine: RoundRecord
+        self, failed: agreement.Reference, retry: Retry, error: StateDownloadError, mine: RoundRecord
     ) -> agreement.Reference | None:
         """After a failed download: the state to ask for next (the same, or the holders' later one), or
         None if no live peer holds a later state any more. CatchUpFailed past the deadline."""
         peer = self.peer
-        if time.monotonic() >= deadline:
+        if time.monotonic() >= retry.deadline:
             raise CatchUpFailed(
                 f"could not download the swarm's state (round {failed.round}, digest {failed.digest[:12]}) in "
                 f"{self.patience_s():g} s: {error}. This peer trains nothing of its own while the swarm is ahead; "
                 f"check that this machine reaches the peers' addresses, then restart it with --resume"
             )
-        peer.log.info(
-            "could not download round %d yet (%s): asking its holders again, or the next round's", failed.round, error
-        )
-        time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
+        if retry.tries == 1:  # said once per state: the retries that follow say nothing new
+            peer.log.info(
+                "could not download round %d yet (%s): asking its holders again, or the next round's",
+                failed.round,
+                error,
+            )
+        time.sleep(retry.pause_s())  # a backoff between whole-state downloads, bounded by the deadline
         return self._target(mine)
 
     def _target(self, mine: RoundRecord) -> agreement.Reference | None:

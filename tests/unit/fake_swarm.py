@@ -162,11 +162,16 @@ class FakeSwarm:
         self.downloads.append((round_, digest, list(from_peers)))
         if self.on_download is not None:
             self.on_download(round_)
+        mismatched = {}
         for peer in from_peers:
             served = self.states.get(peer)
-            if served is not None and served[0]["round"] == round_ and verify(*served) == digest:
+            if served is None:
+                continue
+            actual = verify(*served)
+            if served[0]["round"] == round_ and actual == digest:
                 return served
-        raise StateDownloadError(f"no peer served round {round_} with digest {digest[:12]}")
+            mismatched[peer] = (served[0]["round"], actual)
+        raise StateDownloadError(f"no peer served round {round_} with digest {digest[:12]}", mismatched)
 
     def close(self) -> None:
         self.closed = True

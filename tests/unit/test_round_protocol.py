@@ -241,7 +241,26 @@ def test_a_joiner_that_cannot_download_yet_keeps_asking_and_never_trains_alone(t
     assert [(r, d) for r, d, _ in fake.downloads] == [(5, round5.digest())] * 4
     assert joiner.state.digest() == round5.digest() and not fake.calls
     assert [r["round"] for r in records(joiner)] == [5]
-    assert caplog.text.count("could not download round 5 yet") == 3
+    assert caplog.text.count("could not download round 5 yet") == 1, "said once, not at every retry"
+
+
+def test_a_joiner_never_asks_a_holder_that_served_a_tampered_state_for_it_again(tmp_path, monkeypatch):
+    first = make_peer(tmp_path / "first", FakeSwarm())
+    round5 = moved(first.state, 0.01, 5)
+    first.close()
+    fake = joiner_of(tmp_path, FakeSwarm(), round5, monkeypatch)
+    honest = fake.served_later["p2"]  # type: ignore[attr-defined]
+    tampered = moved(round5, 0.01, 5)  # round 5, other bytes: p1 lies about what it holds
+    fake.states = {"p1": ({"round": 5, "digest": round5.digest()}, [outer.flatten(tampered.params)] * 2)}
+
+    def p2_serves_at_the_third(round_):
+        if len(fake.downloads) == 3:
+            fake.states["p2"] = honest
+
+    fake.on_download = p2_serves_at_the_third
+    joiner = run(make_peer(tmp_path / "joiner", fake, **{"run.rounds": "5"}))
+    assert [sources for _, _, sources in fake.downloads] == [["p1", "p2"], ["p2"], ["p2"]]
+    assert joiner.state.digest() == round5.digest() and not fake.calls
 
 
 def test_a_joiner_whose_holders_left_at_the_runs_end_says_so_and_writes_no_model(tmp_path, caplog, monkeypatch):
