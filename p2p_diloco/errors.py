@@ -95,8 +95,8 @@ class RunFinished(P2PDilocoError):
 
 
 class CatchUpFailed(SwarmError):
-    """Live peers hold a later state that this peer could not download in time, or the run ended
-    before it could: it stops rather than train on a state the swarm did not agree on (I1)."""
+    """Live peers hold a later state that this peer could not download in time: it stops rather
+    than train on a state the swarm did not agree on (I1)."""
 
 
 class RankLost(P2PDilocoError):

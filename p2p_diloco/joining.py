@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from p2p_diloco.errors import CatchUpFailed, RunFinished, StateDownloadError
+from p2p_diloco.errors import RunFinished, StateDownloadError
 from p2p_diloco.genesis import Verdict
 
 if TYPE_CHECKING:
@@ -14,9 +14,9 @@ if TYPE_CHECKING:
 
 def refuse_a_finished_run(peer: Peer, failure: StateDownloadError | None = None) -> None:
     """A run whose genesis says it ended is never trained on from an earlier state (alone, from
-    θ(0) or from a round the peer slept through): RunFinished, exit 0, or CatchUpFailed with the
-    reason when this peer tried to download the final state (`failure`) and could not. A peer that
-    downloaded the final state goes on to the end.
+    θ(0) or from a round the peer slept through): RunFinished, exit 0, with the reason when this
+    peer tried to download the final state (`failure`) and could not. Nothing is written. A peer
+    that downloaded the final state goes on to the end.
 
     The claim is read afresh (the run may have ended while this peer settled or slept), but only
     when no other live peer trains at or behind this peer's round: in a healthy swarm, no DHT read."""
@@ -31,8 +31,8 @@ def refuse_a_finished_run(peer: Peer, failure: StateDownloadError | None = None)
         return  # live peers still train the run: a claim of its end is false (anyone may publish one)
     run_id, digest = peer.config.run.run_id, final.final_digest[:12]
     ended = f"run {run_id!r} finished at round {final.final_round} (final digest {digest})"
-    if failure is not None:
-        raise CatchUpFailed(
+    if failure is not None:  # an end, not a failure (exit 0): a supervisor must not restart it into the same end
+        raise RunFinished(
             f"{ended}; the final state could not be downloaded: {failure}. This peer writes no final model of its "
             f"own: export the model from a peer's run dir (p2p-diloco export)"
         )

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from p2p_diloco import checkpoint, config, outer, sync
-from p2p_diloco.errors import AveragingError, CatchUpFailed
+from p2p_diloco.errors import AveragingError, CatchUpFailed, RunFinished
 from p2p_diloco.genesis import Genesis
 from p2p_diloco.network import AllReduced
 from p2p_diloco.peer import Peer
@@ -275,7 +275,7 @@ def test_a_joiner_whose_holders_left_at_the_runs_end_says_so_and_writes_no_model
             fake.stale = {"p1", "p2"}
 
     fake.on_download = holders_leave
-    with pytest.raises(CatchUpFailed) as e:
+    with pytest.raises(RunFinished) as e:
         make_peer(tmp_path / "joiner", fake, **{"run.rounds": "5"})
     assert str(e.value).startswith(
         f"run 'p2p-diloco' finished at round 5 (final digest {final.digest()[:12]}); the final state could not "
