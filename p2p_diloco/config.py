@@ -193,6 +193,11 @@ class SwarmSection:
     )
     agreement_timeout_s: float = shared(15.0, "how long to wait for the group's digests after the outer step")
     join_timeout_s: float = local(30.0, "deadline to start, reach the initial peers, or download a state")
+    linger_s: float = local(
+        60.0,
+        "after the last round, serve the final state at least this long, for late peers and "
+        "`export --initial-peers`; 0 = only while live peers still lack it",
+    )
 
 
 @dataclass(frozen=True)
@@ -687,6 +692,13 @@ def _validate_swarm(s: SwarmSection) -> None:
     for name in ("matchmaking_time_s", "averaging_timeout_s", "agreement_timeout_s", "join_timeout_s"):
         value = getattr(s, name)
         _require(_pos(value), f"swarm.{name}", f"must be > 0 seconds, got {value}", "every network wait has a deadline")
+
+    _require(
+        math.isfinite(s.linger_s) and s.linger_s >= 0,
+        "swarm.linger_s",
+        f"must be >= 0 seconds, got {s.linger_s}",
+        "e.g. 60",
+    )
 
 
 def _pos(x: float) -> bool:

@@ -39,6 +39,7 @@ DEMO = {
     "inner.warmup_steps": "30",
     "swarm.host": "127.0.0.1",
     "swarm.matchmaking_time_s": "3",
+    "swarm.linger_s": "10",  # the demo's peers leave soon after the end; they all hold the final state
     "log.progress": "false",
 }
 STOP_DEADLINE_S = 60

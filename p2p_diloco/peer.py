@@ -287,16 +287,29 @@ class Peer:
         self._linger(stop)
 
     def _linger(self, stop: threading.Event) -> None:
-        """Stay a while after the last round so that a peer still finishing it, or starting up, can
-        download the final state from us: until every live peer holds our final digest, or
-        swarm.agreement_timeout_s + swarm.join_timeout_s, or Ctrl+C."""
-        final, mine = self.state.round, self.state.digest()
-        deadline = time.monotonic() + self.config.swarm.agreement_timeout_s + self.config.swarm.join_timeout_s
+        """Stay after the last round so that late peers and `export --initial-peers` can download the
+        final state: at least swarm.linger_s, and then while a live peer still lacks our final digest
+        (one finishing the last round, or starting up), up to agreement_timeout_s + join_timeout_s
+        after the end; Ctrl+C leaves at once. A peer of no swarm has nobody to serve."""
+        swarm = self.config.swarm
+        if self.swarm.solo:
+            return
+        final, mine, now = self.state.round, self.state.digest(), time.monotonic()
+        floor = now + swarm.linger_s
+        deadline = now + max(swarm.linger_s, swarm.agreement_timeout_s + swarm.join_timeout_s)
+        if swarm.linger_s > 0:
+            self.log.info(
+                "serving the final state for %g s (swarm.linger_s) for late peers and exports; Ctrl+C leaves now",
+                swarm.linger_s,
+            )
         while not stop.is_set() and time.monotonic() < deadline:
-            if not still_finishing(self.swarm.peers(), self.swarm.stale_peers(), final, mine):
+            if time.monotonic() >= floor and not still_finishing(
+                self.swarm.peers(), self.swarm.stale_peers(), final, mine
+            ):
                 return
             stop.wait(0.5)  # a DHT poll interval, bounded by the deadline
-        self.log.info("left with peers still finishing the last round: they keep their own state")
+        if not stop.is_set() and still_finishing(self.swarm.peers(), self.swarm.stale_peers(), final, mine):
+            self.log.info("left with peers still finishing the last round: they keep their own state")
 
     def catch_up(self) -> bool:
         """Between rounds: if the swarm is ahead, adopt its state. The caught-up state is this

@@ -28,6 +28,7 @@ SWARM = {
     "swarm.averaging_timeout_s": "20",
     "swarm.agreement_timeout_s": "15",
     "swarm.join_timeout_s": "20",
+    "swarm.linger_s": "0",  # no window after the end: peers still finishing are waited for anyway
 }
 del SWARM["data.shard"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # several peers share 2 cores

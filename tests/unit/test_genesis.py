@@ -4,6 +4,7 @@ peer that comes after the end. Pure decisions with values by hand, then one real
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -159,6 +160,27 @@ def test_a_peer_that_slept_through_the_end_does_not_finish_the_run_alone(tmp_pat
         run(peer)
     assert len(fake.calls) == 1 and [r["round"] for r in records(peer)] == [0, 1]
     assert peer.state.round == 1, "it trained nothing after round 1"
+
+
+@pytest.mark.parametrize("linger_s", [0.0, 1.5])
+def test_a_peer_that_finished_serves_the_final_state_for_its_linger_window(tmp_path, linger_s):
+    # Nobody lacks the final state when the run ends: with a window the peer still stays (a late
+    # peer or an export may come), without one it leaves at its first look.
+    fake, times = FakeSwarm(), {}
+    publish_final, close = fake.publish_final, fake.close
+
+    def noted_final(round_, digest):
+        times["final"] = time.monotonic()
+        publish_final(round_, digest)
+
+    def noted_close():
+        times.setdefault("left", time.monotonic())
+        close()
+
+    fake.publish_final, fake.close = noted_final, noted_close  # type: ignore[method-assign]
+    run(make_peer(tmp_path, fake, **{"run.rounds": "1", "swarm.linger_s": str(linger_s)}))
+    stayed = times["left"] - times["final"]
+    assert (linger_s <= stayed < linger_s + 1.0) if linger_s else stayed < 0.5, stayed
 
 
 def test_a_peer_that_finishes_the_run_publishes_its_end(tmp_path):
