@@ -286,7 +286,10 @@ class Swarm:
 
     def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
         """(metadata, [θ, momentum]) of round `round_` from one of `from_peers`, checked by `verify`
-        (which returns the digest of what arrived). A peer that sends anything else is skipped."""
+        (which returns the digest of what arrived). A peer that sends anything else is skipped.
+        A revoked peer stops here too (AdmissionError, exit 2): one that is behind only ever asks
+        for states, and the others refuse to serve it."""
+        self.gate.check_self()
         _, state = download_verified(
             self.averager.download_state_from,
             from_peers,
