@@ -9,11 +9,12 @@ tests/swarm's SWARM, and peer c treated unkindly:
 
 Each run's verdict: ok; failure (a peer exited non-zero, with its last error line as the root
 cause); hang (peers still running at the run's deadline); split (peers that exited 0 with
-"run complete" on different final (round, digest)). The run dirs of runs that are not ok are kept.
-Writes bench/results/chaos.json after every run.
+"run complete" on different final (round, digest)). The run dirs of runs that are not ok, or
+in which c did not end on the swarm's final digest, are kept. Writes bench/results/chaos.json after every run.
 
     python bench/chaos.py                                  # every scenario once, about 5 minutes
     python bench/chaos.py --runs 20 --budget-s 3000        # round-robin until 20 each or the budget
+    python bench/chaos.py --scenarios quota --set swarm.linger_s=60   # with the default linger
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import platform
 import random
 import re
 import shutil
+import signal
 import sys
 import time
 from collections import Counter
@@ -38,13 +40,13 @@ from bench.chaos_kinds import CpuQuota, Hog, Pauses, Reaper  # noqa: E402
 from tests.swarm.conftest import SWARM  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
-ROUNDS = 10
-CONFIG = {**SWARM, "run.run_id": "chaos", "run.rounds": str(ROUNDS)}
+CONFIG = {**SWARM, "run.run_id": "chaos", "run.rounds": "10"}  # --rounds changes run.rounds
 PEERS = ("a", "b", "c")  # c is the one chaos picks on
 SCENARIOS = ("hog", "quota", "pauses", "late", "last-round")
 QUOTA_SHARE = 0.15
-# A run of 10 rounds takes about 30 s on 2 quiet cores; a starved peer starts (imports torch, starts
-# its DHT) about 7 x slower and then downloads the swarm's state.
+# A run of 10 rounds took 30-110 s on 2 busy cores (load average 4-15); a starved peer starts
+# (imports torch, starts its DHT) about 7 x slower and slows the rounds it joins. Each round beyond
+# 10 adds 10 s to the deadline.
 DEADLINE_S = {"quota": 420, "late": 300, "last-round": 300}
 DEFAULT_DEADLINE_S = 240
 ERROR = re.compile(r"error|traceback|fail|could not|refus|timeout|timed out|exception", re.IGNORECASE)
@@ -54,7 +56,7 @@ def swarm_round(lab: LocalSwarm) -> int:
     return max((max(recs) for recs in (lab.records(p) for p in ("a", "b")) if recs), default=0)
 
 
-def chaos(scenario: str, lab: LocalSwarm, stack: ExitStack, rng: random.Random, facts: dict):
+def chaos(scenario: str, lab: LocalSwarm, stack: ExitStack, rng: random.Random, facts: dict, rounds: int):
     """Starts the peers under `scenario`; returns a function called every poll (late starts, quota
     sweeps) that says whether every peer has been started."""
     lab.start("a")
@@ -81,7 +83,7 @@ def chaos(scenario: str, lab: LocalSwarm, stack: ExitStack, rng: random.Random, 
     def tick() -> bool:
         if "c" in lab.procs:
             return True
-        due = time.monotonic() >= start_at if start_at else swarm_round(lab) >= ROUNDS - 1
+        due = time.monotonic() >= start_at if start_at else swarm_round(lab) >= rounds - 1
         if due:
             facts["c_started_at_swarm_round"] = swarm_round(lab)
             lab.start("c")
@@ -90,17 +92,17 @@ def chaos(scenario: str, lab: LocalSwarm, stack: ExitStack, rng: random.Random, 
     return tick
 
 
-def run_once(scenario: str, seed: int, folder: Path) -> dict:
+def run_once(scenario: str, seed: int, folder: Path, rounds: int, overrides: dict[str, str]) -> dict:
     rng = random.Random(seed)
-    deadline_s = DEADLINE_S.get(scenario, DEFAULT_DEADLINE_S)
+    deadline_s = DEADLINE_S.get(scenario, DEFAULT_DEADLINE_S) + 10 * max(0, rounds - 10)
     facts: dict = {}
     reaper = Reaper()
     started = time.monotonic()
     hung = False
     with ExitStack() as stack:
         stack.callback(reaper.end)  # last: whatever outlived its peer (p2pd of a killed peer)
-        lab = stack.enter_context(LocalSwarm(folder, CONFIG))
-        tick = chaos(scenario, lab, stack, rng, facts)
+        lab = stack.enter_context(LocalSwarm(folder, {**CONFIG, "run.rounds": str(rounds), **overrides}))
+        tick = chaos(scenario, lab, stack, rng, facts, rounds)
         while True:
             reaper.note(proc.pid for proc in lab.procs.values())
             all_started = tick()
@@ -132,6 +134,7 @@ def peer_outcome(folder: Path, name: str, code: int | None) -> dict:
         "rounds_recorded": len([r for r in records if r > 0]),
         "rounds_averaged_with_others": sum(1 for r in records.values() if (r.get("group_size") or 1) > 1),
         "last_error": last_error(log) if code != 0 else None,
+        "last_line": (log.strip().splitlines() or [None])[-1],
     }
 
 
@@ -206,6 +209,8 @@ def main() -> None:
     parser.add_argument("--scenarios", default=",".join(SCENARIOS), help="comma-separated, of " + ", ".join(SCENARIOS))
     parser.add_argument("--runs", type=int, default=1, help="runs of each scenario (round-robin)")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rounds", type=int, default=10, help="the run's rounds (about 1-2 s each)")
+    parser.add_argument("--set", action="append", default=[], help="a config override, e.g. swarm.linger_s=60")
     parser.add_argument("--budget-s", type=float, default=None, help="start no run after this many seconds")
     parser.add_argument("--keep", type=Path, default=Path("/tmp/chaos-runs"), help="where run dirs go")
     parser.add_argument("--out", type=Path, default=HERE / "results" / "chaos.json")
@@ -214,6 +219,11 @@ def main() -> None:
     unknown = set(scenarios) - set(SCENARIOS)
     if unknown:
         parser.error(f"unknown scenarios {sorted(unknown)}; choose from {', '.join(SCENARIOS)}")
+    overrides = dict(item.split("=", 1) for item in args.set)
+    # SIGTERM (and SIGINT, ignored in a background job) ends the runs through their finally blocks:
+    # peers, hog, pauses and cgroup are ended and removed as on any other exit.
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: sys.exit(143))
     began, runs = time.monotonic(), []
     for i in range(args.runs):
         for scenario in scenarios:
@@ -221,23 +231,23 @@ def main() -> None:
                 break
             seed = args.seed * 1000 + i
             folder = args.keep / f"{scenario}-{seed}-{int(time.time())}"
-            load = os.getloadavg()[0]
-            result = {**run_once(scenario, seed, folder), "load_avg_1m_at_start": round(load, 2)}
-            if result["verdict"] == "ok":
+            load = round(os.getloadavg()[0], 2)
+            result = {**run_once(scenario, seed, folder, args.rounds, overrides), "load_avg_1m_at_start": load}
+            if result["verdict"] == "ok" and result["c_on_swarm_final"]:
                 shutil.rmtree(folder, ignore_errors=True)
             else:
                 result["run_dir"] = str(folder)
             runs.append(result)
             brief = {k: result[k] for k in ("scenario", "seed", "verdict", "exit_codes", "wall_s")}
             print(json.dumps(brief), flush=True)
-            write(args.out, runs)
+            write(args.out, runs, {"run.rounds": str(args.rounds), **overrides})
 
 
-def write(out: Path, runs: list[dict]) -> None:
+def write(out: Path, runs: list[dict], overrides: dict[str, str]) -> None:
     out.parent.mkdir(parents=True, exist_ok=True)
     result = {
         "machine": f"{platform.machine()}, {platform.system()}, {os.cpu_count()} cores, shared with other work",
-        "config": CONFIG,
+        "config": {**CONFIG, **overrides},
         "quota_share": QUOTA_SHARE,
         "summary": summary(runs),
         "runs": runs,
