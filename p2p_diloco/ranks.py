@@ -252,6 +252,11 @@ class Leader:
         self._followers: list[Any] = []
         self._pipes: list[Connection] = []
         self._closing = threading.Event()
+        # Followers that died, by name, with their exit codes: read by `_watch`, the only thread that
+        # reaps them (two threads reaping one child race: the loser's waitpid gets ECHILD and its
+        # exitcode stays None, and a dead follower passed for a live one in `raise_if_lost`).
+        self._exits: dict[str, int | None] = {}
+        self._exited = threading.Event()
         self._ranks: Ranks | None = None
         try:
             self._spawn(config, devices)
@@ -327,16 +332,16 @@ class Leader:
 
     def raise_if_lost(self, error: Exception, round_: int) -> None:
         """Raise RankLost if `error` (a collective that failed) came from a follower that died: it
-        is dead, or dies within LOST_WAIT_S. Otherwise return, and the caller raises `error`."""
-        deadline = time.monotonic() + LOST_WAIT_S
-        for p in self._followers:
-            p.join(max(0.0, deadline - time.monotonic()))
-            if p.exitcode is not None:
-                raise RankLost(
-                    f"{p.name} of this peer exited with code {p.exitcode} ({type(error).__name__}: "
-                    f"{str(error).strip().splitlines()[0] if str(error).strip() else '-'}); the checkpoint of "
-                    f"round {round_} is on disk, continue with --resume"
-                ) from error
+        is dead, or dies within LOST_WAIT_S (as `_watch` saw it). Otherwise return, and the caller
+        raises `error`."""
+        if not self._exited.wait(LOST_WAIT_S):
+            return
+        name, code = next(iter(self._exits.items()))
+        raise RankLost(
+            f"{name} of this peer exited with code {code} ({type(error).__name__}: "
+            f"{str(error).strip().splitlines()[0] if str(error).strip() else '-'}); the checkpoint of "
+            f"round {round_} is on disk, continue with --resume"
+        ) from error
 
     def _say_exit(self) -> None:
         try:
@@ -350,6 +355,9 @@ class Leader:
         while alive and not self._closing.is_set():
             for sentinel in wait(list(alive), timeout=PARENT_POLL_S):
                 process = alive.pop(sentinel)
+                process.join(LOST_WAIT_S)  # its pipe closes as it exits, a moment before it can be reaped
+                self._exits[process.name] = process.exitcode
+                self._exited.set()
                 if not self._closing.is_set():
                     logger.error(
                         "%s of this peer exited with code %s: this peer stops at its next step; the checkpoint "
