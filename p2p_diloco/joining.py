@@ -25,10 +25,15 @@ def refuse_a_finished_run(peer: Peer, failure: StateDownloadError | None = None)
     if failure is None and any(r <= peer.state.round for r in live):
         return
     final = peer.swarm.final_state()
-    if final is None or peer.state.round >= final.final_round:
+    # No end, or a false claim of one: live peers still train the run (anyone may publish a claim).
+    if (
+        final is None
+        or peer.state.round >= final.final_round
+        or max(live, default=final.final_round) < final.final_round
+    ):
+        if failure is not None:
+            peer.log.info("the peers ahead of this one left before it could download their state: going on")
         return
-    if max(live, default=final.final_round) < final.final_round:
-        return  # live peers still train the run: a claim of its end is false (anyone may publish one)
     run_id, digest = peer.config.run.run_id, final.final_digest[:12]
     ended = f"run {run_id!r} finished at round {final.final_round} (final digest {digest})"
     if failure is not None:  # an end, not a failure (exit 0): a supervisor must not restart it into the same end

@@ -218,7 +218,9 @@ class Peer:
         if self.config.swarm.client_mode:
             self.swarm.wait_for_reachable_peer()
         faults.reached(faults.FaultPoint.LOOK)
-        caught_up = self.sync.catch_up(starting=True)  # refuses a run that ended meanwhile (joining.py)
+        caught_up = self.sync.catch_up(starting=True)
+        if not caught_up:
+            joining.refuse_a_finished_run(self, self.sync.gone)  # the run may have ended meanwhile
         if path is None:
             self.metrics.truncate_after(-1)
         if path is None or caught_up:
@@ -316,6 +318,7 @@ class Peer:
         peer's round now: published at once (peers of the round may be waiting for this peer's
         digest), recorded and checkpointed like any."""
         if not self.sync.catch_up():
+            joining.refuse_a_finished_run(self, self.sync.gone)  # the run may have ended meanwhile
             return False
         self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), COPIED)
         self.record_start()

@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2p_diloco import agreement, joining, outer
+from p2p_diloco import agreement, outer
 from p2p_diloco.errors import CatchUpFailed, StateDownloadError
 from p2p_diloco.inner import PhaseResult
 from p2p_diloco.network import COPIED, Made, RoundRecord
@@ -86,6 +86,7 @@ class StateSync:
         self.failed_catch_up = -1  # the latest round a catch-up failed to download
         self.own_round: OwnRound | None = None  # the latest round this peer trained (note_round)
         self.copied = False  # this peer's state was downloaded (try_adopt), not made by its own outer step
+        self.gone: StateDownloadError | None = None  # why the last catch-up's holders could not serve it
 
     def note_round(self, round_: int, own: outer.Tensors, applied: outer.Tensors | None = None) -> None:
         """This peer trained `own` in `round_` (and applied `applied` to the round's start, if it did)."""
@@ -170,11 +171,12 @@ class StateSync:
         A peer never trains on while live peers hold a later state it could not download: it asks
         the holders it knows again, and the holders of the round they publish next (in a swarm
         whose rounds are short they move on while it asks), for up to `patience_s`; then it stops
-        with CatchUpFailed. If the holders left because the run ended, it says so
-        (`joining.refuse_a_finished_run`): it writes no final model of its own. `starting`: the
+        with CatchUpFailed. If the holders left, `gone` keeps the last failure, and the peer checks
+        whether the run ended (`joining.refuse_a_finished_run`): it writes no final model of its own. `starting`: the
         peer's first catch-up, which follows a state that one peer alone backs only after SETTLE_S."""
         peer = self.peer
         peer.phase.set("catch-up")
+        self.gone = None
         mine = self._mine()  # the peer's state does not change while it looks: hashed once
         target = self._settled(mine) if starting else self._target(mine)
         retry = Retry(time.monotonic() + self.patience_s())
@@ -193,9 +195,7 @@ class StateSync:
             peer.trainer.step = max(peer.trainer.step, target.round * peer.config.inner.steps)
             peer.log.info("caught up with the swarm at round %d (digest %s)", target.round, target.digest[:12])
             return True
-        joining.refuse_a_finished_run(peer, failure)  # the holders may have left because the run ended
-        if failure is not None:
-            peer.log.info("the peers ahead of this one left before it could download their state: going on")
+        self.gone = failure  # the holders may have left because the run ended: the peer checks (joining.py)
         return False
 
     def patience_s(self) -> float:
