@@ -25,10 +25,13 @@ def refuse_a_finished_run(peer: Peer, failure: StateDownloadError | None = None)
     if failure is None and any(r <= peer.state.round for r in live):
         return
     final = peer.swarm.final_state()
-    # No end, or a false claim of one: live peers still train the run (anyone may publish a claim).
+    # No end, this peer holds it, or a false claim of one: live peers still train the run (anyone may
+    # publish a claim). A state of the final round with another digest is not the end: it is this
+    # peer's own (its group was the minority and the majority's holders left).
     if (
         final is None
-        or peer.state.round >= final.final_round
+        or peer.state.round > final.final_round
+        or (peer.state.round == final.final_round and peer.state.digest() == final.final_digest)
         or max(live, default=final.final_round) < final.final_round
     ):
         if failure is not None:

@@ -220,7 +220,7 @@ class Peer:
         faults.reached(faults.FaultPoint.LOOK)
         caught_up = self.sync.catch_up(starting=True)
         if not caught_up:
-            joining.refuse_a_finished_run(self, self.sync.gone)  # the run may have ended meanwhile
+            self.refuse_a_finished_run()  # the run may have ended meanwhile
         if path is None:
             self.metrics.truncate_after(-1)
         if path is None or caught_up:
@@ -318,12 +318,16 @@ class Peer:
         peer's round now: published at once (peers of the round may be waiting for this peer's
         digest), recorded and checkpointed like any."""
         if not self.sync.catch_up():
-            joining.refuse_a_finished_run(self, self.sync.gone)  # the run may have ended meanwhile
+            self.refuse_a_finished_run()
             return False
         self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), COPIED)
         self.record_start()
         self.save()
         return True
+
+    def refuse_a_finished_run(self) -> None:
+        """After a download that found nobody to serve it: RunFinished if the run ended meanwhile."""
+        joining.refuse_a_finished_run(self, self.sync.gone)
 
     def adopt(self, state: outer.GlobalState) -> None:
         """Replace the global state whole (a verified download): θ goes into the inner model."""

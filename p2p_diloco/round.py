@@ -167,8 +167,12 @@ class RoundDriver:
         made = Made(outcome.group, averaging.outcome_kind(outcome))
         collecting = peer.sync.agree_later(expected, trained.phase, made) if defer else None
         adopted = not defer and peer.sync.agree(expected, trained.phase, made)
+        if not defer and peer.sync.gone is not None:  # nobody serves the majority's state: has the run ended?
+            peer.refuse_a_finished_run()
         self.alone = self.alone + 1 if len(outcome.group) == 1 and not adopted else 0
         record = self._record(trained, outcome, started)
+        if adopted:
+            record["adopted"] = True
         peer.metrics.append(record)
         if collecting is not None:
             self.unsettled = Unsettled(peer.state.round, collecting, trained.phase, record)

@@ -85,7 +85,7 @@ class StateSync:
         self.peer = peer
         self.failed_catch_up = -1  # the latest round a catch-up failed to download
         self.own_round: OwnRound | None = None  # the latest round this peer trained (note_round)
-        self.copied = False  # this peer's state was downloaded (try_adopt), not made by its own outer step
+        self.copied = False  # this peer's state was downloaded (_follow), not made by its own outer step
         self.gone: StateDownloadError | None = None  # why the last catch-up's holders could not serve it
 
     def note_round(self, round_: int, own: outer.Tensors, applied: outer.Tensors | None = None) -> None:
@@ -103,6 +103,7 @@ class StateSync:
         this peer adopted the majority's state."""
         peer = self.peer
         peer.phase.set("agreement")
+        self.gone = None
         mine = peer.state.digest()
         peer.swarm.publish_round(peer.state.round, mine, phase.tokens, phase.mean_loss, made)
         majority, holders = self.collect(peer.state.round, expected, mine)
@@ -126,7 +127,7 @@ class StateSync:
         peer.phase.set("agreement")
         majority, holders = unsettled.collecting.join()
         if agreement.should_adopt(peer.state.digest(), majority) and self._adopt_majority(
-            majority, holders, unsettled.phase
+            majority, holders, unsettled.phase, latest=unsettled.round
         ):
             peer.metrics.append({**unsettled.record, "digest": peer.state.digest(), "adopted": True})
             peer.save()
@@ -150,14 +151,21 @@ class StateSync:
         cannot_serve = agreement.clients(peer.swarm.peers(), peer.peer_id, peer.config.swarm.client_mode)
         return agreement.reference(digests, cannot_serve)
 
-    def _adopt_majority(self, majority: str, holders: list[str], phase: PhaseResult) -> bool:
+    def _adopt_majority(self, majority: str, holders: list[str], phase: PhaseResult, latest: int | None = None) -> bool:
+        """Download the majority's state of this round, asking again like a catch-up (`_follow`)
+        while live peers hold it or a later one (up to round `latest`, if given): a peer that
+        completed a round holds the swarm's bytes of it, or stops (I1). It keeps its own only if
+        the majority's average points against its own Δ, or nobody serves the state any more
+        (`gone`: the run may have ended)."""
         peer = self.peer
         peer.log.warning(
             "digest %s differs from the group's majority %s: reloading its state",
             peer.state.digest()[:12],
             majority[:12],
         )
-        if not self.try_adopt(peer.state.round, majority, holders):
+        target = agreement.Reference(peer.state.round, majority, tuple(holders))
+        if not self._follow(target, self._mine(), latest):
+            peer.log.warning("keeping this peer's own state (round %d)", peer.state.round)
             return False
         peer.swarm.publish_round(peer.state.round, peer.state.digest(), phase.tokens, phase.mean_loss, COPIED)
         return True
@@ -179,9 +187,20 @@ class StateSync:
         self.gone = None
         mine = self._mine()  # the peer's state does not change while it looks: hashed once
         target = self._settled(mine) if starting else self._target(mine)
+        if not self._follow(target, mine):
+            return False
+        state = peer.state
+        peer.log.info("caught up with the swarm at round %d (digest %s)", state.round, state.digest()[:12])
+        return True
+
+    def _follow(self, target: agreement.Reference | None, mine: RoundRecord, latest: int | None = None) -> bool:
+        """Download and adopt `target`, or, while its holders cannot serve it, the state live peers
+        back by then (no later than round `latest`, if given), for up to `patience_s`: CatchUpFailed
+        past it. Returns whether a state was adopted; when the holders left, `gone` says why."""
+        peer = self.peer
         retry = Retry(time.monotonic() + self.patience_s())
         failure: StateDownloadError | None = None
-        while target is not None:
+        while target is not None and (latest is None or target.round <= latest):
             try:
                 offered = self._download(target.round, target.digest, retry.sources(target))
             except StateDownloadError as e:
@@ -193,9 +212,9 @@ class StateSync:
                 return False
             # The inner lr schedule follows the swarm's round, not this peer's own step count.
             peer.trainer.step = max(peer.trainer.step, target.round * peer.config.inner.steps)
-            peer.log.info("caught up with the swarm at round %d (digest %s)", target.round, target.digest[:12])
             return True
-        self.gone = failure  # the holders may have left because the run ended: the peer checks (joining.py)
+        if target is None:
+            self.gone = failure  # the holders may have left because the run ended: the peer checks (joining.py)
         return False
 
     def patience_s(self) -> float:
@@ -279,16 +298,6 @@ class StateSync:
         swarm_state = agreement.backed(seen, counted, peer.peer_id, mine)
         target = agreement.catch_up_target(swarm_state, mine.round, mine.digest, not mine.serves)
         return target, target is None and agreement.runs_ahead(swarm_state, seen, counted, mine.round, mine.digest)
-
-    def try_adopt(self, round_: int, digest: str, holders: list[str]) -> bool:
-        """Download and adopt a verified state (agreement: the group's majority); on failure keep
-        this peer's own and say so: the next round's catch-up or agreement tries again."""
-        try:
-            offered = self._download(round_, digest, holders)
-        except StateDownloadError as e:
-            self.peer.log.warning("%s; keeping this peer's own state (round %d)", e, self.peer.state.round)
-            return False
-        return self._accept(offered, holders)
 
     def _download(self, round_: int, digest: str, holders: list[str]) -> outer.GlobalState:
         """The verified state of `round_` with `digest` from one of `holders`, or StateDownloadError."""

@@ -15,14 +15,18 @@ from tests.swarm.conftest import CLI, ENV, wait_until
 
 def _honest_pair_against(swarm, attack: str, extra: dict | None = None) -> tuple[dict, dict]:
     """Honest a and b with attacker m (attacker_peer's ATTACK); once a and b finished their 4
-    rounds, both cleanly, with equal digests in every round: their metrics records."""
+    rounds, both cleanly, with equal digests in every round both hold: their metrics records.
+    (Rounds take under a second here: a peer that came up a second after the others caught up
+    with their first round and holds no round 0.)"""
     honest = [swarm.peer("a", extra), swarm.peer("b", extra)]
     swarm.peer("m", extra, script=[sys.executable, "-m", "tests.swarm.attacker_peer"], env={"ATTACK": attack})
     wait_until(lambda: all(p.poll() is not None for p in honest), honest, 200, "honest peers finish")
     assert [p.returncode for p in honest] == [0, 0], swarm.log("a")[-3000:]
     a, b = swarm.records("a"), swarm.records("b")
     assert max(a) == max(b) == 4
-    for r in a:
+    both = sorted(a.keys() & b.keys())
+    assert both[0] <= 1 and both == list(range(both[0], 5)), (sorted(a), sorted(b))
+    for r in both:
         assert a[r]["digest"] == b[r]["digest"], r
     return a, b
 

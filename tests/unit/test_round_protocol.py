@@ -318,6 +318,88 @@ def test_a_minority_digest_adopts_the_majority_state(tmp_path, caplog):
     assert peer.state.digest() == majority.digest() == records(peer)[-1]["digest"] == fake.published[-1].digest
 
 
+def test_a_minority_that_cannot_download_the_majority_state_yet_asks_again_and_records_no_state_of_its_own(
+    tmp_path, caplog, monkeypatch
+):
+    # CI: a joiner whose group was the minority of round 35 could not download the majority's
+    # state (its holders moved on while it asked), kept and recorded its own, and caught up a round
+    # later: one round on a digest of its own. Here the majority's holders serve nothing at the first
+    # two downloads, then p2 serves it.
+    caplog.set_level(logging.INFO)
+    monkeypatch.setattr(sync, "POLL_S", 0.01)
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
+    majority = moved(peer.state, 0.01, 1)
+
+    def group_then_they_disagree(call):
+        result = fake.group("p1", "p2")(call)
+        for other in ("p1", "p2"):
+            fake.publish_other(other, majority)
+        fake.served_later, fake.states = dict(fake.states), {}  # type: ignore[attr-defined]
+        return result
+
+    def serve_at_the_third(round_):
+        if len(fake.downloads) == 3:
+            fake.states = fake.served_later  # type: ignore[attr-defined]
+
+    fake.script = [group_then_they_disagree]
+    fake.on_download = serve_at_the_third
+    run(peer)
+    assert [(r, d) for r, d, _ in fake.downloads] == [(1, majority.digest())] * 3
+    assert [(r["round"], r["digest"]) for r in records(peer)][1:] == [(1, majority.digest())], "no round of its own"
+    assert records(peer)[-1]["adopted"] is True
+    assert peer.state.digest() == majority.digest() == fake.published[-1].digest
+    assert "keeping this peer's own state" not in caplog.text
+
+
+def test_a_minority_whose_majority_moved_on_follows_it_to_its_next_round(tmp_path, monkeypatch):
+    monkeypatch.setattr(sync, "POLL_S", 0.01)
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "2"})
+    majority, later = moved(peer.state, 0.01, 1), moved(peer.state, 0.02, 2)
+
+    def group_then_they_disagree(call):
+        result = fake.group("p1", "p2")(call)
+        for other in ("p1", "p2"):
+            fake.publish_other(other, majority)
+        return result
+
+    def they_moved_on(round_):  # rounds are short: the majority finished round 2 while the peer asked
+        for other in ("p1", "p2"):
+            fake.publish_other(other, later)
+
+    fake.script = [group_then_they_disagree]
+    fake.on_download = they_moved_on
+    run(peer)
+    assert [(r, d) for r, d, _ in fake.downloads] == [(1, majority.digest()), (2, later.digest())]
+    assert [(r["round"], r["digest"]) for r in records(peer)][1:] == [(2, later.digest())], "no round of its own"
+    assert len(fake.calls) == 1, "it trained no round past the swarm's end"
+
+
+def test_a_minority_whose_majority_left_at_the_runs_end_says_so(tmp_path, monkeypatch):
+    monkeypatch.setattr(sync, "POLL_S", 0.01)
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
+    majority = moved(peer.state, 0.01, 1)
+
+    def group_then_they_disagree_and_leave(call):
+        result = fake.group("p1", "p2")(call)
+        for other in ("p1", "p2"):
+            fake.publish_other(other, majority)
+        fake.states = {}
+        fake.final = Genesis("fp", "t0", 1, majority.digest())
+        return result
+
+    def their_linger_ends(round_):
+        fake.stale = {"p1", "p2"}
+
+    fake.script = [group_then_they_disagree_and_leave]
+    fake.on_download = their_linger_ends
+    with pytest.raises(RunFinished, match="finished at round 1 .* the final state could not be downloaded"):
+        run(peer)
+    assert [r["round"] for r in records(peer)] == [0], "no final record of its own"
+
+
 def test_an_overlapped_round_settles_its_agreement_before_the_next_outer_step(tmp_path):
     fake = FakeSwarm()
     peer = make_peer(tmp_path, fake, **{"run.rounds": "3", "swarm.overlap": "delayed"})
