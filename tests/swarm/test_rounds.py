@@ -77,7 +77,8 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
         joined = records[joiner]
         assert min(r for r in joined if r) >= 2 and max(joined) == last, joined.keys()
         for r in joined:  # it may catch up again past the round it was training
-            assert joined[r]["digest"] == records["a"][r]["digest"] == records["b"][r]["digest"], (joiner, r)
+            why = [line for line in swarm.log(joiner).splitlines() if re.search(rf"round ({r - 1}|{r})\]", line)]
+            assert joined[r]["digest"] == records["a"][r]["digest"] == records["b"][r]["digest"], (joiner, r, why)
     assert records["c"][last]["group_size"] == 4  # d's two processes are one member
     follower = int(re.search(r"rank 1 of 2 started on cpu \(pid (\d+)\)", swarm.log("d")).group(1))
     assert "rank 1 ready on cpu" in swarm.log("d") and not alive(follower)
