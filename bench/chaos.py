@@ -9,7 +9,8 @@ tests/swarm's SWARM, and peer c treated unkindly:
 
 Each run's verdict: ok; failure (a peer exited non-zero, with its last error line as the root
 cause); hang (peers still running at the run's deadline); split (peers that exited 0 with
-"run complete" on different final (round, digest)). The run dirs of runs that are not ok, or
+"run complete" on different final (round, digest)). Beside it, `rounds_off_the_swarm`: rounds a
+peer recorded with a digest other than the one most peers recorded (I1). The run dirs of runs that are not ok, or
 in which c did not end on the swarm's final digest, are kept. Writes bench/results/chaos.json after every run.
 
     python bench/chaos.py                                  # every scenario once, about 5 minutes
@@ -135,7 +136,23 @@ def peer_outcome(folder: Path, name: str, code: int | None) -> dict:
         "rounds_averaged_with_others": sum(1 for r in records.values() if (r.get("group_size") or 1) > 1),
         "last_error": last_error(log) if code != 0 else None,
         "last_line": (log.strip().splitlines() or [None])[-1],
+        "digests": {r: rec["digest"] for r, rec in records.items()},
     }
+
+
+def rounds_off_the_swarm(peers: dict) -> dict[str, list[int]]:
+    """For each peer, the rounds whose recorded digest is not the one most peers recorded for that
+    round (I1: a peer that completed a round holds the swarm's bytes of it)."""
+    digests = {name: o.pop("digests") for name, o in peers.items()}
+    off: dict[str, list[int]] = {}
+    for r in sorted({r for d in digests.values() for r in d}):
+        held = Counter(d[r] for d in digests.values() if r in d)
+        if len(held) > 1:
+            top = min(held, key=lambda digest: (-held[digest], digest))
+            for name, d in digests.items():
+                if r in d and d[r] != top:
+                    off.setdefault(name, []).append(r)
+    return off
 
 
 def last_error(log: str) -> str | None:
@@ -154,6 +171,7 @@ def cause(error: str | None) -> str:
 
 def judge(folder: Path, codes: dict, hung: bool) -> dict:
     peers = {name: peer_outcome(folder, name, code) for name, code in codes.items()}
+    off = rounds_off_the_swarm(peers)
     finals = {(o["final_round"], o["final_digest"]) for o in peers.values() if o["exit"] == 0 and o["run_complete"]}
     if len(finals) > 1:
         verdict = "split"
@@ -173,6 +191,7 @@ def judge(folder: Path, codes: dict, hung: bool) -> dict:
         "final_digests": {n: o["final_digest"] for n, o in peers.items()},
         "c_on_swarm_final": bool(swarm_final) and (c["final_round"], c["final_digest"]) == swarm_final[0][0],
         "peers": peers,
+        "rounds_off_the_swarm": off,
         "root_cause": {n: o["last_error"] for n, o in peers.items() if o["exit"] != 0} or None,
         "cause": {n: cause(o["last_error"]) for n, o in peers.items() if o["exit"] != 0} or None,
     }
@@ -187,6 +206,7 @@ def summary(runs: list[dict]) -> dict:
             "runs": len(mine),
             **{k: counts.get(k, 0) for k in ("ok", "failure", "hang", "split")},
             "c_on_swarm_final": sum(r["c_on_swarm_final"] for r in mine),
+            "runs_with_rounds_off_the_swarm": sum(bool(r.get("rounds_off_the_swarm")) for r in mine),
             "failure_causes": Counter(c for r in mine if r["verdict"] == "failure" for c in r["cause"].values()),
         }
     quota = [r for r in runs if r["scenario"] == "quota"]
