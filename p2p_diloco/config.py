@@ -192,7 +192,16 @@ class SwarmSection:
         1, "after a failed all-reduce, the survivors retry this many times with their kept pseudo-gradients"
     )
     agreement_timeout_s: float = shared(15.0, "how long to wait for the group's digests after the outer step")
-    join_timeout_s: float = local(30.0, "deadline to start, reach the initial peers, or download a state")
+    join_timeout_s: float = local(
+        30.0,
+        "deadline to start or reach the initial peers; the longest silence of a peer serving a state, "
+        "and the shortest deadline of a whole state download",
+    )
+    min_download_mbps: float = local(
+        10.0,
+        "the slowest download link (Mbit/s) a state download is given time for: its deadline is the "
+        "state's size (8 bytes a parameter) at this rate, never under swarm.join_timeout_s",
+    )
     linger_s: float = local(
         60.0,
         "after the last round, serve the final state at least this long, for late peers and "
@@ -692,6 +701,12 @@ def _validate_swarm(s: SwarmSection) -> None:
     for name in ("matchmaking_time_s", "averaging_timeout_s", "agreement_timeout_s", "join_timeout_s"):
         value = getattr(s, name)
         _require(_pos(value), f"swarm.{name}", f"must be > 0 seconds, got {value}", "every network wait has a deadline")
+    _require(
+        _pos(s.min_download_mbps),
+        "swarm.min_download_mbps",
+        f"must be > 0, got {s.min_download_mbps}",
+        "e.g. 10 for a home link",
+    )
 
     _require(
         math.isfinite(s.linger_s) and s.linger_s >= 0,

@@ -14,6 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from p2p_diloco import deadlines
 from p2p_diloco.config import Config
 from p2p_diloco.errors import StateDownloadError
 from p2p_diloco.network import StateSource
@@ -145,7 +146,7 @@ def evaluation(config: Config, reader: Any, every: int, warn: Callable[[str], No
     except DataError as e:
         warn(f"held-out loss off: {e}")
         return None
-    return Evaluate(held, reader.state_client(held.numel), every, config.swarm.join_timeout_s)
+    return Evaluate(held, reader.state_client(held.numel), every, download_s(config, held.numel))
 
 
 AGREED_WAIT_S = 3.0  # how long a newer round's agreed digest is waited for (rounds end at once for all)
@@ -175,6 +176,11 @@ def gather(config: Config, poll: Callable[[], Poll], seconds: float, poll_s: flo
         time.sleep(poll_s)  # a DHT poll interval, bounded by the deadline above
 
 
+def download_s(config: Config, numel: int) -> float:
+    """The deadline of one whole-state download of a model of `numel` values (deadlines.py)."""
+    return deadlines.state_download(numel, config.swarm.join_timeout_s, config.swarm.min_download_mbps).total_s
+
+
 def fetch_agreed(
     config: Config, poll: Callable[[], Poll], source: StateSource, model: RunModel, wait_s: float
 ) -> Agreed:
@@ -197,7 +203,7 @@ def fetch_agreed(
         target = log.to_evaluate(1, time.time())
         if target is not None:
             try:
-                return download_agreed(model, source.fetch, target, accepts, config.swarm.join_timeout_s)
+                return download_agreed(model, source.fetch, target, accepts, download_s(config, model.numel))
             except StateDownloadError as e:
                 why = str(e)
         if time.monotonic() >= deadline:

@@ -20,7 +20,7 @@ from typing import IO, Any
 import torch
 from transformers import PretrainedConfig
 
-from p2p_diloco import checkpoint, data, faults, joining, outer, ranks, sinks
+from p2p_diloco import checkpoint, data, deadlines, faults, joining, outer, ranks, sinks
 from p2p_diloco import config as config_mod
 from p2p_diloco import model as model_mod
 from p2p_diloco.agreement import still_finishing
@@ -291,14 +291,14 @@ class Peer:
     def _linger(self, stop: threading.Event) -> None:
         """Stay after the last round so that late peers and `export --initial-peers` can download the
         final state: at least swarm.linger_s, and then while a live peer still lacks our final digest
-        (one finishing the last round, or starting up), up to agreement_timeout_s + join_timeout_s
-        after the end; Ctrl+C leaves at once. A peer of no swarm has nobody to serve."""
+        (one finishing the last round, or starting up), up to agreement_timeout_s + one state
+        download's deadline after the end; Ctrl+C leaves at once. A peer of no swarm has nobody to serve."""
         swarm = self.config.swarm
         if self.swarm.solo:
             return
         final, mine, now = self.state.round, self.state.digest(), time.monotonic()
         floor = now + swarm.linger_s
-        deadline = now + max(swarm.linger_s, swarm.agreement_timeout_s + swarm.join_timeout_s)
+        deadline = now + max(swarm.linger_s, swarm.agreement_timeout_s + self.download_s())
         if swarm.linger_s > 0:
             self.log.info(
                 "serving the final state for %g s (swarm.linger_s) for late peers and exports; Ctrl+C leaves now",
@@ -324,6 +324,11 @@ class Peer:
         self.record_start()
         self.save()
         return True
+
+    def download_s(self) -> float:
+        """The deadline of one whole-state download of this model (deadlines.py)."""
+        swarm, numel = self.config.swarm, sum(t.numel() for t in self.state.params.values())
+        return deadlines.state_download(numel, swarm.join_timeout_s, swarm.min_download_mbps).total_s
 
     def refuse_a_finished_run(self) -> None:
         """After a download that found nobody to serve it: RunFinished if the run ended meanwhile."""

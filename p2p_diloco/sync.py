@@ -27,7 +27,7 @@ POLL_S = 0.5  # how often a peer that runs ahead of the swarm reads the others' 
 # peers started at the same moment publish their first records within seconds of each other, and
 # one that saw only an attacker's later round would otherwise follow it (bench/attacks.py ahead:50).
 SETTLE_S = 10.0
-CATCH_UP_JOINS = 4  # a catch-up that cannot download keeps trying for this many swarm.join_timeout_s
+CATCH_UP_JOINS = 4  # a catch-up that cannot download keeps trying for this many state download deadlines
 RETRY_MAX_S = 8.0  # the longest pause between two downloads of one state (each may move gigabytes)
 
 
@@ -220,7 +220,7 @@ class StateSync:
     def patience_s(self) -> float:
         """How long a peer that cannot download the swarm's state keeps trying before it stops (I3):
         CATCH_UP_JOINS download deadlines, so that the holders of the next round or two are asked too."""
-        return CATCH_UP_JOINS * self.peer.config.swarm.join_timeout_s
+        return CATCH_UP_JOINS * self.peer.download_s()
 
     def _retry(
         self, failed: agreement.Reference, retry: Retry, error: StateDownloadError, mine: RoundRecord

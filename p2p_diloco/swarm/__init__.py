@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from p2p_diloco import agreement, codecs
+from p2p_diloco import agreement, codecs, deadlines
 from p2p_diloco.config import Config
 from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.genesis import Genesis, Verdict
@@ -90,6 +90,7 @@ class Swarm:
     ) -> None:
         sc = config.swarm
         self.peer_id = str(self.dht.peer_id)
+        self.download = deadlines.state_download(numel + exact_numel, sc.join_timeout_s, sc.min_download_mbps)
         self.buffer = torch.zeros(numel, dtype=torch.float32)
         self.exact_buffer = torch.zeros(exact_numel, dtype=torch.float32) if exact_numel else None
         # Error feedback: what the codec lost of this peer's last pseudo-gradient, added to its next.
@@ -290,10 +291,11 @@ class Swarm:
         A revoked peer stops here too (AdmissionError, exit 2): one that is behind only ever asks
         for states, and the others refuse to serve it."""
         self.gate.check_self()
+        stall_s = self.download.stall_s
         _, state = download_verified(
-            self.averager.download_state_from,
+            lambda peer, timeout: self.averager.download_state_from(peer, timeout, stall_s),
             from_peers,
-            self.config.swarm.join_timeout_s,
+            self.download.total_s,
             verify,
             lambda r, d: (r, d) == (round_, digest),
             f"the published round {round_} with digest {digest[:12]}",

@@ -32,6 +32,7 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco import faults, links, robust
+from p2p_diloco.deadlines import state_bytes
 from p2p_diloco.swarm import identity, records
 from p2p_diloco.swarm.allreduce import LOSSY_TENSOR, ConsistentAllReduceRunner
 from p2p_diloco.swarm.auditor import Audits
@@ -40,7 +41,7 @@ from p2p_diloco.swarm.evidence import Case, Evidence
 from p2p_diloco.swarm.ledger import Ledger
 from p2p_diloco.swarm.probes import LinkProbes
 from p2p_diloco.swarm.processes import quiet_fork, wait_result, wait_started
-from p2p_diloco.swarm.state_client import read_served_state, state_limit
+from p2p_diloco.swarm.state_client import read_served_state
 
 logger = get_logger(__name__)
 START_TIMEOUT_S = 30.0  # the averager's start deadline if its DHT has none of its own (swarm.join_timeout_s's default)
@@ -228,30 +229,36 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         self._matchmaking.target_group_size = size
         self._matchmaking.potential_leaders.target_group_size = size
 
-    def download_state_from(self, peer: str, timeout: float) -> tuple[dict, list[torch.Tensor]] | None:
-        """(metadata, tensors) served by one chosen peer, within `timeout` seconds in all (I3).
+    def download_state_from(self, peer: str, timeout: float, stall_s: float) -> tuple[dict, list[torch.Tensor]] | None:
+        """(metadata, tensors) served by one chosen peer, within `timeout` seconds in all and with
+        no silence of `stall_s` (I3, deadlines.py).
 
         hivemind's load_state_from_peers picks the peer itself and applies its timeout per chunk;
         a joiner must choose the peer (one that published the right digest) and bound the whole download.
         """
         future = MPFuture()
         self._outer_pipe.send(
-            ("_download_state_from", [], dict(peer=peer, deadline=time.monotonic() + timeout, future=future))
+            (
+                "_download_state_from",
+                [],
+                dict(peer=peer, deadline=time.monotonic() + timeout, stall_s=stall_s, future=future),
+            )
         )
         return wait_result(self, future, "averaging process", timeout + 5)
 
-    async def _download_state_from(self, peer: str, deadline: float, future: MPFuture) -> None:
+    async def _download_state_from(self, peer: str, deadline: float, stall_s: float, future: MPFuture) -> None:
         try:
-            result = await asyncio.wait_for(self._fetch_state(PeerID.from_base58(peer)), deadline - time.monotonic())
+            fetching = self._fetch_state(PeerID.from_base58(peer), stall_s)
+            result = await asyncio.wait_for(fetching, deadline - time.monotonic())
             future.set_result(result)
         except BaseException as e:  # report every failure to the caller, which tries the next peer
             if not future.done():
                 future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
 
-    async def _fetch_state(self, peer: PeerID) -> tuple[dict, list[torch.Tensor]] | None:
+    async def _fetch_state(self, peer: PeerID, stall_s: float) -> tuple[dict, list[torch.Tensor]] | None:
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        return await read_served_state(stream, state_limit(self.total_size), peer)
+        return await read_served_state(stream, state_bytes(self.total_size), peer, stall_s)
 
     def _ledger(self, group_info: GroupInfo, group_id: bytes, modes: list[AveragingMode]) -> Ledger:
         """The all-reduce's ledger, with every member's identity key from the all-gather (checked

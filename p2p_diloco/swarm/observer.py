@@ -65,7 +65,7 @@ class RunReader:
     def state_client(self, numel: int) -> StateClient:
         """Downloads the states peers serve, over this node (its caller closes it). In a certified
         run, peers serve admitted askers only: the observer needs a certificate of its own."""
-        return StateClient(self.dht, self.prefix, numel, self._lock)
+        return StateClient(self.dht, self.prefix, numel, self._lock, self.config.swarm.join_timeout_s)
 
 
 class Observer(RunReader):

@@ -6,7 +6,9 @@ thread of its own with an event loop, over a replica of the observer's DHT node'
 (hivemind's `replicate_p2p`), so the state never passes through a pipe between processes.
 
 Both read the reply with `read_served_state`, which caps it at the size of this model's state:
-a server that streams without end must not exhaust the asker's memory. What arrived is untrusted
+a server that streams without end must not exhaust the asker's memory; one that stops sending is
+given up after `stall_s` of silence (deadlines.py: the whole download's deadline follows the
+state's size, so a hung server must not hold it that long). What arrived is untrusted
 (I4): the caller verifies it against a digest the swarm published (`network.download_verified`).
 """
 
@@ -25,27 +27,21 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 
+from p2p_diloco.deadlines import state_bytes
 from p2p_diloco.network import ServedState
 
 logger = logging.getLogger(__name__)
 
-STATE_BYTES_PER_VALUE = 2 * 4  # a served state is θ and the outer momentum, fp32
-STATE_SLACK_BYTES = 1 << 20  # metadata and serialization headers
 
-
-def state_limit(numel: int) -> int:
-    """The most bytes a served state of a model with `numel` values may take."""
-    return STATE_BYTES_PER_VALUE * numel + STATE_SLACK_BYTES
-
-
-async def read_served_state(stream: Any, limit: int, peer: Any) -> ServedState | None:
+async def read_served_state(stream: Any, limit: int, peer: Any, stall_s: float) -> ServedState | None:
     """(metadata, tensors) from a `rpc_download_state` reply stream, or None if it held no metadata
-    (a peer with nothing to serve, or one that refuses the asker). Raises past `limit` bytes."""
+    (a peer with nothing to serve, or one that refuses the asker). Raises past `limit` bytes, or
+    when nothing arrived for `stall_s`."""
     metadata: Any = None
     tensors: list[torch.Tensor] = []
     parts: list[runtime_pb2.Tensor] = []
     received = 0
-    async for message in stream:
+    async for message in _until_silent(stream, stall_s, peer):
         received += len(message.tensor_part.buffer) + len(message.metadata)
         if received > limit:
             raise AllreduceException(f"{peer} sent more than the {limit:,} bytes a state of this model takes")
@@ -62,11 +58,23 @@ async def read_served_state(stream: Any, limit: int, peer: Any) -> ServedState |
     return metadata, tensors
 
 
+async def _until_silent(stream: Any, stall_s: float, peer: Any) -> Any:
+    """The stream's messages; AllreduceException once none came for `stall_s`."""
+    messages = stream.__aiter__()
+    while True:
+        try:
+            yield await asyncio.wait_for(messages.__anext__(), stall_s)
+        except StopAsyncIteration:
+            return
+        except asyncio.TimeoutError:
+            raise AllreduceException(f"{peer} sent nothing for {stall_s:g} s") from None
+
+
 class StateClient:
     """Fetches served states over the libp2p daemon of a DHT node in this process's care."""
 
-    def __init__(self, dht: Any, prefix: str, numel: int, dht_lock: threading.Lock):
-        self.prefix, self.limit = prefix, state_limit(numel)
+    def __init__(self, dht: Any, prefix: str, numel: int, dht_lock: threading.Lock, stall_s: float):
+        self.prefix, self.limit, self.stall_s = prefix, state_bytes(numel), stall_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="state-client", daemon=True)
         self._thread.start()
@@ -83,7 +91,7 @@ class StateClient:
         # The handler's name is the serving class's: DiLoCoAverager's, not hivemind's base class.
         stub = DiLoCoAverager.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
-        return await read_served_state(stream, self.limit, peer)
+        return await read_served_state(stream, self.limit, peer, self.stall_s)
 
     def _run(self, coroutine: Any, timeout: float) -> Any:
         return asyncio.run_coroutine_threadsafe(coroutine, self._loop).result(timeout)

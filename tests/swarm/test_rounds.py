@@ -110,10 +110,12 @@ def test_peer_with_another_config_is_refused_naming_the_field(swarm):
 def test_tampered_state_offered_to_a_joiner_is_rejected_and_the_joiner_trains_nothing_of_its_own(swarm):
     # The only peer of the run serves a state whose bytes do not match the digest it published.
     # The joiner never adopts it, and never trains alone while a live peer is ahead (issue 25): it
-    # asks again for its patience (4 x join_timeout_s), then stops with one line, exit 1.
+    # asks again for its patience (4 download deadlines: join_timeout_s each here, on a fast link),
+    # then stops with one line, exit 1.
     liar = swarm.peer("liar", {"run.rounds": "1000"}, script=[*swarm_python(), "-m", "tests.swarm.tampering_peer"])
     wait_until(lambda: 1 in swarm.records("liar"), [liar], 120, "liar at round 1")
-    joiner = swarm.peer("joiner", {"run.rounds": "1000", "swarm.join_timeout_s": "2"})
+    fast = {"swarm.join_timeout_s": "2", "swarm.min_download_mbps": "1000"}  # deadlines.py: the floor, 2 s
+    joiner = swarm.peer("joiner", {"run.rounds": "1000", **fast})
     assert joiner.wait(timeout=120) == 1, swarm.log("joiner")[-2000:]
     log = swarm.log("joiner")
     assert "does not match the published" in log and "(rejected)" in log

@@ -291,7 +291,9 @@ def test_a_joiner_that_cannot_download_for_its_patience_stops_with_one_line(tmp_
     first.close()
     fake = joiner_of(tmp_path, FakeSwarm(), round5, monkeypatch)
     with pytest.raises(CatchUpFailed) as e:
-        make_peer(tmp_path / "joiner", fake, **{"run.rounds": "9", "swarm.join_timeout_s": "0.2"})
+        # a fast link: each download's deadline is its floor, join_timeout_s (deadlines.py)
+        options = {"run.rounds": "9", "swarm.join_timeout_s": "0.2", "swarm.min_download_mbps": "1e4"}
+        make_peer(tmp_path / "joiner", fake, **options)
     assert str(e.value).startswith(
         f"could not download the swarm's state (round 5, digest {round5.digest()[:12]}) in 0.8 s: no peer served"
     )

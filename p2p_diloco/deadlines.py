@@ -1,0 +1,37 @@
+"""Deadlines that follow the work instead of a machine's speed (docs/design.md I3).
+
+A whole-state download moves θ and the outer momentum, 8 bytes a parameter: 8 GB for a model of a
+billion parameters, 640 s on a home link of 100 Mbit/s. A fixed `swarm.join_timeout_s` (30 s) cut
+every such download, so no volunteer could ever have joined a run of a real model. Its deadline now
+follows the state's size at the slowest link the run accepts (`swarm.min_download_mbps`), never
+under `join_timeout_s`, and a server that stops sending is given up after `join_timeout_s` of
+silence (`stall_s`), however long the whole download may take: a hung peer still costs one short
+deadline, and a slow link is not mistaken for one.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+STATE_BYTES_PER_VALUE = 2 * 4  # a served state is θ and the outer momentum, fp32
+STATE_SLACK_BYTES = 1 << 20  # metadata and serialization headers
+
+
+def state_bytes(numel: int) -> int:
+    """The most bytes a served state of a model with `numel` values takes on the wire."""
+    return STATE_BYTES_PER_VALUE * numel + STATE_SLACK_BYTES
+
+
+@dataclass(frozen=True)
+class Download:
+    """The deadlines of one whole-state download from one peer."""
+
+    total_s: float  # the whole download
+    stall_s: float  # the longest silence between two messages of the stream
+
+
+def state_download(numel: int, join_timeout_s: float, min_download_mbps: float) -> Download:
+    """A state of `numel` values at `min_download_mbps`, never under `join_timeout_s`; silence of
+    `join_timeout_s` ends it."""
+    at_the_slowest = state_bytes(numel) * 8 / (min_download_mbps * 1e6)
+    return Download(total_s=max(join_timeout_s, at_the_slowest), stall_s=join_timeout_s)

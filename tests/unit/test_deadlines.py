@@ -1,0 +1,69 @@
+"""Deadlines that follow the work (deadlines.py): a state download's deadline from the state's size,
+and a serving peer's silence, not the whole download, bounded by swarm.join_timeout_s."""
+
+import asyncio
+import time
+
+import pytest
+import torch
+from hivemind.averaging.allreduce import AllreduceException
+from hivemind.compression import serialize_torch_tensor
+from hivemind.proto import averaging_pb2
+from hivemind.utils.serializer import MSGPackSerializer
+from hivemind.utils.streaming import split_for_streaming
+
+from p2p_diloco import config, deadlines
+from p2p_diloco.errors import ConfigError
+from p2p_diloco.swarm.state_client import read_served_state
+
+
+def test_a_state_download_is_given_the_time_its_size_takes_at_the_slowest_link_the_run_accepts():
+    # 1B parameters: θ and momentum in fp32 are 8e9 bytes (+ 1 MiB of headers); at 10 Mbit/s,
+    # (8e9 + 1,048,576) x 8 / 1e7 = 6,400.84 s. The fixed 30 s of before cut it after 0.5 %.
+    big = deadlines.state_download(1_000_000_000, join_timeout_s=30.0, min_download_mbps=10.0)
+    assert big.total_s == pytest.approx(6400.8388608) and big.stall_s == 30.0
+    # The public profile's 179.9M parameters at its 20 Mbit/s: (1.4392e9 + 1,048,576) x 8 / 2e7 = 576.1 s.
+    assert deadlines.state_download(179_900_000, 60.0, 20.0).total_s == pytest.approx(576.0994304)
+    # A small model: the floor, join_timeout_s.
+    assert deadlines.state_download(1_000, join_timeout_s=30.0, min_download_mbps=10.0).total_s == 30.0
+
+
+def test_the_slowest_link_must_be_a_positive_rate():
+    for bad in ("0", "-5", "nan"):
+        with pytest.raises(ConfigError, match="swarm.min_download_mbps"):
+            config.load(None, {"swarm.min_download_mbps": bad})
+
+
+def served(values: list[torch.Tensor], pause_s: float, silent_after: int | None = None):
+    """A `rpc_download_state` reply as hivemind streams it: metadata with the first part, each
+    tensor in parts of 1 KiB, `pause_s` between parts; silent for good after `silent_after` parts."""
+
+    async def stream():
+        metadata, sent = MSGPackSerializer.dumps({"round": 3}), 0
+        for tensor in values:
+            for part in split_for_streaming(serialize_torch_tensor(tensor), 1024):
+                if sent == silent_after:
+                    await asyncio.sleep(3600)
+                yield averaging_pb2.DownloadData(tensor_part=part, metadata=metadata if sent == 0 else b"")
+                sent += 1
+                await asyncio.sleep(pause_s)
+
+    return stream()
+
+
+def test_a_slow_but_steady_server_is_read_to_the_end_past_the_silence_deadline():
+    theta, momentum = torch.arange(2000, dtype=torch.float32), torch.full((2000,), 0.5)  # 8 parts each
+    started = time.monotonic()
+    got = asyncio.run(read_served_state(served([theta, momentum], pause_s=0.1), 1 << 20, "p1", stall_s=0.5))
+    took = time.monotonic() - started
+    assert got is not None
+    metadata, tensors = got
+    assert metadata == {"round": 3} and torch.equal(tensors[0], theta) and torch.equal(tensors[1], momentum)
+    assert took > 2 * 0.5, f"16 parts of 1 KiB, 0.1 s apart: twice the silence deadline in all ({took:.2f} s)"
+
+
+def test_a_server_that_stops_sending_is_given_up_after_the_silence_deadline():
+    started = time.monotonic()
+    with pytest.raises(AllreduceException, match="p1 sent nothing for 0.2 s"):
+        asyncio.run(read_served_state(served([torch.ones(1000)], 0.0, silent_after=2), 1 << 20, "p1", stall_s=0.2))
+    assert time.monotonic() - started < 5.0
