@@ -247,10 +247,12 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         return wait_result(self, future, "averaging process", timeout + 5)
 
     async def _download_state_from(self, peer: str, deadline: float, stall_s: float, future: MPFuture) -> None:
+        allowed = deadline - time.monotonic()
         try:
             fetching = self._fetch_state(PeerID.from_base58(peer), stall_s)
-            result = await asyncio.wait_for(fetching, deadline - time.monotonic())
-            future.set_result(result)
+            future.set_result(await asyncio.wait_for(fetching, allowed))
+        except asyncio.TimeoutError:
+            future.set_exception(TimeoutError(f"the whole state did not arrive within {allowed:.0f} s"))
         except BaseException as e:  # report every failure to the caller, which tries the next peer
             if not future.done():
                 future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))

@@ -54,6 +54,7 @@ class Heartbeat:
         self._reports: list[Progress] = []
         self._rounds_seen: dict[str, RoundRecord] = {}
         self._started = time.time()
+        self._read_at = self._started  # when the last beat read the swarm's records
         self._first_seen: dict[str, float] = {}
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="swarm-heartbeat", daemon=True)
@@ -93,6 +94,7 @@ class Heartbeat:
         admitted = self.gate.admitted({r.peer for r in reports} | set(rounds_seen))
         self._reports = [r for r in reports if r.peer in admitted]
         self._rounds_seen = {p: r for p, r in rounds_seen.items() if p in admitted}
+        self._read_at = now
         with self._dht_lock:
             self.entries.tend(now, self._rounds_seen, self.peer_id)
         for p in admitted:
@@ -120,8 +122,12 @@ class Heartbeat:
         for them, and they do not count in the swarm's state. A peer with a round record and no
         progress report is stale once this peer has known it for STALE_S: a dead peer's progress
         record expires after records.PROGRESS_TTL_S (30 s), its round record only after
-        RECORD_TTL_S (90 s). (A peer that just started has no progress report yet: not stale.)"""
-        now = time.time()
+        RECORD_TTL_S (90 s). (A peer that just started has no progress report yet: not stale.)
+
+        Judged as of this peer's last read of the swarm, not now: while its own reads fail (a link
+        saturated by a state download, measured in bench/slow_join.py) it knows nothing newer, and
+        every peer would look stale, so a joiner took the holder it was downloading from for gone."""
+        now = self._read_at
         reporting = {r.peer for r in self._reports}
         silent = {p for p in self._rounds_seen if p not in reporting and now - self._first_seen.get(p, now) > STALE_S}
         return {r.peer for r in self._reports if now - r.time > STALE_S} | silent
