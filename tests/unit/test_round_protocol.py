@@ -301,19 +301,26 @@ def test_a_joiner_that_cannot_download_for_its_patience_stops_with_one_line(tmp_
     assert checkpoint.latest(tmp_path / "joiner" / "run") is None
 
 
+def outvoted(fake: FakeSwarm, majority: outer.GlobalState, then=lambda: None):
+    """A round in a group with p1 and p2, after which both publish `majority` (and `then()` runs)."""
+
+    def step(call):
+        result = fake.group("p1", "p2")(call)
+        for other in ("p1", "p2"):
+            fake.publish_other(other, majority)
+        then()
+        return result
+
+    return step
+
+
 def test_a_minority_digest_adopts_the_majority_state(tmp_path, caplog):
     caplog.set_level(logging.INFO)
     fake = FakeSwarm()
     peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
     majority = moved(peer.state, 0.01, 1)
 
-    def group_then_they_disagree(call):
-        result = fake.group("p1", "p2")(call)
-        for other in ("p1", "p2"):
-            fake.publish_other(other, majority)
-        return result
-
-    fake.script = [group_then_they_disagree]
+    fake.script = [outvoted(fake, majority)]
     run(peer)
     assert "differs from the group's majority" in caplog.text
     assert fake.downloads == [(1, majority.digest(), ["p1", "p2"])]
@@ -333,18 +340,14 @@ def test_a_minority_that_cannot_download_the_majority_state_yet_asks_again_and_r
     peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
     majority = moved(peer.state, 0.01, 1)
 
-    def group_then_they_disagree(call):
-        result = fake.group("p1", "p2")(call)
-        for other in ("p1", "p2"):
-            fake.publish_other(other, majority)
+    def not_served_yet():
         fake.served_later, fake.states = dict(fake.states), {}  # type: ignore[attr-defined]
-        return result
 
     def serve_at_the_third(round_):
         if len(fake.downloads) == 3:
             fake.states = fake.served_later  # type: ignore[attr-defined]
 
-    fake.script = [group_then_they_disagree]
+    fake.script = [outvoted(fake, majority, then=not_served_yet)]
     fake.on_download = serve_at_the_third
     run(peer)
     assert [(r, d) for r, d, _ in fake.downloads] == [(1, majority.digest())] * 3
@@ -360,17 +363,11 @@ def test_a_minority_whose_majority_moved_on_follows_it_to_its_next_round(tmp_pat
     peer = make_peer(tmp_path, fake, **{"run.rounds": "2"})
     majority, later = moved(peer.state, 0.01, 1), moved(peer.state, 0.02, 2)
 
-    def group_then_they_disagree(call):
-        result = fake.group("p1", "p2")(call)
-        for other in ("p1", "p2"):
-            fake.publish_other(other, majority)
-        return result
-
     def they_moved_on(round_):  # rounds are short: the majority finished round 2 while the peer asked
         for other in ("p1", "p2"):
             fake.publish_other(other, later)
 
-    fake.script = [group_then_they_disagree]
+    fake.script = [outvoted(fake, majority)]
     fake.on_download = they_moved_on
     run(peer)
     assert [(r, d) for r, d, _ in fake.downloads] == [(1, majority.digest()), (2, later.digest())]
@@ -384,18 +381,14 @@ def test_a_minority_whose_majority_left_at_the_runs_end_says_so(tmp_path, monkey
     peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
     majority = moved(peer.state, 0.01, 1)
 
-    def group_then_they_disagree_and_leave(call):
-        result = fake.group("p1", "p2")(call)
-        for other in ("p1", "p2"):
-            fake.publish_other(other, majority)
+    def the_run_ends():
         fake.states = {}
         fake.final = Genesis("fp", "t0", 1, majority.digest())
-        return result
 
     def their_linger_ends(round_):
         fake.stale = {"p1", "p2"}
 
-    fake.script = [group_then_they_disagree_and_leave]
+    fake.script = [outvoted(fake, majority, then=the_run_ends)]
     fake.on_download = their_linger_ends
     with pytest.raises(RunFinished, match="finished at round 1 .* the final state could not be downloaded"):
         run(peer)
