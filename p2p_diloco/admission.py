@@ -18,7 +18,6 @@ import base64
 import binascii
 import json
 import os
-import re
 import time
 from dataclasses import asdict, dataclass, fields, replace
 from pathlib import Path
@@ -32,9 +31,27 @@ from p2p_diloco.errors import AdmissionError
 
 KEY_PREFIX = "ed25519:"
 REVOKED_DIR = "revoked"  # where `admission revoke` keeps the organiser's copy, inside the certificates folder
-# libp2p ids are base58: letters and digits. A revocation's file is named after the id, so an id is
-# checked against this before it becomes a path ("../x" would write outside revoked/).
-_PEER_ID = re.compile(r"[A-Za-z0-9]{1,128}")
+# libp2p ids are base58 (letters and digits but 0, O, I and l) of a multihash. A revocation's file is
+# named after the id, so an id is checked (`is_peer_id`) before it becomes a path ("../x" would write
+# outside revoked/), and before the organiser signs it ("QmNotAnId" admitted nobody).
+BASE58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"
+_MULTIHASHES = {0x12: 32, 0x00: None}  # sha2-256 of a key ("Qm…"), or the key itself ("12D3KooW…")
+
+
+def is_peer_id(text: str) -> bool:
+    """Whether `text` is a libp2p peer id: base58 of a sha2-256 or identity multihash."""
+    if not 1 <= len(text) <= 128 or any(c not in BASE58 for c in text):
+        return False
+    value = 0
+    for c in text:
+        value = value * 58 + BASE58.index(c)
+    raw = bytes(len(text) - len(text.lstrip("1"))) + value.to_bytes((value.bit_length() + 7) // 8, "big")
+    if len(raw) < 2 or raw[0] not in _MULTIHASHES:
+        return False
+    size = _MULTIHASHES[raw[0]]
+    return len(raw) == 2 + raw[1] and (size is None or raw[1] == size)
+
+
 MAX_SIGNED_BYTES = 4096  # a certificate or revocation from another peer larger than this is refused unread
 
 
@@ -215,7 +232,7 @@ def admit(
     key = _organiser_key_of(key_path, organiser_key)
     if not 0 < days <= 3650:
         raise AdmissionError(f"--days must be in (0, 3650], got {days}")
-    if not peer_id.strip() or len(peer_id) > 128:
+    if not is_peer_id(peer_id.strip()):
         raise AdmissionError(f"{peer_id!r} is not a peer id; the volunteer gets theirs from `p2p-diloco id`")
     cert = issue(key, run_id, peer_id.strip(), name, int(time.time() + days * 86400))
     if out.exists():
@@ -263,8 +280,8 @@ def _organiser_key_of(key_path: Path, organiser_key: str) -> Ed25519PrivateKey:
 def revoke(key_path: Path, run_id: str, organiser_key: str, peer_id: str, reason: str, out: Path) -> Revocation:
     """Sign a revocation of `peer_id` and write it to `out` (the organiser's record of it)."""
     key = _organiser_key_of(key_path, organiser_key)
-    if not _PEER_ID.fullmatch(peer_id):
-        raise AdmissionError(f"{peer_id!r} is not a peer id (letters and digits, as `p2p-diloco id` prints it)")
+    if not is_peer_id(peer_id):
+        raise AdmissionError(f"{peer_id!r} is not a peer id (base58, as `p2p-diloco id` prints it)")
     revocation: Revocation = Revocation(run_id, peer_id, reason[:200], int(time.time())).signed_with(key)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(revocation.to_json())

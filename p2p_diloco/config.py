@@ -408,6 +408,13 @@ def load(path: str | Path | None = None, overrides: Mapping[str, str] | None = N
             data = tomllib.loads(Path(path).read_text())
         except FileNotFoundError:
             raise ConfigError(f"config file {path} not found") from None
+        except IsADirectoryError:
+            raise ConfigError(
+                f"config file {path} is a folder, not a file. (docker run -v creates a folder where the file to "
+                f"mount did not exist yet: copy run.toml there first, remove the folder, and start again)"
+            ) from None
+        except PermissionError:
+            raise ConfigError(f"config file {path} cannot be read by this user (permission denied)") from None
         except (tomllib.TOMLDecodeError, UnicodeDecodeError) as e:
             raise ConfigError(f"config file {path} is not valid TOML: {e}") from None
     hints = {name: typing.get_type_hints(cls) for name, cls in SECTIONS.items()}

@@ -102,6 +102,17 @@ def test_bad_input_is_one_line_and_creates_nothing(tmp_path, capsys, extra, frag
     assert not run_dir.exists()
 
 
+@pytest.mark.parametrize("command", ["peer", "bootstrap", "config"])
+def test_a_config_that_is_a_folder_is_one_line_with_the_fix(tmp_path, capsys, command):
+    # `docker run -v "$PWD/run.toml:/config/run.toml:ro"` before run.toml was copied there makes a
+    # folder of that name; under compose the node restarted into a 20-line IsADirectoryError.
+    folder = tmp_path / "run.toml"
+    folder.mkdir()
+    result = main_in_process(capsys, command, "--config", str(folder))
+    assert_one_line_error(result, f"config file {folder} is a folder, not a file", "copy run.toml there first")
+    assert result.returncode == 2 and not any(folder.iterdir())
+
+
 def test_a_run_dir_under_a_file_is_one_line_and_creates_nothing(tmp_path, capsys):
     (tmp_path / "a-file").write_text("not a folder\n")
     run_dir = tmp_path / "a-file" / "run"

@@ -113,16 +113,16 @@ def test_a_signature_of_one_kind_never_verifies_as_another():
 def test_the_organiser_revokes_with_the_run_key_only(tmp_path):
     public = admission.make_run_key(tmp_path / "run.key")
     other = admission.make_run_key(tmp_path / "other.key")
-    revocation = admission.revoke(tmp_path / "run.key", "run-a", public, "QmBob", "left", tmp_path / "r.json")
+    revocation = admission.revoke(tmp_path / "run.key", "run-a", public, BOB, "left", tmp_path / "r.json")
     assert admission.Revocation.parse((tmp_path / "r.json").read_text()) == revocation
     assert admission.revoked_ids([revocation.to_json()], admission.parse_public_key(public), "run-a") == {
-        "QmBob": revocation.to_json()
+        BOB: revocation.to_json()
     }
     with pytest.raises(AdmissionError, match="is not the key of this run"):
-        admission.revoke(tmp_path / "run.key", "run-a", other, "QmBob", "left", tmp_path / "s.json")
+        admission.revoke(tmp_path / "run.key", "run-a", other, BOB, "left", tmp_path / "s.json")
 
 
-@pytest.mark.parametrize("peer_id", ["../notes", "revoked/../../x", "Qm Bob", "", "Qm/Bob", "Qm.Bob"])
+@pytest.mark.parametrize("peer_id", ["../notes", "revoked/../../x", "Qm Bob", "", "Qm/Bob", "Qm.Bob", "QmBob"])
 def test_a_revocation_of_an_id_that_is_not_a_plain_name_is_refused_and_writes_nothing(tmp_path, peer_id):
     # The CLI names the organiser's copy revoked/<peer id>.json: "../notes" would write over notes.json.
     public = admission.make_run_key(tmp_path / "run.key")
@@ -132,3 +132,26 @@ def test_a_revocation_of_an_id_that_is_not_a_plain_name_is_refused_and_writes_no
         admission.revoke(tmp_path / "run.key", "run-a", public, peer_id, "left", out)
     assert (tmp_path / "notes.json").read_text() == "mine"
     assert not (tmp_path / "certs").exists()
+
+
+BOB = "QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco"  # a sha2-256 peer id ("Qm…")
+
+
+def test_only_libp2p_peer_ids_are_peer_ids():
+    from hivemind.p2p import PeerID  # what the swarm itself parses ids with
+
+    ed25519 = "12D3KooWD3eckifWpRn9wQpMG9R9hX3sD158z7EqHWmweQAJU5SA"  # an identity multihash of a key
+    for real in (BOB, ed25519, str(PeerID(bytes([0x12, 0x20]) + bytes(range(32))))):
+        assert admission.is_peer_id(real) and PeerID.from_base58(real).to_base58() == real
+    sha_of_31 = str(PeerID(bytes([0x12, 0x1F]) + bytes(31)))  # a sha2-256 multihash must hold 32 bytes
+    for fake in ("QmNotAnId", "QmBob", "Qm", "1", BOB[:-1], BOB + "1", sha_of_31, "Qm0aa", "x" * 129):
+        assert not admission.is_peer_id(fake), fake
+
+
+def test_the_organiser_cannot_admit_what_is_not_a_peer_id(tmp_path):
+    public = admission.make_run_key(tmp_path / "run.key")
+    with pytest.raises(AdmissionError, match="'QmNotAnId' is not a peer id; the volunteer gets theirs from"):
+        admission.admit(tmp_path / "run.key", "run-a", public, "QmNotAnId", "alice", 30, tmp_path / "a.cert")
+    assert not (tmp_path / "a.cert").exists()
+    cert = admission.admit(tmp_path / "run.key", "run-a", public, BOB, "bob", 30, tmp_path / "b.cert")
+    assert cert.peer_id == BOB

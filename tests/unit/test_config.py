@@ -74,6 +74,9 @@ def test_bad_values_name_the_field_and_the_fix(overrides, message):
 def test_bad_toml_files(tmp_path):
     with pytest.raises(ConfigError, match="not found"):
         config.load(tmp_path / "missing.toml")
+    (tmp_path / "folder.toml").mkdir()
+    with pytest.raises(ConfigError, match="is a folder, not a file"):
+        config.load(tmp_path / "folder.toml")
     (tmp_path / "broken.toml").write_text("[inner\nlr = 1")
     with pytest.raises(ConfigError, match="not valid TOML"):
         config.load(tmp_path / "broken.toml")
