@@ -18,7 +18,7 @@ import hivemind
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import SwarmSection
-from p2p_diloco.errors import SwarmError
+from p2p_diloco.errors import ConfigError, SwarmError
 from p2p_diloco.swarm.processes import children_started, quiet_fork, wait_result, wait_started
 
 logger = logging.getLogger(__name__)
@@ -72,11 +72,11 @@ def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
         try:
             maddr = Multiaddr(text)
         except Exception as e:  # multiaddr raises several types for malformed text
-            raise SwarmError(
+            raise ConfigError(
                 f"initial peer {text!r} is not a multiaddr ({e}); copy the line the bootstrap node printed"
             ) from None
         if "/p2p/" not in str(maddr):
-            raise SwarmError(
+            raise ConfigError(
                 f"initial peer {text!r} has no /p2p/<peer id> part; copy the full line the bootstrap node printed"
             )
     return list(maddrs)
@@ -87,9 +87,11 @@ def listen_maddrs(cfg: SwarmSection) -> tuple[list[str], list[str]]:
     try:
         version = "ip6" if ipaddress.ip_address(cfg.host).version == 6 else "ip4"
     except ValueError:
-        raise SwarmError(f"swarm.host {cfg.host!r} is not an IP address; use e.g. 0.0.0.0 or 127.0.0.1") from None
+        raise ConfigError(f"swarm.host {cfg.host!r} is not an IP address; use e.g. 0.0.0.0 or 127.0.0.1") from None
     if cfg.announce_host and cfg.port == 0:
-        raise SwarmError("an announced address needs a fixed port: set --port / swarm.port (e.g. 31337) and forward it")
+        raise ConfigError(
+            "an announced address needs a fixed port: set --port / swarm.port (e.g. 31337) and forward it"
+        )
     host = [f"/{version}/{cfg.host}/tcp/{cfg.port}"]
     announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host else []
     return host, announce
@@ -126,7 +128,7 @@ def start_dht(
                 startup_timeout=cfg.join_timeout_s,
                 timeout_s=cfg.join_timeout_s,
             )
-    except SwarmError:
+    except (SwarmError, ConfigError):
         raise
     except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, TimeoutError... with long texts
         raise SwarmError(_explain(e, cfg, initial_peers)) from None

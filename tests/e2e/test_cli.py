@@ -78,27 +78,28 @@ def test_console_script_is_installed():
 
 
 @pytest.mark.parametrize(
-    "extra, fragments",
+    "extra, fragments, code",  # 2: the config is wrong; 1: the data it names cannot be read (DataError)
     [
         (
             {"data.source": "files", "data.path": "/nonexistent/corpus"},
             ["data.path /nonexistent/corpus does not exist"],
+            1,
         ),
-        ({"model.preset": "huge"}, ["model.preset is unknown: 'huge'"]),
-        ({"inner.lr": "-0.001"}, ["inner.lr must be > 0, got -0.001", "[inner] lr"]),
-        ({"model.tokenizer": "/nonexistent/tok.json"}, ["/nonexistent/tok.json"]),
-        ({"swarm.initial_peers": "/ip4/127.0.0.1/tcp/1"}, ["has no /p2p/<peer id> part"]),
-        ({"swarm.initial_peers": "127.0.0.1:31337"}, ["is not a multiaddr"]),
+        ({"model.preset": "huge"}, ["model.preset is unknown: 'huge'"], 2),
+        ({"inner.lr": "-0.001"}, ["inner.lr must be > 0, got -0.001", "[inner] lr"], 2),
+        ({"model.tokenizer": "/nonexistent/tok.json"}, ["/nonexistent/tok.json"], 1),
+        ({"swarm.initial_peers": "/ip4/127.0.0.1/tcp/1"}, ["has no /p2p/<peer id> part"], 2),
+        ({"swarm.initial_peers": "127.0.0.1:31337"}, ["is not a multiaddr"], 2),
     ],
     ids=["missing-data-path", "unknown-preset", "negative-lr", "missing-tokenizer", "peer-without-id", "not-a-maddr"],
 )
-def test_bad_input_is_one_line_and_creates_nothing(tmp_path, capsys, extra, fragments):
+def test_bad_input_is_one_line_and_creates_nothing(tmp_path, capsys, extra, fragments, code):
     # In-process (the same main() the console script calls), to spare six interpreter starts;
     # the subprocess path is covered by the other tests here.
     run_dir = tmp_path / "run"
-    assert_one_line_error(
-        main_in_process(capsys, "peer", *options({**TINY, "run.dir": str(run_dir), **extra})), *fragments
-    )
+    result = main_in_process(capsys, "peer", *options({**TINY, "run.dir": str(run_dir), **extra}))
+    assert_one_line_error(result, *fragments)
+    assert result.returncode == code
     assert not run_dir.exists()
 
 

@@ -3,7 +3,7 @@
 import pytest
 
 from p2p_diloco import config
-from p2p_diloco.errors import SwarmError
+from p2p_diloco.errors import ConfigError
 from p2p_diloco.swarm.node import listen_maddrs, parse_initial_peers
 
 PEER = "/ip4/1.2.3.4/tcp/31337/p2p/QmW6jYSj4CRDDYnptoKGFN2nFvhFYYUrynQh5Nsu72XBP8"
@@ -23,12 +23,12 @@ def test_listen_and_announce_addresses():
 
 
 def test_bad_addresses_name_the_fix():
-    with pytest.raises(SwarmError, match="needs a fixed port"):
+    with pytest.raises(ConfigError, match="needs a fixed port"):
         listen_maddrs(swarm(announce_host="5.6.7.8"))
-    with pytest.raises(SwarmError, match="is not an IP address"):
+    with pytest.raises(ConfigError, match="is not an IP address"):
         listen_maddrs(swarm(host="localhost"))
-    with pytest.raises(SwarmError, match="has no /p2p/<peer id> part"):
+    with pytest.raises(ConfigError, match="has no /p2p/<peer id> part"):
         parse_initial_peers(["/ip4/1.2.3.4/tcp/31337"])
-    with pytest.raises(SwarmError, match="is not a multiaddr"):
+    with pytest.raises(ConfigError, match="is not a multiaddr"):
         parse_initial_peers(["1.2.3.4:31337"])
     assert parse_initial_peers([PEER]) == [PEER]
