@@ -53,9 +53,12 @@ class _Parser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> NoReturn:
-        unknown = [word.split("=")[0] for word in message.split() if word.startswith("--")]
-        for option in unknown:
-            near = difflib.get_close_matches(option, sorted(self._every_option()), n=1, cutoff=0.75)
+        """argparse's error, with the nearest known option for an unknown one (never for a known
+        option that is missing or misused: "required: --config (did you mean --config?)")."""
+        known = self._every_option()
+        unknown = [word.split("=")[0].rstrip(",") for word in message.split() if word.startswith("--")]
+        for option in (o for o in unknown if o not in known):
+            near = difflib.get_close_matches(option, sorted(known), n=1, cutoff=0.75)
             if near:
                 message += f" (did you mean {near[0]}?)"
         super().error(message)
