@@ -38,7 +38,7 @@ class Bootstrap:
     def __init__(self, config: Config, identity_path: Path, watch_run: bool = True):
         identity_path.parent.mkdir(parents=True, exist_ok=True)
         self.config, self.watch_run = config, watch_run
-        validator = make_validator(identity_path)
+        validator = make_validator(identity_path, entry_node=True)
         self.dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, False, [validator])
         try:
             self._watch(validator, identity_path)

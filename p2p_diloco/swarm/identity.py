@@ -28,7 +28,22 @@ _OWNER = re.compile(rb"^\[owner:(.+)\]$", re.S)
 _SHA2_256 = bytes([0x12, 0x20])  # multihash prefix: sha2-256, 32 bytes (libp2p peer ids of RSA keys)
 
 
-def load_identity(path: Path) -> RSAPrivateKey:
+def not_a_key(path: Path, entry_node: bool = False) -> str:
+    """What to do about an identity file that holds no private key. A peer may start afresh under a
+    new id; a bootstrap node's id is part of the address every volunteer was given."""
+    if entry_node:
+        return (
+            f"identity file {path} is not a private key; it is this bootstrap node's identity, and its peer id is "
+            f"in the address every volunteer was given: restore the file from its backup and pass it with "
+            f"--identity (only if it is lost for good, delete it: the node then gets a new address to hand out)"
+        )
+    return (
+        f"identity file {path} is not a private key; delete it to make a new one (this peer then "
+        f"gets a new peer id), or point swarm.identity_path at the right file"
+    )
+
+
+def load_identity(path: Path, entry_node: bool = False) -> RSAPrivateKey:
     """The peer's libp2p private key from `path`, made there on first start (the peer's id for good)."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -47,10 +62,7 @@ def load_identity(path: Path) -> RSAPrivateKey:
     except (ValueError, TypeError):
         loaded = None
     if not isinstance(loaded, rsa.RSAPrivateKey):
-        raise SwarmError(
-            f"identity file {path} is not a private key; delete it to make a new one (this peer then "
-            f"gets a new peer id), or point swarm.identity_path at the right file"
-        )
+        raise SwarmError(not_a_key(path, entry_node))
     private = RSAPrivateKey.__new__(RSAPrivateKey)
     private.__setstate__({"_private_key": key.data})  # hivemind's own way back from DER bytes
     return private
@@ -62,9 +74,9 @@ def peer_id_of(path: Path) -> str:
     return str(PeerID.from_identity(path.read_bytes()))
 
 
-def make_validator(identity_path: Path) -> RSASignatureValidator:
+def make_validator(identity_path: Path, entry_node: bool = False) -> RSASignatureValidator:
     """Signs this peer's DHT records with its identity key and checks everyone's signatures."""
-    return RSASignatureValidator(load_identity(identity_path))
+    return RSASignatureValidator(load_identity(identity_path, entry_node))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -19,6 +19,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import ConfigError, SwarmError
+from p2p_diloco.swarm.identity import not_a_key
 from p2p_diloco.swarm.processes import children_started, quiet_fork, wait_result, wait_started
 
 logger = logging.getLogger(__name__)
@@ -160,10 +161,7 @@ def _check_identity(path: Path) -> None:
     except Exception:  # protobuf raises DecodeError and others on foreign bytes
         ok = False
     if not ok:
-        raise SwarmError(
-            f"identity file {path} is not a private key; delete it to make a new one (this peer then "
-            f"gets a new peer id), or point swarm.identity_path at the right file"
-        )
+        raise SwarmError(not_a_key(path))
 
 
 def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) -> str:

@@ -347,7 +347,8 @@ QUOTED = {
     "it published no certificate": "p2p_diloco/swarm/gate.py",
     "the organiser revoked peer ": "p2p_diloco/swarm/gate.py",
     "stop what uses it or choose ": "p2p_diloco/swarm/node.py",
-    " is not a private key; ": "p2p_diloco/swarm/node.py",
+    " is not a private key; it is this bootstrap node's identity": "p2p_diloco/swarm/identity.py",
+    "restore the file from its backup and pass it with": "p2p_diloco/swarm/identity.py",
 }
 
 

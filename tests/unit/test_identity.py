@@ -47,6 +47,9 @@ def test_a_key_that_is_not_rsa_or_not_a_key_is_refused_with_the_fix(tmp_path):
     garbage.write_bytes(b"not a key at all")
     with pytest.raises(SwarmError, match="is not a private key; delete it"):
         load_identity(garbage)
+    # A bootstrap node's key is its address, which volunteers were given: restore it, do not delete it.
+    with pytest.raises(SwarmError, match="bootstrap node's identity.*restore the file from its backup.*--identity"):
+        load_identity(garbage, entry_node=True)
     ed25519 = tmp_path / "ed25519.key"
     ed25519.write_bytes(crypto_pb2.PrivateKey(key_type=crypto_pb2.KeyType.Ed25519, data=b"x" * 64).SerializeToString())
     with pytest.raises(SwarmError, match="holds a Ed25519 key; .* needs an RSA one"):
