@@ -318,8 +318,9 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
             await self._audit(runner)  # every other reducer's answer checked before anything is applied
         finally:
             self._settle(runner.ledger)
-            if fates := runner.fates():
-                logger.info("parts of this peer's span: %s", fates)
+            if fates := runner.fates():  # clipping is routine for a robust aggregator; a dropped part is news
+                level = logging.INFO if " dropped" in fates else logging.DEBUG
+                logger.log(level, "parts of this peer's span: %s", fates)
         for tensor, averaged in zip(tensors, results):
             tensor.copy_(averaged)
         if self.residual is not None:
