@@ -161,7 +161,11 @@ def load_run_key(path: Path) -> Ed25519PrivateKey:
     try:
         key = serialization.load_pem_private_key(Path(path).read_bytes(), password=None)
     except FileNotFoundError:
-        raise AdmissionError(f"run key {path} not found; make one with `p2p-diloco admission keygen`") from None
+        raise AdmissionError(
+            f"run key {path} not found: pass --key with the file `admission keygen` wrote for this run (its public "
+            f"half is admission.organiser_key in run.toml; a new key cannot sign for a run that has one). For a new "
+            f"run, make one with `p2p-diloco admission keygen`"
+        ) from None
     except (ValueError, TypeError):
         raise AdmissionError(f"{path} is not a run key (an Ed25519 PEM private key)") from None
     if not isinstance(key, Ed25519PrivateKey):

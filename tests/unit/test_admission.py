@@ -155,3 +155,12 @@ def test_the_organiser_cannot_admit_what_is_not_a_peer_id(tmp_path):
     assert not (tmp_path / "a.cert").exists()
     cert = admission.admit(tmp_path / "run.key", "run-a", public, BOB, "bob", 30, tmp_path / "b.cert")
     assert cert.peer_id == BOB
+
+
+def test_a_missing_run_key_is_not_answered_with_a_new_one(tmp_path):
+    # sign-config, admit and revoke without the run key advised `admission keygen`: a new key cannot
+    # sign for a run whose config names its organiser's key.
+    with pytest.raises(AdmissionError) as e:
+        admission.load_run_key(tmp_path / "run.key")
+    assert "pass --key with the file `admission keygen` wrote for this run" in str(e.value)
+    assert "a new key cannot sign for a run that has one" in str(e.value)
