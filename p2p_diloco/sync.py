@@ -158,7 +158,7 @@ class StateSync:
         the majority's average points against its own Δ, or nobody serves the state any more
         (`gone`: the run may have ended)."""
         peer = self.peer
-        peer.log.warning(
+        peer.log.info(  # the swarm healing itself (a peer that averaged alone, a split group): nothing to do
             "digest %s differs from the group's majority %s: reloading its state",
             peer.state.digest()[:12],
             majority[:12],
