@@ -58,11 +58,13 @@ def download_verified(
     verify: StateCheck,
     wanted: Callable[[int, str], bool],
     describe: str,
-    say: Callable[..., None] = logger.warning,
+    say: Callable[..., None] = logger.info,
 ) -> tuple[str, ServedState]:
     """(the peer, the state): the first state one of `from_peers` serves whose (round, digest) is `wanted`, the digest
     computed by `verify` from what arrived. A peer that fails or sends anything else is skipped,
-    and `say` it (a warning); StateDownloadError naming each one's problem if none served one."""
+    and `say` it (INFO: the caller asks again, and says so if it gives up; a joiner whose first
+    try met a peer not yet routable alarmed volunteers with WARNs); StateDownloadError naming each
+    one's problem if none served one."""
     problems, served = [], {}
     for peer in from_peers:
         try:
