@@ -189,15 +189,15 @@ def _with_retries(
 
 
 def _not_against_own(got: AllReduced, flat: torch.Tensor, flat_exact: torch.Tensor | None, round_: int) -> AllReduced:
-    """The group's average, unless it points against this peer's own Δ (cosine ≤ 0): honest
-    pseudo-gradients point the same way (pairwise cosine about 0.7, bench/delta_alignment.py), so
-    such an average comes from a group whose majority pulls back (attackers that met fewer honest
-    members than themselves). It is not applied (I2): the round goes on as a failed all-reduce."""
+    """The group's average, unless it points against this peer's own Δ (`outer.points_against`:
+    cosine ≤ -0.1): honest pseudo-gradients point the same way, or are nearly orthogonal late in a
+    run, so such an average comes from a group whose majority pulls back (attackers that met fewer
+    honest members than themselves). It is not applied (I2): the round goes on as a failed all-reduce."""
     mine, theirs = {"lossy": flat}, {"lossy": got.delta}
     if flat_exact is not None and got.exact is not None:
         mine["exact"], theirs["exact"] = flat_exact, got.exact
     cosine = outer.cosine(theirs, mine)
-    if cosine <= 0 and outer.norm(mine) > 0:
+    if outer.points_against(cosine) and outer.norm(mine) > 0:
         raise AgainstOwn(
             f"round {round_}: the group's average points against this peer's own pseudo-gradient "
             f"(cosine {cosine:.2f}); nothing applied"

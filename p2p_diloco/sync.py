@@ -324,16 +324,20 @@ class StateSync:
         return True
 
     def _against_own(self, offered: outer.GlobalState) -> float | None:
-        """The cosine of the average that made `offered` with this peer's own Δ of that round, if ≤ 0.
-        A state of a later round than this peer trained is not checked: it has no Δ of its own there."""
+        """The cosine of the average that made `offered` with this peer's own Δ of that round, if it
+        points against it (`outer.points_against`). Checked only where the peer holds a state of
+        that round of its own (agreement): a peer that was overtaken has none, and refusing the
+        swarm's state would only make it adopt the next one, built on it (the joiners test: 37
+        refusals in 4 s, each followed by an abandoned phase). A state of a later round than this
+        peer trained is not checked either: it has no Δ of its own there."""
         noted, mine = self.own_round, self.peer.state
-        if noted is None or offered.round != noted.round + 1:
+        if noted is None or noted.applied is None or offered.round != noted.round + 1:
             return None
         implied = outer.implied_average(offered, mine, self.peer.config.outer.momentum, noted.applied)
         if implied is None:
             return None
         cosine = outer.cosine(implied, noted.own)
-        return cosine if cosine <= 0 and outer.norm(noted.own) > 0 else None
+        return cosine if outer.points_against(cosine) and outer.norm(noted.own) > 0 else None
 
     def verify_state(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:
         """The digest of a downloaded state, or "malformed" if it does not even have this model's shape."""

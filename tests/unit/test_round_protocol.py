@@ -486,6 +486,67 @@ def test_an_average_and_a_state_that_point_against_the_own_delta_are_refused(tmp
     assert len(fake.calls) == 1, "not retried: the same colluders would answer"
 
 
+def leaning(own: outer.Tensors, cosine: float, seed: int = 0) -> outer.Tensors:
+    """An update of |own|'s norm whose cosine with `own` is `cosine`: own's direction times cosine
+    plus a random direction orthogonal to it (what another honest group averaged, late in a run)."""
+    g = torch.Generator().manual_seed(seed)
+    r = {n: torch.randn(t.shape, generator=g, dtype=torch.float64) for n, t in own.items()}
+    u = {n: t.double() for n, t in own.items()}
+    along = sum(float((r[n] * u[n]).sum()) for n in u) / sum(float((u[n] * u[n]).sum()) for n in u)
+    orth = {n: r[n] - along * u[n] for n in u}
+    scale = outer.norm(u) / outer.norm(orth)
+    side = (1 - cosine**2) ** 0.5
+    return {n: (cosine * u[n] + side * scale * orth[n]).float() for n in u}
+
+
+@pytest.mark.parametrize("cosine, adopted", [(-0.02, True), (-0.5, False)])
+def test_an_honest_majority_nearly_orthogonal_to_the_own_delta_is_followed_and_a_pulled_back_one_is_not(
+    tmp_path, cosine, adopted
+):
+    # The joiners test (CI): late in the run honest pseudo-gradients are nearly orthogonal; the
+    # majority's average had cosine -0.02 with a minority peer's own Δ, the veto (then: cosine <= 0)
+    # refused it, and the peer recorded a round of its own. A pulled-back average is still refused.
+    fake = FakeSwarm()
+    short = {"run.rounds": "1", "swarm.agreement_timeout_s": "1", "swarm.join_timeout_s": "1"}
+    peer = make_peer(tmp_path, fake, **short)
+    start, theta0 = peer.state, peer.state.params
+
+    def the_others_averaged_otherwise(call):
+        result = fake.group("p1")(call)  # this peer's group: it and p1 (who moves in lockstep)
+        sent = sent_delta(fake, theta0)
+        majority = outer.outer_step(start, leaning(sent, cosine), LR, MU, True)
+        for other in ("p3", "p4", "p5"):  # the majority: another group of three
+            fake.publish_other(other, majority)
+        fake.majority = majority  # type: ignore[attr-defined]
+        return result
+
+    fake.script = [the_others_averaged_otherwise]
+    run(peer)
+    majority = fake.majority  # type: ignore[attr-defined]
+    assert (peer.state.digest() == majority.digest()) is adopted
+    assert (records(peer)[-1]["digest"] == majority.digest()) is adopted
+
+
+def test_a_peer_the_swarm_overtook_follows_its_state_whatever_its_own_delta_said(tmp_path, caplog):
+    # It holds no state of that round of its own: refusing the swarm's would only make it adopt the
+    # next one, built on it. The joiners test saw 37 refusals in 4 s, each with an abandoned phase.
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
+    start, theta0 = peer.state, peer.state.params
+
+    def nobody_came_and_the_swarm_moved_on(call):
+        theirs = outer.outer_step(start, leaning(sent_delta(fake, theta0), -0.5), LR, MU, True)
+        fake.publish_other("p1", theirs)
+        fake.publish_other("p2", theirs)
+        fake.theirs = theirs  # type: ignore[attr-defined]
+
+    fake.script = [nobody_came_and_the_swarm_moved_on]
+    run(peer)
+    assert peer.state.digest() == fake.theirs.digest()  # type: ignore[attr-defined]
+    assert "pointing against" not in caplog.text and len(fake.calls) == 1
+
+
 def lockstep(fake: FakeSwarm, *others: str):
     """A group step with `others`, who from then on hold whatever this peer holds."""
 
