@@ -81,6 +81,14 @@ def reference(digests: Mapping[str, str], cannot_serve: set[str]) -> tuple[str, 
     return winner, sorted(p for p, d in digests.items() if d == winner and p not in cannot_serve)
 
 
+def strict_majority(holders: Iterable[str], expected: Iterable[str]) -> bool:
+    """Whether the peers holding the majority's state are more than half of those expected in the
+    round's agreement. Such a state is followed whatever its average's cosine with this peer's own
+    Δ (the own-Δ veto guards against a colluding minority that wins a tie or a partial tally, not
+    against an honest majority whose pseudo-gradients, late in a run, point against this one's)."""
+    return 2 * len(set(holders)) > len(set(expected))
+
+
 def should_adopt(mine: str, majority_digest: str) -> bool:
     """A peer whose state differs from the majority's reloads the majority's state."""
     return majority_digest != mine

@@ -175,7 +175,7 @@ class RoundDriver:
             record["adopted"] = True
         peer.metrics.append(record)
         if collecting is not None:
-            self.unsettled = Unsettled(peer.state.round, collecting, trained.phase, record)
+            self.unsettled = Unsettled(peer.state.round, collecting, trained.phase, record, expected)
         peer.save()
         peer.log.round = peer.state.round
         log_round(peer, record)

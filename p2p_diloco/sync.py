@@ -40,6 +40,7 @@ class Unsettled:
     collecting: Pending[tuple[str, list[str]]]  # (majority digest, holders)
     phase: PhaseResult
     record: dict[str, Any]  # the round's metrics record, rewritten if the peer adopts another state
+    expected: tuple[str, ...] = ()  # the peers whose digests decide the round's agreement
 
 
 @dataclass(frozen=True)
@@ -107,7 +108,8 @@ class StateSync:
         mine = peer.state.digest()
         peer.swarm.publish_round(peer.state.round, mine, phase.tokens, phase.mean_loss, made)
         majority, holders = self.collect(peer.state.round, expected, mine)
-        return agreement.should_adopt(mine, majority) and self._adopt_majority(majority, holders, phase)
+        veto = not agreement.strict_majority(holders, expected)
+        return agreement.should_adopt(mine, majority) and self._adopt_majority(majority, holders, phase, veto=veto)
 
     def agree_later(self, expected: tuple[str, ...], phase: PhaseResult, made: Made) -> Pending[tuple[str, list[str]]]:
         """Publish this round's digest now and collect the others' in the background (overlapped
@@ -126,8 +128,9 @@ class StateSync:
             return
         peer.phase.set("agreement")
         majority, holders = unsettled.collecting.join()
+        veto = not agreement.strict_majority(holders, unsettled.expected)
         if agreement.should_adopt(peer.state.digest(), majority) and self._adopt_majority(
-            majority, holders, unsettled.phase, latest=unsettled.round
+            majority, holders, unsettled.phase, latest=unsettled.round, veto=veto
         ):
             peer.metrics.append({**unsettled.record, "digest": peer.state.digest(), "adopted": True})
             peer.save()
@@ -151,12 +154,15 @@ class StateSync:
         cannot_serve = agreement.clients(peer.swarm.peers(), peer.peer_id, peer.config.swarm.client_mode)
         return agreement.reference(digests, cannot_serve)
 
-    def _adopt_majority(self, majority: str, holders: list[str], phase: PhaseResult, latest: int | None = None) -> bool:
+    def _adopt_majority(
+        self, majority: str, holders: list[str], phase: PhaseResult, latest: int | None = None, veto: bool = False
+    ) -> bool:
         """Download the majority's state of this round, asking again like a catch-up (`_follow`)
         while live peers hold it or a later one (up to round `latest`, if given): a peer that
         completed a round holds the swarm's bytes of it, or stops (I1). It keeps its own only if
-        the majority's average points against its own Δ, or nobody serves the state any more
-        (`gone`: the run may have ended)."""
+        nobody serves the state any more (`gone`: the run may have ended), or, with `veto` (the
+        majority's holders are not more than half of the round's peers), if the majority's
+        average points against its own Δ."""
         peer = self.peer
         peer.log.info(  # the swarm healing itself (a peer that averaged alone, a split group): nothing to do
             "digest %s differs from the group's majority %s: reloading its state",
@@ -164,7 +170,7 @@ class StateSync:
             majority[:12],
         )
         target = agreement.Reference(peer.state.round, majority, tuple(holders))
-        if not self._follow(target, self._mine(), latest):
+        if not self._follow(target, self._mine(), latest, veto):
             peer.log.warning("keeping this peer's own state (round %d)", peer.state.round)
             return False
         peer.swarm.publish_round(peer.state.round, peer.state.digest(), phase.tokens, phase.mean_loss, COPIED)
@@ -193,10 +199,13 @@ class StateSync:
         peer.log.info("caught up with the swarm at round %d (digest %s)", state.round, state.digest()[:12])
         return True
 
-    def _follow(self, target: agreement.Reference | None, mine: RoundRecord, latest: int | None = None) -> bool:
+    def _follow(
+        self, target: agreement.Reference | None, mine: RoundRecord, latest: int | None = None, veto: bool = False
+    ) -> bool:
         """Download and adopt `target`, or, while its holders cannot serve it, the state live peers
         back by then (no later than round `latest`, if given), for up to `patience_s`: CatchUpFailed
-        past it. Returns whether a state was adopted; when the holders left, `gone` says why."""
+        past it; with `veto`, not one whose average points against this peer's own Δ. Returns
+        whether a state was adopted; when the holders left, `gone` says why."""
         peer = self.peer
         retry = Retry(time.monotonic() + self.patience_s())
         failure: StateDownloadError | None = None
@@ -208,7 +217,7 @@ class StateSync:
                 self.failed_catch_up = max(self.failed_catch_up, target.round)
                 target = self._retry(target, retry.failed(target, e), e, mine)
                 continue
-            if not self._accept(offered, list(target.holders)):
+            if not self._accept(offered, list(target.holders), veto):
                 return False
             # The inner lr schedule follows the swarm's round, not this peer's own step count.
             peer.trainer.step = max(peer.trainer.step, target.round * peer.config.inner.steps)
@@ -307,10 +316,10 @@ class StateSync:
         like = peer.state.params
         return outer.GlobalState(round_, outer.unflatten(theta, like), outer.unflatten(momentum, like))
 
-    def _accept(self, offered: outer.GlobalState, holders: list[str]) -> bool:
-        """Adopt `offered`, unless the average that made it points against this peer's own Δ."""
+    def _accept(self, offered: outer.GlobalState, holders: list[str], veto: bool) -> bool:
+        """Adopt `offered`, unless (`veto`) the average that made it points against this peer's own Δ."""
         peer = self.peer
-        if (cosine := self._against_own(offered)) is not None:
+        if veto and (cosine := self._against_own(offered)) is not None:
             peer.log.warning(
                 "the state of round %d that %s hold was made with an average pointing against this peer's own "
                 "pseudo-gradient (cosine %.2f): keeping this peer's own state",
