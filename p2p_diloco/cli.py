@@ -115,7 +115,7 @@ def _add_observe_commands(sub: _Commands) -> None:
         "serve (docs/observer.md; default: %(default)s)",
     )
     status = sub.add_parser("status", help="print a run's swarm at a glance, and one peer's rounds")
-    _add_run_source(status)
+    _add_run_source(status, required=False)
     status.add_argument(
         "--peer", metavar="ID", help="also this peer's rounds: counted or not, and why (an id or its end)"
     )
@@ -151,9 +151,12 @@ def _rounds(text: str) -> int:
     return value
 
 
-def _add_run_source(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--config", required=True, metavar="RUN_TOML", help="the run's config")
-    parser.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="any node of the run")
+def _add_run_source(parser: argparse.ArgumentParser, required: bool = True) -> None:
+    more = "" if required else " (default: the --run-dir's config.toml and its initial peers)"
+    parser.add_argument("--config", required=required, metavar="RUN_TOML", help="the run's config" + more)
+    parser.add_argument(
+        "--initial-peers", nargs="+", required=required, metavar="MADDR", help="any node of the run" + more
+    )
 
 
 def _add_id_command(sub: _Commands) -> None:
@@ -486,7 +489,7 @@ def cmd_status(args: argparse.Namespace) -> int:
     from p2p_diloco.observe import gather, status_lines
     from p2p_diloco.swarm.observer import Observer, peer_of_run_dir
 
-    cfg = config_mod.load(args.config, {"swarm.initial_peers": ",".join(args.initial_peers)})
+    cfg = _status_config(args)
     peer = args.peer or (peer_of_run_dir(Path(args.run_dir)) if args.run_dir else None)
     reader = Observer(cfg)
     try:
@@ -496,6 +499,23 @@ def cmd_status(args: argparse.Namespace) -> int:
     for line in status_lines(view, peer):
         print(line)
     return 0
+
+
+def _status_config(args: argparse.Namespace) -> config_mod.Config:
+    """The run to read: --config and --initial-peers, or what a peer's --run-dir holds (the config
+    it wrote there, with its initial peers)."""
+    from pathlib import Path
+
+    config_path = args.config or (str(Path(args.run_dir) / "config.toml") if args.run_dir else None)
+    if config_path is None:
+        raise ConfigError("status needs --config and --initial-peers, or the --run-dir of a peer of the run")
+    if args.config is None and not Path(config_path).is_file():
+        raise ConfigError(f"{args.run_dir} holds no config.toml (a peer writes it at start): pass --config")
+    overrides = {"swarm.initial_peers": ",".join(args.initial_peers)} if args.initial_peers else {}
+    cfg = config_mod.load(config_path, overrides)
+    if not cfg.swarm.initial_peers:
+        raise ConfigError(f"no initial peers in {config_path}: pass --initial-peers with any node of the run")
+    return cfg
 
 
 def cmd_demo(args: argparse.Namespace) -> int:

@@ -159,6 +159,16 @@ def test_unknown_option_is_refused_with_the_nearest_one_and_no_prefix_is_taken(c
     assert "did you mean" not in err, err
 
 
+def test_status_without_a_run_to_read_is_one_line(tmp_path, capsys):
+    for argv, fragment in [
+        ((), "status needs --config and --initial-peers, or the --run-dir of a peer of the run"),
+        (("--run-dir", str(tmp_path)), f"{tmp_path} holds no config.toml (a peer writes it at start): pass --config"),
+    ]:
+        result = main_in_process(capsys, "status", *argv)
+        assert_one_line_error(result, fragment)
+        assert result.returncode == 2
+
+
 def test_version(capsys):
     from p2p_diloco import __version__
 
