@@ -20,9 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import Config
+from p2p_diloco.network import RoundRecord
+from p2p_diloco.rounds import Progress
 from p2p_diloco.swarm import entry, records
 from p2p_diloco.swarm.gate import REVOCATIONS_POLL_S, Gate
-from p2p_diloco.swarm.heartbeat import Entries
+from p2p_diloco.swarm.heartbeat import STALE_S, Entries
 from p2p_diloco.swarm.identity import make_validator
 from p2p_diloco.swarm.node import start_dht
 from p2p_diloco.swarm.processes import stop_process
@@ -74,12 +76,9 @@ class Bootstrap:
         if not self.watch_run:
             return f"{known} peers in the routing table (pass --config RUN_TOML to see the run's rounds)"
         found = records.read_rounds(self.dht, self.prefix)
+        reports, _ = records.read_progress(self.dht, self.prefix)
         admitted = self.gate.admitted(found)
-        rounds = Counter(r.round for p, r in found.items() if p in admitted)
-        seen = (
-            ", ".join(f"round {r}: {n} peer{'s' if n > 1 else ''}" for r, n in sorted(rounds.items()))
-            or "no round records yet"
-        )
+        seen = rounds_seen({p: r for p, r in found.items() if p in admitted}, reports, time.time())
         return f"{known} peers in the routing table; run {self.config.run.run_id!r}: {seen}"
 
     def serve(self, stop: threading.Event, report_every_s: float, observatory: Any = None) -> None:
@@ -153,3 +152,16 @@ def read_convictions(config: Config, timeout_s: float) -> dict[str, list[str]]:
 
 async def _routing_table_size(_dht: DHT, node: DHTNode) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
+
+
+def rounds_seen(found: dict[str, RoundRecord], reports: list[Progress], now: float) -> str:
+    """The run's peers by round, counting only those whose heartbeat is fresh (`STALE_S`): a round
+    record lives 90 s after its peer stopped, and a node said "round 20: 3 peers" of a run that had
+    ended. Stopped peers are counted apart."""
+    beating = {r.peer for r in reports if now - r.time <= STALE_S}
+    rounds = Counter(r.round for p, r in found.items() if p in beating)
+    stopped = len(set(found) - beating)
+    seen = ", ".join(f"round {r}: {n} peer{'s' if n > 1 else ''}" for r, n in sorted(rounds.items()))
+    if stopped:
+        seen += f"{'; ' if seen else ''}{stopped} stopped (no heartbeat for {STALE_S:g} s)"
+    return seen or "no round records yet"
