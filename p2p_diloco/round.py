@@ -218,7 +218,7 @@ class RoundDriver:
             except Exception as e:  # whatever it ended with, its result is not used
                 peer.log.debug("abandoned all-reduce: %s", e)
             self.in_flight = None
-        peer.log.warning(
+        peer.log.info(  # a slow peer overtaken: it heals by catching up, nothing for the user to do
             "the swarm finished round %d without this peer (it is at round %s): abandoning the inner phase to catch up",
             peer.state.round,
             peer.swarm.swarm_round(),
