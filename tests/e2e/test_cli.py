@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco import checkpoint
+from p2p_diloco import checkpoint, config
 from tests.conftest import TINY
 from tests.unit.full_disk import fill, remount, tmpfs
 
@@ -167,6 +167,18 @@ def test_status_without_a_run_to_read_is_one_line(tmp_path, capsys):
         result = main_in_process(capsys, "status", *argv)
         assert_one_line_error(result, fragment)
         assert result.returncode == 2
+
+
+def test_status_of_a_run_dir_reads_the_run_from_the_config_its_peer_wrote(tmp_path):
+    # A volunteer's `status --run-dir DIR` needed --config and --initial-peers too.
+    import argparse
+
+    from p2p_diloco.cli import _status_config
+
+    maddr = "/ip4/127.0.0.1/tcp/31337/p2p/QmXoypizjW3WknFiJnKLwHCnL72vedxjQkDDP1mXWo6uco"
+    config.save(config.load(None, {**TINY, "run.rounds": "7", "swarm.initial_peers": maddr}), tmp_path / "config.toml")
+    cfg = _status_config(argparse.Namespace(config=None, initial_peers=None, run_dir=str(tmp_path)))
+    assert cfg.swarm.initial_peers == (maddr,) and cfg.run.rounds == 7
 
 
 def test_version(capsys):

@@ -71,20 +71,12 @@ def test_identity_file_that_is_not_a_key(tmp_path, closed_port):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("given", ["config", "run-dir"])
-def test_status_of_an_unreachable_swarm_is_one_line(tmp_path, closed_port, given):
-    # run-dir: a volunteer's `status --run-dir DIR` reads the run's config and initial peers from
-    # the config.toml its peer wrote there (it needed --config and --initial-peers too).
+def test_status_of_an_unreachable_swarm_is_one_line(tmp_path, closed_port):
+    toml = tmp_path / "run.toml"
+    config.save(config.load(None, SWARM), toml)
     maddr = f"/ip4/127.0.0.1/tcp/{closed_port}/p2p/{FAKE_PEER_ID}"
-    toml = tmp_path / ("run.toml" if given == "config" else "config.toml")
-    config.save(config.load(None, {**SWARM, "swarm.initial_peers": maddr}), toml)
-    if given == "run-dir":
-        from p2p_diloco.swarm.identity import peer_id_of
-
-        peer_id_of(tmp_path / "identity.key")  # the key a peer makes in its run dir at its first start
-    source = ["--config", str(toml), "--initial-peers", maddr] if given == "config" else ["--run-dir", str(tmp_path)]
     result = subprocess.run(
-        [*CLI, "status", *source],
+        [*CLI, "status", "--config", str(toml), "--initial-peers", maddr],
         capture_output=True,
         text=True,
         timeout=120,
