@@ -153,7 +153,7 @@ def test_unknown_option_is_refused_with_the_nearest_one_and_no_prefix_is_taken(c
     assert "unrecognized arguments: --inner.step 5 (did you mean --inner.steps?)" in capsys.readouterr().err
     # a known option that is missing gets no "did you mean" (it said "--config (did you mean --config?)")
     with pytest.raises(SystemExit) as stopped:
-        main_in_process(capsys, "status", "--initial-peers", "/ip4/127.0.0.1/tcp/1")
+        main_in_process(capsys, "admission", "list")
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "the following arguments are required: --config" in err
     assert "did you mean" not in err, err
