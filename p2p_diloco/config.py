@@ -705,6 +705,11 @@ def _validate_swarm(s: SwarmSection) -> None:
         f"must be in [0, 10], got {s.averaging_retries}",
         "e.g. 1",
     )
+    _validate_waits(s)
+
+
+def _validate_waits(s: SwarmSection) -> None:
+    """The swarm's deadlines and what they are derived from (I3)."""
     for name in ("matchmaking_time_s", "averaging_timeout_s", "agreement_timeout_s", "join_timeout_s"):
         value = getattr(s, name)
         _require(_pos(value), f"swarm.{name}", f"must be > 0 seconds, got {value}", "every network wait has a deadline")
@@ -714,7 +719,6 @@ def _validate_swarm(s: SwarmSection) -> None:
         f"must be > 0, got {s.min_download_mbps}",
         "e.g. 10 for a home link",
     )
-
     _require(
         math.isfinite(s.linger_s) and s.linger_s >= 0,
         "swarm.linger_s",
