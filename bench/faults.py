@@ -1,10 +1,11 @@
 """The fault table of docs/benchmarks.md: one real swarm per fault, 3 peers of which one fails on purpose.
 
 Each run: peers a and b survive, peer c is started with a fault (tests/swarm/faulty_peer.py) in one
-phase of a round: the inner phase, matchmaking, the all-reduce, or serving its state to a joiner
-(then a fourth peer d joins to ask it). SIGKILL is a crash, SIGSTOP a hang (a laptop asleep).
-Reported per fault: rounds the survivors lost (rounds after the fault in which they did not average
-together), seconds lost (the rounds after the fault beyond the median round), whether every common
+phase of a round: the inner phase, matchmaking, the all-reduce, the audit after it, or serving its
+state to a joiner (then a fourth peer d joins to ask it). SIGKILL is a crash, SIGSTOP a hang (a
+laptop asleep). Reported per fault: rounds the survivors lost (rounds after the fault in which they
+did not average together), seconds lost (from the first survivor's round before the fault to its
+end, beyond the median round, by the records' commit times), whether every common
 round's digest was equal, and whether any survivor applied an average that included the dead peer
 after it died. Writes bench/results/faults.json.
 
@@ -48,6 +49,7 @@ FAULTS = [
     ("matchmaking", "hang", "matchmaking:3:STOP"),
     ("all-reduce (sender and reducer)", "crash", "allreduce:3:KILL"),
     ("all-reduce (sender and reducer)", "hang", "allreduce:3:STOP"),
+    ("the audit (one member audited it)", "hang", "audit:3:STOP"),
     ("serving a state download", "crash", "serve:1:KILL"),
     ("serving a state download", "hang", "serve:1:STOP"),
 ]
@@ -80,6 +82,7 @@ def run(phase: str, kind: str, fault: str, folder: Path) -> dict:
     ours = recs[first]
     median = statistics.median(r["wall_s"] for r in ours.values() if "wall_s" in r)
     after = {r: rec for r, rec in ours.items() if r > last and "wall_s" in rec}
+    since = max(r for r in ours if r <= last)  # from commit times: a round caught up with has no wall_s
     common = set(recs[survivors[0]]) & set(recs[survivors[1]])
     return {
         "phase": phase,
@@ -94,7 +97,7 @@ def run(phase: str, kind: str, fault: str, folder: Path) -> dict:
         "common_rounds": len(common),
         # rounds after the fault that the survivors did not average as a group of 2 or more
         "rounds_lost": sum(1 for rec in after.values() if rec["group_size"] < 2),
-        "seconds_lost": round(sum(rec["wall_s"] for rec in after.values()) - len(after) * median, 1),
+        "seconds_lost": round(ours[rounds]["time"] - ours[since]["time"] - (rounds - since) * median, 1),
         "median_round_s": round(median, 2),
         "dead_peer_in_a_later_group": any(rec["group_size"] >= 3 for r, rec in after.items() if r > last + 1),
     }

@@ -21,7 +21,7 @@ import torch
 
 from p2p_diloco import outer
 from p2p_diloco.config import Config
-from p2p_diloco.errors import AveragingError
+from p2p_diloco.errors import AveragingError, SwarmMovedOn
 from p2p_diloco.network import AllReduced, Swarm
 
 
@@ -175,6 +175,9 @@ def _with_retries(
         except AgainstOwn as e:
             log.warning("%s: using this peer's own pseudo-gradient", e)
             return e  # not retried, and no state of that group is adopted (sync.StateSync._against_own)
+        except SwarmMovedOn as e:  # a slow peer, or one whose group failed for it alone: it heals
+            log.info("%s: catching up with its result", e)
+            return Overtaken(round_)
         except AveragingError as e:
             error = e
             # A member whose all-reduce completed publishes the round's result within moments

@@ -88,6 +88,11 @@ class AveragingError(P2PDilocoError):
     """A round's all-reduce failed or was incomplete; nothing of it was applied (I2)."""
 
 
+class SwarmMovedOn(AveragingError):
+    """The swarm finished the round while this peer still looked for its group: nothing averaged;
+    the peer catches up with the round's result (not an error)."""
+
+
 class RunFinished(P2PDilocoError):
     """The run this peer would join has ended: nothing is left to train (not an error: exit 0)."""
 

@@ -242,6 +242,7 @@ class Peer:
     def record_start(self) -> None:
         """The metrics record of the state this peer starts from: θ(0), or the round it caught up to."""
         record: dict[str, Any] = {"round": self.state.round, "tokens": 0, "digest": self.state.digest()}
+        record["time"] = time.time()  # when this peer came to hold the state (unix s)
         if self.heldout is not None:
             record.update(self.eval_record())
             self.log.info("held-out loss of theta(%d): %.4f", self.state.round, record["eval_loss"])

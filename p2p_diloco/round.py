@@ -205,6 +205,7 @@ class RoundDriver:
         if not peer.swarm.solo:
             record["alone_rounds"] = self.alone
         record["wall_s"] = time.perf_counter() - started
+        record["time"] = time.time()  # when the round was committed (unix s)
         return record
 
     def _abandon(self, stop: threading.Event) -> bool:

@@ -19,6 +19,7 @@ import math
 import threading
 import time
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -272,13 +273,16 @@ class Swarm:
         `retry`: this round's all-reduce failed before; wait long enough for the other survivors.
         `expected_group`: how many peers are at the round; a group that size starts at once.
         Returns None when no other peer showed up within the matchmaking window (the peer then
-        averages alone). Raises AveragingError if a group formed but its all-reduce failed: the
-        caller's `delta` is untouched and nothing was applied (I2).
+        averages alone). Raises AveragingError if a group formed but its all-reduce failed, or if
+        the swarm finished the round while this peer still looked for a group: the caller's
+        `delta` is untouched and nothing was applied (I2).
         """
         self.gate.check_self()
         self.averager.set_revoked(self.gate.revoked)
         try:
-            return self.step.run(delta, weight, round_, retry, expected_group, exact)
+            return self.step.run(
+                delta, weight, round_, retry, expected_group, exact, partial(self.wait_for_round, round_ + 1, 0.0)
+            )
         except AveragingError:
             # This peer may have convicted a reducer (swarm/auditor.py), or met a bad signature:
             # before anything else reads the swarm's records, theirs count no more.

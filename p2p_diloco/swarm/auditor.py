@@ -7,7 +7,7 @@ signatures, recomputes the combination and compares it with the signed average i
 - A reducer whose average does not match, or that shows a part its sender did not sign, is
   **convicted**: the all-reduce fails (nothing applied, I2), and this member refuses the reducer
   at every door for the rest of the run (`convicted`). The retry of the round forms without it.
-- A reducer that does not answer within AUDIT_TIMEOUT_S, or answers with too few parts, fails the
+- A reducer that does not answer in time, or answers with too few parts, fails the
   round and is left out of this member's groups for a while (`audit.bench_s`: 2 minutes, doubled at
   each repeat): it may be slow or gone, not lying, but it must not fail every round.
 
@@ -28,7 +28,7 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.mpfuture import MPFuture
 
-from p2p_diloco import audit
+from p2p_diloco import audit, faults
 from p2p_diloco.swarm import streams
 from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
 from p2p_diloco.swarm.evidence import Case, judge, sender_case
@@ -37,7 +37,6 @@ from p2p_diloco.swarm.ledger import Ledger, SignedPart
 logger = get_logger(__name__)
 
 KEEP_GROUPS = 2  # groups whose signed parts a reducer keeps for auditors
-AUDIT_TIMEOUT_S = 30.0  # at most, for one reducer's answer (bounded by the all-reduce's own deadline)
 
 
 class ReducerConvicted(AllreduceException):
@@ -111,6 +110,7 @@ class Audits:
         request = await streams.first_request(requests)
         if request is None:
             return
+        faults.reached(faults.FaultPoint.AUDIT, group=request.group_id)
         shown = self._shown_for_audit(request, context.remote_id)
         if not shown:
             return  # a refusal ends at once
@@ -163,17 +163,21 @@ class Audits:
         peer = runner.ordered_peer_ids[j]
         part = audit.audited_part(seed, str(peer), runner.tensor_part_container.num_parts_by_peer[j])
         try:
-            shown = await asyncio.wait_for(
-                self._ask(peer, runner.group_id, part, len(runner.ledger.senders)), AUDIT_TIMEOUT_S
-            )
+            shown = await self._ask(peer, runner.group_id, part, len(runner.ledger.senders), runner.sender_timeout)
         except Exception as e:  # a dead, slow or garbled reducer: the round fails, nobody is convicted
             return False, f"no answer to the audit of part {part} ({type(e).__name__})"
         return self._judge(runner, j, part, shown)
 
-    async def _ask(self, peer: Any, group_id: bytes, part: int, senders: int) -> list[averaging_pb2.AveragingData]:
+    async def _ask(
+        self, peer: Any, group_id: bytes, part: int, senders: int, reply_timeout_s: float
+    ) -> list[averaging_pb2.AveragingData]:
+        """The reducer's answer, each signed part within the all-reduce's own wait for a chunk
+        (`next_chunk_timeout`): a member that hung after its all-reduce (its answers all sent, a
+        laptop gone to sleep) cost the others the whole all-reduce deadline, 20 s, and then the
+        retry's matchmaking (CI: a hang cost 37 s; `test_faults.py`)."""
         stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         request = averaging_pb2.AveragingData(group_id=group_id, weight=float(part))
-        return await streams.ask(stub.rpc_audit, request, lambda shown: len(shown) == senders, senders)
+        return await streams.ask(stub.rpc_audit, request, lambda shown: len(shown) == senders, senders, reply_timeout_s)
 
     def _judge(
         self, runner: ConsistentAllReduceRunner, j: int, part: int, shown: list[averaging_pb2.AveragingData]

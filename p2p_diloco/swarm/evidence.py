@@ -175,7 +175,7 @@ class Evidence:
         try:
             stub = self.get_stub(self._p2p, PeerID.from_base58(accuser), namespace=self.prefix)
             request = averaging_pb2.AveragingData(peer_id=accused.encode())
-            asked = streams.ask(stub.rpc_evidence, request, _case_complete, MAX_GROUP + 2)
+            asked = streams.ask(stub.rpc_evidence, request, _case_complete, MAX_GROUP + 2, EVIDENCE_TIMEOUT_S)
             messages = await asyncio.wait_for(asked, EVIDENCE_TIMEOUT_S)
             case = self._case_from(accused, messages)
             verdict = judge(case, self.allreduce_kwargs["compression"], self._aggregation) if case else None

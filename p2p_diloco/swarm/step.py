@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import Callable
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any
 
@@ -19,7 +20,7 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from p2p_diloco import faults, links
 from p2p_diloco.config import SwarmSection
-from p2p_diloco.errors import AveragingError, SwarmError
+from p2p_diloco.errors import AveragingError, SwarmError, SwarmMovedOn
 from p2p_diloco.network import AllReduced
 from p2p_diloco.swarm import records
 from p2p_diloco.swarm.averager import DiLoCoAverager
@@ -37,6 +38,10 @@ HIVEMIND_ERRORS = (
 )
 CONVICTED_TIMEOUT_S = 5.0  # for the averager process to say whom it convicted
 STEP_MARGIN_S = 30.0  # the averager process's hand-over and wrap-up, beyond the step's own deadlines
+
+
+class Overtook(Exception):
+    """The swarm finished the round while this peer's step was still in matchmaking."""
 
 
 class AveragingStep:
@@ -66,8 +71,10 @@ class AveragingStep:
         retry: bool,
         expected_group: int,
         exact: torch.Tensor | None,
+        overtaken: Callable[[], bool] = lambda: False,
     ) -> AllReduced | None:
-        """See `Swarm.average`."""
+        """See `Swarm.average`. `overtaken()`: whether the swarm finished the round meanwhile; while
+        no all-reduce has begun, the step then ends at once (AveragingError), checked every second."""
         faults.reached(faults.FaultPoint.MATCHMAKING, window_s=self.sc.matchmaking_time_s)
         self.check_averager()
         self._load(delta, exact, round_, expected_group)
@@ -84,7 +91,7 @@ class AveragingStep:
         except TimeoutError as e:
             self.check_averager()
             raise AveragingError(f"round {round_}: {e}") from None
-        result = self._outcome(control, round_, timeout, deadline)
+        result = self._outcome(control, round_, timeout, deadline, overtaken)
         return None if result is None else self._collect(result, round_, link_bps)
 
     def _load(self, delta: torch.Tensor, exact: torch.Tensor | None, round_: int, expected_group: int) -> None:
@@ -107,10 +114,14 @@ class AveragingStep:
             timeout += self.sc.averaging_timeout_s / 2
         return timeout
 
-    def _outcome(self, control: Any, round_: int, timeout: float, deadline: float) -> Any:
+    def _outcome(
+        self, control: Any, round_: int, timeout: float, deadline: float, overtaken: Callable[[], bool]
+    ) -> Any:
         """hivemind's result of the step; None if no group formed; AveragingError if it failed."""
         try:
-            return self._wait_for(control, deadline)
+            return self._wait_for(control, deadline, overtaken)
+        except Overtook:
+            raise SwarmMovedOn(f"the swarm finished round {round_} while this peer looked for its group") from None
         except HIVEMIND_ERRORS as e:
             if not control.done():  # this method's deadline, not hivemind's
                 control.cancel()
@@ -168,8 +179,12 @@ class AveragingStep:
             others, links.probe_size(self._payload_bytes), timeout=self.sc.averaging_timeout_s
         )
 
-    def _wait_for(self, control: Any, deadline: float) -> Any:
-        """The step's result within `deadline` s, checking every second that the averager lives."""
+    def _wait_for(self, control: Any, deadline: float, overtaken: Callable[[], bool]) -> Any:
+        """The step's result within `deadline` s, checking every second that the averager lives,
+        and that the swarm did not finish the round while this peer still looks for a group (then
+        Overtook, the step cancelled). A member whose all-reduce failed while the others' completed
+        (a reducer answered their audit, then hung) otherwise retried for the whole matchmaking
+        deadline, 22 s, while the others waited for its digest (test_faults.py)."""
         end = time.monotonic() + deadline
         while True:
             try:
@@ -178,6 +193,9 @@ class AveragingStep:
                 if control.done() or time.monotonic() >= end:
                     raise
                 self.check_averager()
+                if not control.began_allreduce and overtaken():
+                    control.cancel()
+                    raise Overtook() from None
 
     def convicted(self) -> frozenset[str]:
         """The peers this peer's averager convicted (none if it is gone or does not answer in time)."""

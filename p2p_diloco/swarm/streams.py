@@ -40,10 +40,13 @@ async def ask(
     request: Any,
     complete: Callable[[list[Any]], bool],
     limit: int,
+    reply_timeout_s: float,
 ) -> list[Any]:
     """Send `request` through `call` (a stub method taking a request stream) and collect the replies
     until `complete(replies)`; only then end the request stream, and read on until the handler
-    ends. Raises ValueError on more than `limit` replies. The caller bounds the time."""
+    ends. Raises ValueError on more than `limit` replies, and asyncio.TimeoutError if the stream
+    does not open, or the next reply does not come, within `reply_timeout_s` (a peer that hung: a
+    laptop asleep, whose p2pd accepts nothing, holds a stream open for ever)."""
     received = asyncio.Event()
 
     async def requests() -> AsyncIterator[Any]:
@@ -52,7 +55,12 @@ async def ask(
 
     replies: list[Any] = []
     try:
-        async for reply in await call(requests()):
+        stream = aiter(await asyncio.wait_for(call(requests()), reply_timeout_s))
+        while True:
+            try:
+                reply = await asyncio.wait_for(anext(stream), reply_timeout_s)
+            except StopAsyncIteration:
+                break
             if received.is_set():
                 continue  # after a complete answer: nothing counts
             replies.append(reply)

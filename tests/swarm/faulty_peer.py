@@ -14,6 +14,8 @@ terminal (which also signals the whole foreground process group), SIGTERM `timeo
   sends (as a sender) or receives (as a reducer, before it answered anything).
 - `matchmaking`: the n-th time this peer looks for its round's group, half a matchmaking window
   after it declared itself (others have seen it and may be waiting for it).
+- `audit`: in the n-th group whose members audit this peer (a reducer), when the second of them
+  asks: the first got its answer (its all-reduce completed), the second gets none (its fails).
 - `serve`: when another peer downloads this peer's state for the n-th time, before a byte was sent.
 - `look`: the peer published its start record and is about to catch up with the swarm. With the
   signal WAIT (`FAULT=look:1:WAIT`, `FAULT_GO=<path>`) the peer is held there until the test
@@ -89,6 +91,19 @@ def in_allreduce_after_completed() -> None:
     install(FaultPoint.ALLREDUCE_PART, part)
 
 
+def second_audit_of_nth_group() -> None:
+    """As a reducer: the second member that audits this peer's span in its n-th audited group gets
+    no answer; the first got its answer, so its all-reduce completed and the other's failed."""
+    asked: dict[bytes, int] = {}
+
+    def audit(group: bytes, **context) -> None:
+        asked[group] = asked.get(group, 0) + 1
+        if len(asked) == NTH and asked[group] == 2:
+            fail()
+
+    install(FaultPoint.AUDIT, audit)
+
+
 def mid_matchmaking(window_s: float, **context) -> None:
     # the fault's timing, not a synchronisation: it lands half-way through the matchmaking window
     threading.Timer(window_s / 2, fail).start()
@@ -96,6 +111,8 @@ def mid_matchmaking(window_s: float, **context) -> None:
 
 if PHASE == "allreduce":
     in_allreduce_after_completed()
+elif PHASE == "audit":
+    second_audit_of_nth_group()
 elif PHASE == "matchmaking":
     on_nth(FaultPoint.MATCHMAKING, mid_matchmaking)
 elif SIGNAL == "WAIT":

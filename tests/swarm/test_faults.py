@@ -2,11 +2,11 @@
 
 Every test asserts that the survivors finish later rounds, agree on every digest, never apply a
 partial average (test_average.py checks that bit for bit at the all-reduce level), and lose no
-more than the configured deadlines. One hang (in matchmaking) stands for the others here; a hang
-or crash in the inner phase, and every other phase, is measured in bench/faults.py (the suite's
-time is capped), and who is waited for in-process in tests/unit/test_round_protocol.py. A reducer
-that dies mid all-reduce is tested at the all-reduce's level (test_average.py, bit for bit) and
-in whole peers by bench/faults.py.
+more than the configured deadlines. One hang (after the all-reduce, as the others audit the peer)
+stands for the others here; a hang or crash in the inner phase, and every other phase, is
+measured in bench/faults.py (the suite's time is capped), and who is waited for in-process in
+tests/unit/test_round_protocol.py. A reducer that dies mid all-reduce is tested at the all-reduce's
+level (test_average.py, bit for bit) and in whole peers by bench/faults.py.
 """
 
 import os
@@ -57,13 +57,18 @@ def normal_round_s(records):
 
 
 @pytest.mark.timeout(300)
-def test_peer_hangs_in_matchmaking(swarm):
-    # the subject declares itself for its third round's group, then its laptop sleeps
-    a, b, last = run_with_fault(swarm, "matchmaking:3:STOP")
+def test_peer_hangs_between_its_allreduce_and_the_audit(swarm):
+    # The subject sent its averages and answered one survivor's audit; as the other audits it, its
+    # laptop goes to sleep (SIGSTOP of the whole peer, p2pd included, which holds the stream open and
+    # silent). One survivor's all-reduce completed, the other's failed. Landed there by chance, this
+    # cost 37 s in CI: the audit waited for the whole all-reduce deadline (20 s), then the failed
+    # member retried its matchmaking for 22 s while the other waited for its digest. Now an answer
+    # gets one chunk deadline, and a retry ends once the swarm's state passes the round.
+    a, b, last = run_with_fault(swarm, "audit:3:STOP")
     assert_agree_every_round(a, b, last)
     assert [a[r]["group_size"] for r in range(ROUNDS - 2, ROUNDS + 1)] == [2, 2, 2]
     lost_s = time_lost(a, last)
-    assert lost_s <= AVERAGING_S + AGREEMENT_S, f"the fault cost {lost_s:.1f} s"
+    assert lost_s <= AVERAGING_S, f"the fault cost {lost_s:.1f} s, more than one all-reduce deadline"
 
 
 @pytest.mark.timeout(300)
@@ -90,9 +95,11 @@ def test_peer_crashes_while_serving_a_download(swarm, tmp_path):
 
 
 def time_lost(records, last):
-    """Seconds the rounds after the fault took beyond the median round."""
-    later = [rec["wall_s"] for r, rec in records.items() if r > last and "wall_s" in rec]
-    return sum(later) - len(later) * normal_round_s(records)
+    """Seconds the survivor took from its round `last` to its end, beyond the median round. From
+    the records' commit times: a round it caught up with (adopted from the others) has no wall_s
+    of its own, and summing wall_s missed the 20 s such a round had cost."""
+    since = max(r for r in records if r <= last)
+    return records[max(records)]["time"] - records[since]["time"] - (max(records) - since) * normal_round_s(records)
 
 
 def make_identity(path):

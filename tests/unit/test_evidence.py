@@ -149,7 +149,7 @@ def _served(case):
             return evidence.rpc_evidence(requests, None)
 
         request = averaging_pb2.AveragingData(peer_id=b"accused")
-        return await asyncio.wait_for(streams.ask(call, request, _case_complete, 10), 5)
+        return await asyncio.wait_for(streams.ask(call, request, _case_complete, 10, 5), 5)
 
     return evidence, asyncio.run(collect())
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from p2p_diloco import checkpoint, config, outer, sync
-from p2p_diloco.errors import AveragingError, CatchUpFailed, RunFinished
+from p2p_diloco.errors import AveragingError, CatchUpFailed, RunFinished, SwarmMovedOn
 from p2p_diloco.genesis import Genesis
 from p2p_diloco.network import AllReduced
 from p2p_diloco.peer import Peer
@@ -137,6 +137,30 @@ def test_every_attempt_failing_applies_the_own_delta(tmp_path, caplog):
     expected = first_step(theta0, sent_delta(fake, theta0))
     assert all(torch.equal(peer.state.params[name], expected[name]) for name in theta0)
     assert records(peer)[-1]["group_size"] == 1
+
+
+def test_a_retry_that_the_swarm_overtook_in_matchmaking_catches_up_with_the_result(tmp_path, caplog):
+    # This peer's all-reduce failed while the others' completed (a reducer answered their audit,
+    # then hung); its retry ends once their result is the swarm's state (AveragingStep._wait_for).
+    caplog.set_level(logging.INFO)
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
+    theirs = moved(peer.state, 0.01, 1)
+
+    def audit_unanswered(call):
+        raise AveragingError("round 0 all-reduce failed: no answer to the audit of part 0")
+
+    def moved_on(call):
+        fake.publish_other("p1", theirs)
+        raise SwarmMovedOn("the swarm finished round 0 while this peer looked for its group")
+
+    fake.script = [audit_unanswered, moved_on]
+    run(peer)
+    assert len(fake.calls) == 2 and fake.calls[1].retry
+    assert "while this peer looked for its group: catching up with its result" in caplog.text
+    assert "own pseudo-gradient" not in caplog.text
+    assert peer.state.digest() == theirs.digest() and fake.downloads == [(1, theirs.digest(), ["p1"])]
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING and "looked for its group" in r.message]
 
 
 def test_a_failed_allreduce_whose_result_a_member_published_is_adopted(tmp_path, caplog):
