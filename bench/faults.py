@@ -9,7 +9,7 @@ end, beyond the median round, by the records' commit times), whether every commo
 round's digest was equal, and whether any survivor applied an average that included the dead peer
 after it died. Writes bench/results/faults.json.
 
-    python bench/faults.py          # about 5 minutes on 2 cores
+    python bench/faults.py          # about 8 minutes on 2 cores
 """
 
 from __future__ import annotations
