@@ -306,8 +306,13 @@ def test_a_peer_whose_second_process_is_killed_stops_with_one_line_and_resumes(t
     assert line.startswith("error: rank-1 of this peer exited with code -9 ("), err
     assert line.endswith(f"the checkpoint of round {saved} is on disk, continue with --resume"), err
     assert "Traceback" not in err, err
-    code, err = stop_after_rounds(["--resume", *args], run_dir, 1, signal.SIGINT)
+    # Resumed, then Ctrl+C to its whole foreground group: rank 1 ignores it and ends when rank 0
+    # tells it to; nothing is left behind (stop_after_rounds), and the partial round is discarded.
+    code, err = stop_after_rounds(["--resume", *args], run_dir, 2, signal.SIGINT)
     assert code == 0 and f"resumed from {checkpoint.path_for(run_dir, saved)}" in err, err
+    assert "partial round was discarded" in err and "Traceback" not in err, err
+    resumed_to = checkpoint.load(checkpoint.latest(run_dir))["round"]
+    assert resumed_to >= saved + 1 and metric_rounds(run_dir) == list(range(resumed_to + 1))
 
 
 def assert_group_ends(pgid, deadline_s):
@@ -321,13 +326,11 @@ def assert_group_ends(pgid, deadline_s):
         time.sleep(0.1)  # a poll interval, bounded by the deadline
 
 
-# SIGTERM takes the same handler (tests/swarm/test_faults.py sends it to peers' groups). A terminal's
-# Ctrl+C reaches the whole foreground group: a peer of 2 processes (--nproc 2), whose second one
-# ignores it and ends when the first tells it to, leaves nothing behind.
-@pytest.mark.parametrize("nproc", [1, 2], ids=["ctrl-c", "ctrl-c-2-processes"])
-def test_signal_stops_cleanly_and_resume_continues(tmp_path, nproc):
+# SIGTERM takes the same handler (tests/swarm/test_faults.py sends it to peers' groups). A peer of 2
+# processes stopped by Ctrl+C: test_a_peer_whose_second_process_is_killed_stops_with_one_line_and_resumes.
+def test_signal_stops_cleanly_and_resume_continues(tmp_path):
     run_dir = tmp_path / "run"
-    args = [*options({**TINY, "run.dir": str(run_dir), "run.rounds": "1000"}), "--nproc", str(nproc)]
+    args = options({**TINY, "run.dir": str(run_dir), "run.rounds": "1000"})
     code, err = stop_after_rounds(args, run_dir, 3, signal.SIGINT)
     assert code == 0, err
     assert "partial round was discarded" in err and "Traceback" not in err, err

@@ -19,15 +19,12 @@ def test_three_peers_agree_on_every_round(swarm):
     wait_until(lambda: all(p.poll() is not None for p in peers.values()), list(peers.values()), 200, "3 peers finish")
     assert [p.returncode for p in peers.values()] == [0, 0, 0], [swarm.log(n)[-2000:] for n in peers]
     records = {name: swarm.records(name) for name in peers}
-    for r in range(1, ROUNDS):
+    # Every round, the last one too: a member whose last all-reduce failed while the others'
+    # completed downloads their state (they linger until every live peer holds it), so no peer
+    # exits 0 on a final state of its own (this once allowed it, with "keeping this peer's own state").
+    for r in range(1, ROUNDS + 1):
         digests = {name: records[name][r]["digest"] for name in peers}
         assert len(set(digests.values())) == 1, f"round {r}: {digests}"
-    # Known gap (issue 4 note): if one member's all-reduce fails while the others' succeed in the
-    # LAST round, the others may exit before it downloads their state. It must then say so.
-    final = {name: records[name][ROUNDS]["digest"] for name in peers}
-    majority = max(set(final.values()), key=list(final.values()).count)
-    for name, digest in final.items():
-        assert digest == majority or "keeping this peer's own state" in swarm.log(name), final
     # Once all three averaged together they keep doing so. (Rounds take under a second here: a peer
     # that starts a second late catches up with the others' first rounds instead of joining them.)
     sizes = {r: [records[name][r].get("group_size", 1) for name in peers] for r in range(1, ROUNDS + 1)}
