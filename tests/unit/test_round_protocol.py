@@ -139,13 +139,18 @@ def test_every_attempt_failing_applies_the_own_delta(tmp_path, caplog):
     assert records(peer)[-1]["group_size"] == 1
 
 
-def test_a_retry_that_the_swarm_overtook_in_matchmaking_catches_up_with_the_result(tmp_path, caplog):
-    # This peer's all-reduce failed while the others' completed (a reducer answered their audit,
-    # then hung); its retry ends once their result is the swarm's state (AveragingStep._wait_for).
+def one_round_and_a_later_state(tmp_path, caplog):
+    """A peer of a 1-round run on a FakeSwarm, and a state of round 1 that another peer may publish."""
     caplog.set_level(logging.INFO)
     fake = FakeSwarm()
     peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
-    theirs = moved(peer.state, 0.01, 1)
+    return fake, peer, moved(peer.state, 0.01, 1)
+
+
+def test_a_retry_that_the_swarm_overtook_in_matchmaking_catches_up_with_the_result(tmp_path, caplog):
+    # This peer's all-reduce failed while the others' completed (a reducer answered their audit,
+    # then hung); its retry ends once their result is the swarm's state (AveragingStep._wait_for).
+    fake, peer, theirs = one_round_and_a_later_state(tmp_path, caplog)
 
     def audit_unanswered(call):
         raise AveragingError("round 0 all-reduce failed: no answer to the audit of part 0")
@@ -164,10 +169,7 @@ def test_a_retry_that_the_swarm_overtook_in_matchmaking_catches_up_with_the_resu
 
 
 def test_a_failed_allreduce_whose_result_a_member_published_is_adopted(tmp_path, caplog):
-    caplog.set_level(logging.INFO)
-    fake = FakeSwarm()
-    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
-    theirs = moved(peer.state, 0.01, 1)
+    fake, peer, theirs = one_round_and_a_later_state(tmp_path, caplog)
 
     def completed_elsewhere(call):  # a reducer answered p1, then died before answering this peer
         fake.publish_other("p1", theirs)
@@ -204,10 +206,7 @@ def test_a_peer_overtaken_while_training_abandons_the_phase_and_catches_up(tmp_p
 
 
 def test_a_peer_with_no_group_while_the_swarm_is_past_its_round_catches_up(tmp_path, caplog):
-    caplog.set_level(logging.INFO)
-    fake = FakeSwarm()
-    peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
-    theirs = moved(peer.state, 0.01, 1)
+    fake, peer, theirs = one_round_and_a_later_state(tmp_path, caplog)
 
     def nobody_came(call):
         fake.publish_other("p1", theirs)
