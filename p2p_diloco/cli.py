@@ -598,6 +598,7 @@ def _export_from_swarm(args: argparse.Namespace) -> Any:
 
     overrides = {"swarm.initial_peers": ",".join(args.initial_peers), "admission.certificate": args.certificate}
     cfg = config_mod.load(args.config, {k: v for k, v in overrides.items() if v is not None})
+    _refuse_an_uncertified_export(cfg, args.identity)
     model = RunModel(cfg)
     reader = Observer(cfg, Path(args.identity) if args.identity else None)
     try:
@@ -613,6 +614,19 @@ def _export_from_swarm(args: argparse.Namespace) -> Any:
     out = args.paths[0]
     return export_agreed(
         cfg, found.round, found.digest, found.served_by, params, out, args.contributors, args.push_to_hub
+    )
+
+
+def _refuse_an_uncertified_export(cfg: config_mod.Config, identity: str | None) -> None:
+    """A certified run's peers serve their state to admitted askers only: an export without a
+    certified key would wait out its deadline and blame the run. Say what it needs, at once."""
+    if cfg.admission.mode != "certified" or (cfg.admission.certificate and identity):
+        return
+    raise ConfigError(
+        f"run {cfg.run.run_id!r} is certified: its peers serve their state to admitted peers only, so export needs a "
+        "key the organiser certified: p2p-diloco export OUT --config RUN_TOML --initial-peers MADDR --identity KEY "
+        "--certificate FILE (`p2p-diloco id --identity KEY` prints the id to send the organiser, who runs "
+        "`p2p-diloco admission admit`); or export from a peer's run dir: p2p-diloco export RUN_DIR OUT"
     )
 
 

@@ -464,3 +464,19 @@ def test_config_command_prints_the_resolved_config_and_fingerprint():
     assert result.returncode == 0
     assert result.stdout.startswith("# fingerprint ") and "steps = 7" in result.stdout
     assert os.linesep.join(["", "[inner]"]) in result.stdout
+
+
+def test_an_export_from_a_certified_swarm_without_a_certified_key_says_what_it_needs_at_once(tmp_path, capsys):
+    from p2p_diloco import admission
+
+    public = admission.make_run_key(tmp_path / "run.key")
+    run_toml = tmp_path / "run.toml"
+    run_toml.write_text(f'[admission]\nmode = "certified"\norganiser_key = "{public}"\n')
+    entry = "/ip4/127.0.0.1/tcp/9/p2p/QmaCpDMGvV2BGHeYERUEnRQAwe3N8SzbUtfsmvsqQLuvuJ"
+    started = time.monotonic()
+    out = tmp_path / "out"
+    result = main_in_process(capsys, "export", str(out), "--config", str(run_toml), "--initial-peers", entry)
+    assert time.monotonic() - started < 10, "it must not wait for the swarm first"
+    assert_one_line_error(result, "is certified: its peers serve their state to admitted peers only")
+    assert "--identity KEY --certificate FILE" in result.stderr and "export RUN_DIR OUT" in result.stderr
+    assert result.returncode == 2 and not out.exists()
