@@ -189,7 +189,13 @@ def fetch_agreed(
     from p2p_diloco.evaluate import download_agreed
 
     log = RunLog(config.run.run_id, config.fingerprint(), config.run.rounds)
-    deadline, why = time.monotonic() + wait_s, "no round that counted peers agreed on was seen: is the run training?"
+    deadline, why = (
+        time.monotonic() + wait_s,
+        (
+            "no round that counted peers agreed on was seen: is the run training? (A finished run's records "
+            "leave the DHT 90 s after its end: then export from a peer's run dir, p2p-diloco export RUN_DIR OUT)"
+        ),
+    )
 
     def accepts(round_: int, digest: str) -> bool:  # polling here: no other thread feeds this log
         return (
@@ -201,6 +207,12 @@ def fetch_agreed(
     while True:
         log.ingest(*poll(), now=time.time())
         target = log.to_evaluate(1, time.time())
+        if target is None and (final := log.agreed(config.run.rounds)):
+            raise StateDownloadError(
+                f"run {config.run.run_id!r} finished at round {config.run.rounds} (final digest {final[:12]}); no "
+                "peer serves it any more (they linger swarm.linger_s after the end): export from a peer's run dir, "
+                "p2p-diloco export RUN_DIR OUT"
+            )
         if target is not None:
             try:
                 return download_agreed(model, source.fetch, target, accepts, download_s(config, model.numel))

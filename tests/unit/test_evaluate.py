@@ -136,3 +136,21 @@ def test_export_from_the_swarm_takes_the_newest_agreed_state_within_its_wait(cfg
     assert torch.equal(outer.flatten(model.params(found.state)), tensors[0])
     with pytest.raises(StateDownloadError, match="no round that counted peers agreed on was seen"):
         fetch_agreed(cfg, lambda: ({}, [], {}), Source({}), model, wait_s=0)  # a swarm with no agreed round
+
+
+def test_export_after_the_holders_of_a_finished_run_left_says_so_at_once(cfg):
+    model = RunModel(cfg)
+    _, _, digest = served(cfg, cfg.run.rounds, seed=7)
+    final = cfg.run.rounds
+
+    def poll():  # the final round's records live on (90 s), but no peer beats any more
+        return {p: RoundRecord(p, final, digest, 10, 2.0, group=(A, B), outcome="averaged") for p in (A, B)}, [], {}
+
+    started = time.monotonic()
+    with pytest.raises(StateDownloadError) as e:
+        fetch_agreed(cfg, poll, Source({}), model, wait_s=30)
+    assert time.monotonic() - started < 5, "nobody will serve it again: no point in waiting"
+    assert str(e.value) == (
+        f"run 'p2p-diloco' finished at round {final} (final digest {digest[:12]}); no peer serves it any more "
+        "(they linger swarm.linger_s after the end): export from a peer's run dir, p2p-diloco export RUN_DIR OUT"
+    )
