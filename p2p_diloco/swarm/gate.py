@@ -193,7 +193,15 @@ class Gate:
                 self.names[peer] = cert.name
             except AdmissionError as e:
                 if peer not in self._refused_until:
-                    logger.warning(
-                        "refused peer %s: %s", peer, e if peer in published else "it published no certificate"
-                    )
+                    self._say_refused(peer, e if peer in published else None)
                 self._refused_until[peer] = now + RECHECK_S
+
+    @staticmethod
+    def _say_refused(peer: str, problem: AdmissionError | None) -> None:
+        """Once per peer. A certificate that fails its check is news (WARNING). None found may be a
+        DHT read that came back incomplete, as a reader's first ones do: an admitted peer was then
+        called uncertified (export in a certified run), so that is said as it is, at INFO."""
+        if problem is not None:
+            logger.warning("refused peer %s: %s", peer, problem)
+        else:
+            logger.info("peer %s not counted: no certificate of it seen yet (looked up again in %g s)", peer, RECHECK_S)

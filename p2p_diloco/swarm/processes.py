@@ -48,6 +48,8 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from contextlib import contextmanager
 from typing import Any
 
+from hivemind.utils.mpfuture import MPFuture, SharedBytes
+
 from p2p_diloco.errors import SwarmError
 
 logger = logging.getLogger(__name__)
@@ -55,6 +57,7 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0  # the longest wait for a killed child to be reaped
 LIVENESS_S = 0.5  # how often a wait on a child checks that the child still lives
 QUIET_TIMEOUT_S = 10.0  # the longest wait for a collection in flight (a finalizer joining a child)
+LOCK_CHECK_S = 2.0  # a lock of hivemind's futures not free after this long is held by a dead process
 
 
 class _Collections:
@@ -92,7 +95,9 @@ gc.callbacks.append(_COLLECTIONS)
 @contextmanager
 def quiet_fork() -> Iterator[None]:
     """Fork a hivemind child inside this block: no collection of the cycle GC is in flight in any
-    thread (automatic ones are paused for the block: keep it to the fork itself)."""
+    thread (automatic ones are paused for the block: keep it to the fork itself), and no lock of
+    hivemind's futures is held by a process that died (`_no_leaked_locks`)."""
+    _no_leaked_locks()
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -102,6 +107,23 @@ def quiet_fork() -> Iterator[None]:
     finally:
         if enabled:
             gc.enable()
+
+
+def _no_leaked_locks() -> None:
+    """hivemind's futures (MPFuture) guard their pipe with locks that every process forked from this
+    one shares (semaphores made at import). A child killed while it held one, in the middle of a
+    send, leaves it held for ever: every later child then blocks on its first update, its start
+    included. Measured: "the DHT process did not start within 20 s" right after test_fork_safety
+    had SIGKILLed children, under a CPU hog; tests/swarm/test_fork_safety.py reproduces it. A
+    sender holds a lock for one pipe write, so one not free within LOCK_CHECK_S is leaked: later
+    children get a fresh one (a child still alive from before keeps the old: it was stuck anyway)."""
+    for owner, name in ((MPFuture, "_update_lock"), (MPFuture, "_initialization_lock"), (SharedBytes, "_lock")):
+        lock = getattr(owner, name)
+        if lock.acquire(timeout=LOCK_CHECK_S):
+            lock.release()
+            continue
+        logger.warning("a process that died held hivemind's %s.%s: replaced before the next fork", owner.__name__, name)
+        setattr(owner, name, multiprocessing.get_context("fork").Lock())
 
 
 def wait_started(part: Any, what: str, timeout_s: float) -> None:

@@ -116,6 +116,35 @@ def test_a_dht_started_while_another_thread_collects_can_collect_in_its_process(
             stop_process(dht, "DHT process")
 
 
+def hold_the_update_lock(holding):
+    from hivemind.utils.mpfuture import MPFuture
+
+    MPFuture._update_lock.acquire()  # as a child does while it sends an update to its parent
+    holding.set()
+    time.sleep(60)  # killed here by the test, the lock still held
+
+
+@pytest.mark.timeout(60)
+def test_a_child_killed_while_it_held_hiveminds_update_lock_does_not_stop_the_next_dht_start(swarm_config, caplog):
+    # Before: every later child blocked on its first update, and the next DHT "did not start within
+    # 20 s" (a CPU hog had this SIGKILL test's child killed in the middle of a send).
+    context = multiprocessing.get_context("fork")
+    holding = context.Event()
+    holder = context.Process(target=hold_the_update_lock, args=(holding,))
+    holder.start()
+    try:
+        assert holding.wait(10), "the child did not take the lock"
+    finally:
+        os.kill(holder.pid, signal.SIGKILL)  # the pid of the child this test started
+        holder.join(10)
+    dht = start_dht(swarm_config.swarm, None, [], False)
+    try:
+        assert dht.run_coroutine(gc_collects)  # the child answers through its futures, too
+    finally:
+        stop_process(dht, "DHT process")
+    assert "a process that died held hivemind's MPFuture._update_lock: replaced before the next fork" in caplog.text
+
+
 @pytest.mark.timeout(60)
 def test_a_dht_process_killed_after_its_start_is_one_error_line_within_a_second(swarm_config):
     dht = start_dht(swarm_config.swarm, None, [], False)

@@ -344,7 +344,7 @@ QUOTED = {
     "stopping the bootstrap node": "p2p_diloco/cli.py",
     "(again to stop now)": "p2p_diloco/cli.py",
     "stopped during start-up": "p2p_diloco/cli.py",
-    "it published no certificate": "p2p_diloco/swarm/gate.py",
+    "no certificate of it seen yet": "p2p_diloco/swarm/gate.py",
     "the organiser revoked peer ": "p2p_diloco/swarm/gate.py",
     "stop what uses it or choose ": "p2p_diloco/swarm/node.py",
     " is not a private key; it is this bootstrap node's identity": "p2p_diloco/swarm/identity.py",
