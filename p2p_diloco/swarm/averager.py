@@ -220,6 +220,16 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         metadata, tensors = self._state_provider()
         return metadata, tensors, None
 
+    def matchmaking_idle(self, timeout: float) -> bool:
+        """Whether no look for a group runs in the averager process (a cancelled step's look ends
+        only after its own clean-up: a DHT write, then hivemind's 'disband')."""
+        future = MPFuture()
+        self._outer_pipe.send(("_matchmaking_idle", [], dict(future=future)))
+        return bool(wait_result(self, future, "averaging process", timeout))
+
+    async def _matchmaking_idle(self, future: MPFuture) -> None:
+        future.set_result(not self._matchmaking.is_looking_for_group)
+
     def set_target_group_size(self, size: int) -> None:
         """A group of `size` starts its all-reduce as soon as it is complete, without waiting out the
         matchmaking window; the swarm's progress tells each peer how many peers are at the round."""

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 from hivemind.averaging.allreduce import AllreduceException
+from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
@@ -37,6 +38,7 @@ HIVEMIND_ERRORS = (
     asyncio.CancelledError,
 )
 CONVICTED_TIMEOUT_S = 5.0  # for the averager process to say whom it convicted
+CANCEL_POLL_S = 0.05  # how often a cancelled step's stage is read while the averager ends it
 STEP_MARGIN_S = 30.0  # the averager process's hand-over and wrap-up, beyond the step's own deadlines
 
 
@@ -195,7 +197,23 @@ class AveragingStep:
                 self.check_averager()
                 if not control.began_allreduce and overtaken():
                     control.cancel()
+                    self._until_ended(control)
                     raise Overtook() from None
+
+    def _until_ended(self, control: Any) -> None:
+        """Wait (bounded) until the averager process ended a cancelled step and its look for a
+        group. `cancel()` returns at once, while hivemind's look lingers in its clean-up; the next
+        round's step then changed the group key under it ("Another look_for_group is already in
+        progress"), and a member of the next round joined a group of this one (measured under a CPU
+        hog: "group members [...] averaged another round; result dropped", a 14-s round)."""
+        end = time.monotonic() + 3 * self.sc.matchmaking_time_s
+        while time.monotonic() < end:
+            try:
+                if control.stage == AveragingStage.FINISHED and self.averager.matchmaking_idle(STEP_MARGIN_S):
+                    return
+            except FuturesTimeout:
+                pass
+            time.sleep(CANCEL_POLL_S)  # a poll of the averager process, bounded by the deadline above
 
     def convicted(self) -> frozenset[str]:
         """The peers this peer's averager convicted (none if it is gone or does not answer in time)."""

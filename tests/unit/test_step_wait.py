@@ -1,8 +1,10 @@
 """AveragingStep._wait_for: a step still in matchmaking ends once the swarm finished the round."""
 
 from concurrent.futures import TimeoutError as FuturesTimeout
+from types import SimpleNamespace
 
 import pytest
+from hivemind.averaging.control import AveragingStage
 
 from p2p_diloco.swarm.step import AveragingStep, Overtook
 
@@ -10,10 +12,18 @@ from p2p_diloco.swarm.step import AveragingStep, Overtook
 class Control:
     """hivemind's StepControl as the wait sees it: a result that never comes (a group that never forms)."""
 
-    def __init__(self, began_allreduce: bool):
+    def __init__(self, began_allreduce: bool, ends_after_reads: int = 0):
         self.began_allreduce = began_allreduce
         self.cancelled = False
         self.waits = 0
+        self.reads_left = ends_after_reads  # the averager process ends a cancelled step a little later
+
+    @property
+    def stage(self):
+        if self.cancelled and self.reads_left == 0:
+            return AveragingStage.FINISHED
+        self.reads_left -= self.cancelled
+        return AveragingStage.LOOKING_FOR_GROUP
 
     def result(self, timeout):
         self.waits += 1
@@ -29,14 +39,21 @@ class Control:
 def a_step():
     step = AveragingStep.__new__(AveragingStep)  # the wait needs no averager: its liveness check is replaced
     step.check_averager = lambda: None
+    step.sc = SimpleNamespace(matchmaking_time_s=4.0)
+    step.idle = iter([False, True])  # the averager's look for a group lingers a moment after the step ended
+    step.averager = SimpleNamespace(matchmaking_idle=lambda timeout: next(step.idle))
     return step
 
 
-def test_a_step_in_matchmaking_is_cancelled_at_the_first_check_after_the_swarm_moved_on():
-    control, checks = Control(began_allreduce=False), iter([False, False, True])
+def test_a_step_in_matchmaking_is_cancelled_at_the_first_check_after_the_swarm_moved_on_and_ended_first():
+    # Ended in the averager process before the peer goes on: a step still matchmaking there formed
+    # a group with the next round's members once the next step changed the group key (seen under a hog).
+    control, checks, step = Control(began_allreduce=False, ends_after_reads=3), iter([False, False, True]), a_step()
     with pytest.raises(Overtook):
-        a_step()._wait_for(control, deadline=60.0, overtaken=lambda: next(checks))
-    assert control.cancelled and control.waits == 3
+        step._wait_for(control, deadline=60.0, overtaken=lambda: next(checks))
+    assert control.cancelled and control.waits == 3 and control.stage == AveragingStage.FINISHED
+    assert control.reads_left == 0
+    assert next(step.idle, None) is None, "it returned before the averager's look for a group ended"
 
 
 def test_an_allreduce_that_began_is_never_cut_by_the_swarm_moving_on():
