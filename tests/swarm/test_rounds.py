@@ -76,7 +76,11 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
         for r in joined:  # it may catch up again past the round it was training
             why = [line for line in swarm.log(joiner).splitlines() if re.search(rf"round ({r - 1}|{r})\]", line)]
             assert joined[r]["digest"] == records["a"][r]["digest"] == records["b"][r]["digest"], (joiner, r, why)
-    assert records["c"][last]["group_size"] == 4  # d's two processes are one member
+    # d's two processes are one member: groups of the four, never five. (Not the last round's in
+    # particular: a joiner may catch up with the last round instead of averaging it, as c did in
+    # a hog run, when the others finish it first.)
+    sizes = [rec["group_size"] for rec in records["c"].values() if "group_size" in rec]
+    assert 4 in sizes and max(sizes) == 4, sizes
     follower = int(re.search(r"rank 1 of 2 started on cpu \(pid (\d+)\)", swarm.log("d")).group(1))
     assert "rank 1 ready on cpu" in swarm.log("d") and not alive(follower)
     print(f"the restarted entry node knew the swarm again {knew_again_s:.1f} s after it came up")
