@@ -76,7 +76,7 @@ class AveragingStep:
         overtaken: Callable[[], bool] = lambda: False,
     ) -> AllReduced | None:
         """See `Swarm.average`. `overtaken()`: whether the swarm finished the round meanwhile; while
-        no all-reduce has begun, the step then ends at once (AveragingError), checked every second."""
+        no all-reduce has begun, the step then ends at once (SwarmMovedOn), checked every second."""
         faults.reached(faults.FaultPoint.MATCHMAKING, window_s=self.sc.matchmaking_time_s)
         self.check_averager()
         self._load(delta, exact, round_, expected_group)
