@@ -21,6 +21,8 @@ from p2p_diloco.errors import ExportError
 FORMAT = 1  # of provenance.json
 MAX_CONTRIBUTORS_BYTES = 16 * 2**20  # an observer's view of even a large run is far smaller
 MAX_NAME_CHARS = 64
+MAX_REASON_CHARS = 200  # a revocation's reason, as the organiser wrote it
+MAX_ACCUSERS = 256  # peers that say they convicted one contributor
 _PEER_ID = re.compile(r"[A-Za-z0-9._-]{1,128}")  # libp2p ids are base58; this also bars Markdown
 DIGEST_COVERS = (
     "sha256 (the first 32 hex digits) over the round number, then the names, shapes, dtypes and bytes "
@@ -76,17 +78,39 @@ def _check_run(run: Any, run_id: str, fingerprint: str, where: str) -> int | Non
 
 
 def _contributor(entry: Any, where: str) -> dict[str, Any]:
+    """One contributor: peer, name, tokens (as the averages weighed them), rounds; from an observer
+    of this version also tokens_trained, revoked (the organiser's reason) and convicted_by."""
     if not isinstance(entry, dict):
         raise ExportError(f"{where} must be an object with peer, name, tokens and rounds; {_FIX}")
     peer, name = entry.get("peer"), entry.get("name", "")
-    if not isinstance(peer, str) or not _PEER_ID.fullmatch(peer):
+    if not _is_peer(peer):
         raise ExportError(f"{where}: peer must be a peer id (letters, digits, . _ -), got {str(peer)[:80]!r}; {_FIX}")
-    if not isinstance(name, str) or len(name) > MAX_NAME_CHARS or not name.isprintable():
+    if not _is_text(name):
         raise ExportError(f"{where}: name must be printable text of up to {MAX_NAME_CHARS} characters; {_FIX}")
-    for key in ("tokens", "rounds"):
-        if not _count(entry.get(key)):
+    for key in ("tokens", "rounds", "tokens_trained"):
+        if not _count(entry.get(key)) and (key != "tokens_trained" or key in entry):
             raise ExportError(f"{where}: {key} must be a whole number >= 0, got {str(entry.get(key))[:40]}; {_FIX}")
-    return {"peer": peer, "name": name, "tokens": entry["tokens"], "rounds": entry["rounds"]}
+    revoked, convicted_by = entry.get("revoked"), entry.get("convicted_by", [])
+    if revoked is not None and not _is_text(revoked, MAX_REASON_CHARS):
+        raise ExportError(f"{where}: revoked must be printable text of up to {MAX_REASON_CHARS} characters; {_FIX}")
+    if not isinstance(convicted_by, list) or len(convicted_by) > MAX_ACCUSERS or not all(map(_is_peer, convicted_by)):
+        raise ExportError(f"{where}: convicted_by must be a list of up to {MAX_ACCUSERS} peer ids; {_FIX}")
+    found = {k: entry[k] for k in ("peer", "tokens", "rounds")}
+    return {
+        **found,
+        "name": name,
+        "tokens_trained": entry.get("tokens_trained"),
+        "revoked": revoked,
+        "convicted_by": convicted_by,
+    }
+
+
+def _is_peer(value: Any) -> bool:
+    return isinstance(value, str) and _PEER_ID.fullmatch(value) is not None
+
+
+def _is_text(value: Any, most: int = MAX_NAME_CHARS) -> bool:
+    return isinstance(value, str) and len(value) <= most and value.isprintable()
 
 
 def _count(value: Any) -> bool:
@@ -212,15 +236,33 @@ def _contributors_text(facts: Mapping[str, Any]) -> str:
     seen = facts["contributors_seen_to_round"]
     up_to = f" up to round {seen}" if seen is not None else ""
     rows = "".join(
-        f"| {i} | `{c['peer']}` | {_md(c['name'])} | {c['tokens']:,} | {c['rounds']} |\n"
+        f"| {i} | `{c['peer']}` | {_md(c['name'])} | {c['tokens']:,} | {_trained(c)} | {c['rounds']} | {_marks(c)} |\n"
         for i, c in enumerate(found, 1)
     )
     return (
         f"## Contributors\n\nVerified work per peer, as the run's observer saw it{up_to}: a peer is credited "
         "with its tokens of a round only when its record holds the round's agreed digest and another member "
-        "of its group lists it.\n\n| # | peer | name | verified tokens | rounds |\n|---|---|---|---|---|\n"
-        f"{rows}\n{sum(c['tokens'] for c in found):,} verified tokens from {len(found)} peers.\n"
+        "of its group lists it, and with what its group's average weighed them at (under the default "
+        "aggregator, at most `swarm.weight_cap` times the group's median); the tokens it trained in those "
+        "rounds are beside them.\n\n| # | peer | name | credited tokens | trained tokens | rounds | marks |\n"
+        f"|---|---|---|---|---|---|---|\n{rows}\n{sum(c['tokens'] for c in found):,} credited tokens from "
+        f"{len(found)} peers.\n"
     )
+
+
+def _trained(contributor: Mapping[str, Any]) -> str:
+    trained = contributor.get("tokens_trained")
+    return "not said" if trained is None else f"{trained:,}"
+
+
+def _marks(contributor: Mapping[str, Any]) -> str:
+    """What the organiser and the audits said of a contributor (its work before stays credited)."""
+    marks = []
+    if contributor.get("revoked") is not None:
+        marks.append(f"revoked by the organiser: {_md(contributor['revoked'])}")
+    if contributor.get("convicted_by"):
+        marks.append(f"convicted in reducer audits by {len(contributor['convicted_by'])} peer(s)")
+    return "; ".join(marks)
 
 
 def _config_text(facts: Mapping[str, Any]) -> str:

@@ -9,8 +9,13 @@ volunteer's questions from it:
   who was counted and who was not, and why;
 - contributors by verified work: a peer is credited with its tokens of round r only if its
   record of r holds the round's agreed digest and another member of its group lists it too
-  (a peer's own claim alone credits nothing);
-- throughput, and when the current round is due (the median round's length after its start).
+  (a peer's own claim alone credits nothing), and only with what its group's average weighed
+  them at (`robust.weighed_tokens`: a fast peer's tokens count up to `swarm.weight_cap` × its
+  group's lower median under the default aggregator), its trained tokens beside them;
+- peers the organiser revoked and peers others convicted in audits, marked with why, in the
+  peers, the rounds they were not counted in from then on, and the contributors;
+- throughput (tokens per round, the swarm's tokens/s from each online peer's last measured
+  speed), and when the current round is due (the median round's length after its start).
 
 Records are untrusted (I4): they arrive parsed and signed by their peer, and nothing here trusts a
 claim that only its peer makes. A poll reads each peer's latest record, and that record repeats the
@@ -24,7 +29,7 @@ from __future__ import annotations
 import math
 import statistics
 from collections import Counter
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,6 +40,7 @@ from p2p_diloco.rounds import Progress
 ONLINE_S = 10.0  # a peer with no progress report or new record for this long is offline (as heartbeat.STALE_S)
 MAX_ROUNDS_SHOWN = 200  # rounds in a view (the latest)
 ACTIVE_ROUNDS = 50  # at most this many rounds that started since the last poll are noted
+Credit = Callable[[Sequence[int]], list[int]]  # a group's tokens -> what its average weighed them at
 
 # Why a peer known to the run was not counted in a round (the dashboard shows these words).
 REASONS = {
@@ -45,6 +51,8 @@ REASONS = {
     "unconfirmed": "no other member of its group lists it",
     "skipped": "late: it skipped the round",
     "silent": "no heartbeat during the round (stopped, asleep or gone)",
+    "revoked": "revoked by the organiser",
+    "convicted": "convicted in reducer audits: its records count no more with the peers that convicted it",
 }
 
 
@@ -74,17 +82,23 @@ class PeerSeen:
     first_seen: float
     last_seen: float  # the last progress report or new record
     record: RoundRecord | None = None
-    tokens_per_s: float = 0.0
+    tokens_per_s: float = 0.0  # its last measured speed (a report of 0 between two phases keeps it)
 
 
 class RunLog:
     """Everything an observer saw of one run."""
 
-    def __init__(self, run_id: str, fingerprint: str, rounds_total: int):
+    def __init__(self, run_id: str, fingerprint: str, rounds_total: int, credit: Credit = list):
+        """`credit`: what a group's average weighed its members' tokens at (`robust.weighed_tokens`
+        with the run's aggregator); by default all of them."""
         self.run_id, self.fingerprint, self.rounds_total = run_id, fingerprint, rounds_total
+        self.credit = credit
         self.rounds: dict[int, RoundSeen] = {}
         self.peers: dict[str, PeerSeen] = {}
         self.convicted: dict[str, list[str]] = {}
+        self.revoked: dict[str, tuple[str, float]] = {}  # peer -> (the organiser's reason, when it was issued)
+        self._convicted_since: dict[str, float] = {}  # peer -> when this log first saw it convicted
+        self.eval_every, self.eval_off = 0, "held-out loss off: not asked for"  # observe.evaluation says more
         self.names: dict[str, str] = {}  # from certificates; otherwise a peer is named by its id's end
         self.evaluated: dict[int, tuple[str, float]] = {}  # round: (digest, held-out loss the observer computed)
         self._noted = -1  # rounds up to this one are no longer noted as under way
@@ -95,16 +109,20 @@ class RunLog:
         progress: Iterable[Progress],
         convicted: Mapping[str, list[str]],
         names: Mapping[str, str] | None = None,
+        revoked: Mapping[str, tuple[str, float]] | None = None,
         *,
         now: float,
     ) -> None:
-        """One poll of the DHT: each peer's latest record and progress report, convictions, and
-        the names the organiser's certificates give peers (certified runs)."""
+        """One poll of the DHT: each peer's latest record and progress report, convictions, the
+        names the organiser's certificates give peers, and its revocations (certified runs:
+        {peer: (reason, unix time issued)})."""
         self.names.update(names or {})
+        self.revoked.update(revoked or {})
         for report in progress:
             seen = self._peer(report.peer, now)
             seen.last_seen = max(seen.last_seen, min(report.time, now))  # a clock ahead of ours counts as now
-            seen.tokens_per_s = report.tokens_per_s
+            if report.tokens_per_s > 0:  # 0: between two phases (nothing to extrapolate), not a speed
+                seen.tokens_per_s = report.tokens_per_s
         for peer, record in records.items():
             seen = self._peer(peer, now)
             if seen.record is not None and seen.record != record:  # a new record: alive now
@@ -115,6 +133,8 @@ class RunLog:
             for past in record.history:  # its final word on each round, also those it passed between polls
                 self._round(past.round, now, live=False).records[peer] = as_record(record, past)
         self.convicted = {p: list(by) for p, by in convicted.items()}
+        for peer in self.convicted:
+            self._convicted_since.setdefault(peer, now)
         # The rounds that started since the last poll, and the newest (still under way), note who
         # was online and who was in the run at all (a record in the DHT) meanwhile. A round is
         # noted only while it is new: a peer that comes back later did not take part in it.
@@ -132,14 +152,15 @@ class RunLog:
         self.evaluated[round_] = (digest, loss)
 
     def to_evaluate(self, every: int, now: float) -> Target | None:
-        """The newest round to evaluate, at least `every` rounds after the last one evaluated: one
-        whose agreed digest its counted peers made (a peer's own claim alone is not enough), held
-        now (their latest record) by online peers that serve their state (not in client mode): a
-        download from a peer that sleeps would wait out its whole deadline."""
+        """The newest round to evaluate, at least `every` rounds after the last one evaluated, or
+        the run's last round whenever it was not (the model the run ends on): one whose agreed
+        digest its counted peers made (a peer's own claim alone is not enough), held now (their
+        latest record) by online peers that serve their state (not in client mode): a download from
+        a peer that sleeps would wait out its whole deadline."""
         last = max(self.evaluated, default=None)
         online = self.online(now)
         for r in sorted(self.rounds, reverse=True):
-            if last is not None and r < last + every:
+            if last is not None and r < last + every and not (r == self.rounds_total and r not in self.evaluated):
                 return None
             agreed = self.agreed(r)
             holders = tuple(
@@ -192,6 +213,7 @@ class RunLog:
         """The dashboard's and the API's JSON (docs/observer.md documents every field)."""
         rounds = [self._round_view(r, self.closed(r, now)) for r in sorted(self.rounds)[-MAX_ROUNDS_SHOWN:]]
         latest = max(self.rounds, default=0)
+        training = self.online(now) - set(self.revoked)
         return {
             "run": {
                 "run_id": self.run_id,
@@ -200,13 +222,36 @@ class RunLog:
                 "round": latest,
                 "round_due_in_s": self._due_in(now),
                 "finished": latest >= self.rounds_total,
+                "tokens_per_s": round(sum(self.peers[p].tokens_per_s for p in training), 1),
+                "eval_every": self.eval_every,
+                "eval_off": self.eval_off,
                 **self._latest_evaluation(),
             },
             "peers": [self._peer_view(p, s, now) for p, s in sorted(self.peers.items())],
             "rounds": rounds,
-            "contributors": contributors(self.rounds.values(), self.name),
+            "contributors": [
+                {**c, **self._marks(c["peer"])} for c in contributors(self.rounds.values(), self.name, self.credit)
+            ],
             "time": now,
         }
+
+    def _marks(self, peer: str) -> dict[str, Any]:
+        """What the organiser and the audits said of `peer`: revoked (the reason) and convicted by."""
+        revoked = self.revoked.get(peer)
+        return {
+            "revoked": (revoked[0] or "no reason given") if revoked is not None else None,
+            "convicted_by": self.convicted.get(peer, []),
+        }
+
+    def _flagged(self, peer: str, started: float) -> str | None:
+        """Why `peer` is out of a round that started at `started` by another's word, if it is."""
+        revoked = self.revoked.get(peer)
+        if revoked is not None and revoked[1] <= started:
+            return f"{REASONS['revoked']}: {revoked[0] or 'no reason given'}"
+        by = self.convicted.get(peer)
+        if by and self._convicted_since.get(peer, math.inf) < started:  # seen before the round began
+            return f"{REASONS['convicted']} (by {len(by)} peer(s))"
+        return None
 
     def _latest_evaluation(self) -> dict[str, Any]:
         """The latest round the observer evaluated whose state is (still) the round's agreed one."""
@@ -223,7 +268,7 @@ class RunLog:
             "reachable": record.serves if record is not None else None,
             "round": record.round if record is not None else None,
             "tokens_per_s": round(seen.tokens_per_s, 1),
-            "convicted_by": self.convicted.get(peer, []),
+            **self._marks(peer),
             "addrs": list(record.addrs) if record is not None else [],
         }
 
@@ -233,6 +278,7 @@ class RunLog:
         counted = counted_peers(seen.records, agreed)
         known = seen.online | seen.present | set(seen.records)
         evaluated = self.evaluated.get(r)
+        credit = credited(seen.records, counted, self.credit)
         return {
             "round": r,
             "started": seen.started,
@@ -242,14 +288,23 @@ class RunLog:
             "group": sorted({m for rec in seen.records.values() for m in rec.group} | set(counted)),
             "counted": sorted(counted),
             "not_counted": [
-                {"peer": p, "name": self.name(p), "reason": REASONS[why]}
+                {"peer": p, "name": self.name(p), "reason": why}
                 for p in sorted(known - set(counted))
-                if (why := reason(p, seen, agreed, counted, not closed)) is not None
+                if (why := self._not_counted(p, seen, agreed, counted, closed)) is not None
             ],
-            "tokens": sum(seen.records[p].tokens for p in counted),
+            "tokens": sum(weighed for weighed, _ in credit.values()),
+            "tokens_trained": sum(trained for _, trained in credit.values()),
             "train_loss": _mean(seen.records[p].loss for p in counted if seen.records[p].loss >= 0),
             "eval_loss": evaluated[1] if evaluated and evaluated[0] == agreed else None,
         }
+
+    def _not_counted(self, peer: str, seen: RoundSeen, agreed: str, counted: set[str], closed: bool) -> str | None:
+        """Why `peer` was not counted in the round, in the dashboard's words, or None (`reason`)."""
+        flagged = self._flagged(peer, seen.started) if closed else None
+        if flagged is not None:
+            return flagged
+        why = reason(peer, seen, agreed, counted, not closed)
+        return REASONS[why] if why is not None else None
 
     def _due_in(self, now: float) -> float | None:
         """Seconds until the latest round is due to end, from the median length of the last rounds:
@@ -296,17 +351,34 @@ def reason(peer: str, seen: RoundSeen, agreed: str, counted: set[str], open_: bo
     return "unconfirmed"
 
 
-def contributors(rounds: Iterable[RoundSeen], name: Callable[[str], str] = lambda p: short(p)) -> list[dict[str, Any]]:
-    """Verified work per peer: tokens in the rounds where it was counted, most first."""
+def credited(records: Mapping[str, RoundRecord], counted: set[str], credit: Credit) -> dict[str, tuple[int, int]]:
+    """{counted peer: (the tokens its group's average weighed, the tokens it trained)}: `credit`
+    over the tokens of the members of its group whose records of the round were seen."""
+    found: dict[str, tuple[int, int]] = {}
+    for peer in counted:
+        members = [m for m in dict.fromkeys((peer, *records[peer].group)) if m in records]
+        weighed = credit([records[m].tokens for m in members])[0]
+        found[peer] = (weighed, records[peer].tokens)
+    return found
+
+
+def contributors(
+    rounds: Iterable[RoundSeen], name: Callable[[str], str] = lambda p: short(p), credit: Credit = list
+) -> list[dict[str, Any]]:
+    """Verified work per peer, most first: in the rounds where it was counted, the tokens its
+    group's average weighed (`tokens`) and those it trained (`tokens_trained`)."""
     tokens: Counter[str] = Counter()
+    trained: Counter[str] = Counter()
     counted_rounds: Counter[str] = Counter()
     for seen in rounds:
-        for peer in counted_peers(seen.records, agreed_digest(seen.records)):
-            tokens[peer] += seen.records[peer].tokens
+        counted = counted_peers(seen.records, agreed_digest(seen.records))
+        for peer, (weighed, own) in credited(seen.records, counted, credit).items():
+            tokens[peer] += weighed
+            trained[peer] += own
             counted_rounds[peer] += 1
     return [
-        {"peer": p, "name": name(p), "tokens": tokens[p], "rounds": counted_rounds[p]}
-        for p in sorted(tokens, key=lambda p: (-tokens[p], p))
+        {"peer": p, "name": name(p), "tokens": tokens[p], "tokens_trained": trained[p], "rounds": counted_rounds[p]}
+        for p in sorted(counted_rounds, key=lambda p: (-tokens[p], p))
     ]
 
 

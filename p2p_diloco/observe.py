@@ -14,7 +14,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from p2p_diloco import deadlines
+from p2p_diloco import deadlines, robust
 from p2p_diloco.config import Config
 from p2p_diloco.errors import StateDownloadError
 from p2p_diloco.network import StateSource
@@ -24,7 +24,18 @@ from p2p_diloco.web import ObserverServer
 if TYPE_CHECKING:  # evaluate.py imports transformers: `status` does without it
     from p2p_diloco.evaluate import Agreed, Evaluations, HeldOut, RunModel
 
-Poll = tuple[dict, list, dict, dict]  # swarm/observer.py's Poll
+Poll = tuple[dict, list, dict, dict, dict]  # swarm/observer.py's Poll
+
+
+def run_log(config: Config) -> RunLog:
+    """An empty log of the run, crediting work as the run's aggregator weighs it."""
+    how, cap = config.swarm.aggregator, config.swarm.weight_cap
+    return RunLog(
+        config.run.run_id,
+        config.fingerprint(),
+        config.run.rounds,
+        lambda tokens: robust.weighed_tokens(tokens, how, cap),
+    )
 
 
 class Observatory:
@@ -34,7 +45,7 @@ class Observatory:
     poll_s = 1.0  # how often that caller feeds it
 
     def __init__(self, config: Config, healthy: Callable[[], tuple[bool, str]], host: str, port: int):
-        self.log = RunLog(config.run.run_id, config.fingerprint(), config.run.rounds)
+        self.log = run_log(config)
         self._lock = threading.Lock()  # polls write the log; the server's threads read it
         self.server = ObserverServer(self.view, healthy, host, port)
         self._evaluations: Evaluations | None = None
@@ -63,10 +74,16 @@ class Observatory:
         with self._lock:
             self.log.note_evaluation(round_, digest, loss)
 
-    def evaluate(self, evaluate: Evaluate | None, every_s: float) -> None:
-        """Compute the held-out loss of the agreed state too, looking every `every_s` seconds."""
-        if evaluate is not None:
-            self._evaluations = evaluate.start(self, every_s)
+    def evaluate(self, plan: Evaluate | str | None, every_s: float) -> None:
+        """Compute the held-out loss of the agreed state too, looking every `every_s` seconds; or,
+        given why not (a line from `evaluation`), show that on the dashboard."""
+        if isinstance(plan, Evaluate):
+            with self._lock:
+                self.log.eval_every, self.log.eval_off = plan.every, ""
+            self._evaluations = plan.start(self, every_s)
+        elif plan:
+            with self._lock:
+                self.log.eval_off = plan
 
     def close(self) -> None:
         if self._evaluations is not None:
@@ -83,7 +100,7 @@ def observe(
     stop: threading.Event,
     emit: Callable[[str], None],
     poll_s: float = 1.0,
-    evaluate: Evaluate | None = None,
+    evaluate: Evaluate | str | None = None,
 ) -> None:
     """Serve the run's view until `stop` is set, polling the DHT every `poll_s` seconds; with
     `evaluate`, the held-out loss of the agreed state too (evaluate.py), in a thread of its own."""
@@ -100,6 +117,10 @@ def observe(
                 return
     finally:
         observatory.close()
+
+
+EVAL_NOT_ASKED = "held-out loss off: not asked for (observe --eval-every ROUNDS, bootstrap --observe-eval-every ROUNDS)"
+CERTIFICATE_FIX = "--identity KEY --certificate FILE, with KEY's peer id admitted by the organiser"
 
 
 @dataclass(frozen=True)
@@ -126,18 +147,22 @@ class Evaluate:
         return evaluations
 
 
-def evaluation(config: Config, reader: Any, every: int, warn: Callable[[str], None]) -> Evaluate | None:
+def evaluation(
+    config: Config, reader: Any, every: int, warn: Callable[[str], None], fix: str = CERTIFICATE_FIX
+) -> Evaluate | str:
     """What an observer over `reader` (swarm/observer.py) needs to compute the held-out loss of
-    the agreed state every `every` rounds, or None: never asked for (0), or not possible here,
-    said in one line by `warn` (the rest of the observer runs)."""
+    the agreed state every `every` rounds, or the line that says why it does not: never asked for
+    (0), or not possible here, also said by `warn` (the rest of the observer runs). `fix`: how
+    this observer is given a certificate (a bootstrap node's options differ)."""
     if every == 0:
-        return None
+        return EVAL_NOT_ASKED
     if config.admission.mode == "certified" and not config.admission.certificate:
-        warn(
+        off = (
             "held-out loss off: a certified run's peers serve their state to admitted peers only "
-            "(give the observer a certificate: --identity KEY --certificate FILE)"
+            f"(give the observer a certificate: {fix})"
         )
-        return None
+        warn(off)
+        return off
     from p2p_diloco.errors import DataError
     from p2p_diloco.evaluate import HeldOut
 
@@ -145,7 +170,7 @@ def evaluation(config: Config, reader: Any, every: int, warn: Callable[[str], No
         held = HeldOut(config)
     except DataError as e:
         warn(f"held-out loss off: {e}")
-        return None
+        return f"held-out loss off: {e}"
     return Evaluate(held, reader.state_client(held.numel), every, download_s(config, held.numel))
 
 
@@ -167,7 +192,7 @@ def settled(agreed: Callable[[], str], lock: threading.Lock, poll: Callable[[], 
 
 def gather(config: Config, poll: Callable[[], Poll], seconds: float, poll_s: float = 1.0) -> dict[str, Any]:
     """The run's view after polling for `seconds` (at least one poll)."""
-    log = RunLog(config.run.run_id, config.fingerprint(), config.run.rounds)
+    log = run_log(config)
     deadline = time.monotonic() + seconds
     while True:
         log.ingest(*poll(), now=time.time())
@@ -188,7 +213,7 @@ def fetch_agreed(
     within `wait_s` seconds: what `export --initial-peers` writes. StateDownloadError says why not."""
     from p2p_diloco.evaluate import download_agreed
 
-    log = RunLog(config.run.run_id, config.fingerprint(), config.run.rounds)
+    log = run_log(config)
     deadline, why = (
         time.monotonic() + wait_s,
         (
@@ -249,9 +274,16 @@ def _peer_lines(view: dict[str, Any], peer: str) -> list[str]:
     if not matches:
         return [f"peer {peer}: not seen in the run (is it running, with this run's config?)"]
     who = matches[0]
-    credited = next((c["tokens"] for c in view["contributors"] if c["peer"] == who), 0)
-    name = next(p["name"] for p in view["peers"] if p["peer"] == who)
-    lines = [f"peer {name}: {credited:,} tokens credited in the rounds seen"]
+    credit = next((c for c in view["contributors"] if c["peer"] == who), {"tokens": 0, "tokens_trained": 0})
+    seen = next(p for p in view["peers"] if p["peer"] == who)
+    lines = [
+        f"peer {seen['name']}: {credit['tokens']:,} tokens credited in the rounds seen (as its groups' averages "
+        f"weighed them; {credit['tokens_trained']:,} trained in the rounds it was counted in)"
+    ]
+    if seen["revoked"] is not None:
+        lines.append(f"  revoked by the organiser: {seen['revoked']}")
+    if seen["convicted_by"]:
+        lines.append(f"  convicted in reducer audits by {len(seen['convicted_by'])} peer(s)")
     for r in view["rounds"][-10:]:
         why = next((n["reason"] for n in r["not_counted"] if n["peer"] == who), None)
         if who in r["counted"]:

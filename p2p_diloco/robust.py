@@ -55,6 +55,18 @@ def cap_weights(weights: Sequence[float], cap: float) -> list[float]:
     return [min(float(w), limit) if w > 0 else 0.0 for w in weights]
 
 
+def weighed_tokens(tokens: Sequence[int], how: Aggregator, weight_cap: float) -> list[int]:
+    """What a group's average weighed each member's tokens at, in tokens (the observer credits
+    these): all of them under `mean`; at most `weight_cap` × the lower median of the positive ones
+    under `clip`, `aligned-clip` and `centered-clip` (`cap_weights`, as the reducer caps them);
+    under `trimmed-mean`, where every sender of positive weight counts once, at most the lower
+    median. A part that aligned-clip dropped is not known here: it is credited as weighed."""
+    if how == "mean":
+        return [max(0, int(t)) for t in tokens]
+    capped = cap_weights(tokens, 1.0 if how == "trimmed-mean" else weight_cap)
+    return [int(w) for w in capped]
+
+
 def trim_count(k: int) -> int:
     """Values dropped at each end per coordinate by `trimmed-mean`: as many as a group of k can hold
     attackers while they stay a minority (f < k/2), leaving at least one value."""

@@ -52,13 +52,15 @@ class Bootstrap:
         config = self.config
         self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
         # A certified run's bootstrap node counts only admitted peers and logs the ones it refused.
-        self.gate = Gate(config, str(self.dht.peer_id), member=False)
+        # Given a certificate of its own (`bootstrap --certificate`), it publishes that, so that
+        # peers serve its observer their state to evaluate.
+        self.gate = Gate(config, str(self.dht.peer_id), member=bool(config.admission.certificate))
         self.gate.attach(self.dht, validator, self.prefix, threading.Lock())
         # Other entry nodes (--initial-peers) are pinged every entry.REATTACH_S, and so are the
         # peers this node saw before a restart: it knows the swarm again within seconds (entry.py).
         self.entries = Entries(self.dht, list(config.swarm.initial_peers), identity_path)
         self.remembered = tuple(entry.remembered(identity_path))
-        self.validator, self._run_id_published = validator, -math.inf
+        self.validator, self._run_id_published, self._certificate_published = validator, -math.inf, time.monotonic()
 
     def _publish_run_id(self) -> None:
         """The run this node watches is a run id that a peer with a typo is pointed at (genesis.py)."""
@@ -102,6 +104,9 @@ class Bootstrap:
             if self.watch_run:
                 self.gate.refresh_revocations()
             self._publish_run_id()
+            if time.monotonic() - self._certificate_published >= records.REFRESH_S:  # if it has one
+                self.gate.publish()
+                self._certificate_published = time.monotonic()
             if time.monotonic() - last_report >= report_every_s:
                 logger.info("[bootstrap] %s", self.status())
                 last_report = time.monotonic()

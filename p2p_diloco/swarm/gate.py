@@ -110,8 +110,14 @@ class Gate:
     def revoked(self) -> frozenset[str]:
         return frozenset(self._revocations)
 
-    def refresh_revocations(self) -> None:
-        """Read the run's revocations (every REVOCATIONS_POLL_S); publish those verified again."""
+    def revocations(self) -> dict[str, tuple[str, float]]:
+        """{revoked peer: (the organiser's reason, unix time issued)}, for observers."""
+        found = {p: admission.Revocation.parse(text) for p, text in self._revocations.items()}
+        return {p: (r.reason, float(r.issued)) for p, r in found.items()}
+
+    def refresh_revocations(self, publish: bool = True) -> None:
+        """Read the run's revocations (every REVOCATIONS_POLL_S); publish those verified again
+        (not `publish`: an observer, which publishes nothing of the run's)."""
         now = time.time()
         if not self.certified or self._io is None or now - self._revocations_read < REVOCATIONS_POLL_S:
             return
@@ -126,7 +132,7 @@ class Gate:
             logger.warning("the organiser revoked peer %s (%s)", peer, admission.Revocation.parse(found[peer]).reason)
             self._admitted_until.pop(peer, None)
         self._revocations.update(found)
-        if self._revocations and (new or now - self._revocations_published >= records.REFRESH_S):
+        if publish and self._revocations and (new or now - self._revocations_published >= records.REFRESH_S):
             with lock:
                 records.publish_revocations(dht, validator, prefix, list(self._revocations.values()))
             self._revocations_published = now
@@ -159,9 +165,10 @@ class Gate:
             logger.warning("records of peer %s count no more: it lied in an all-reduce", peer)
         self.convicted |= new
 
-    def admitted(self, peers: Iterable[str]) -> set[str]:
+    def admitted(self, peers: Iterable[str], revoked_too: bool = False) -> set[str]:
         """Those of `peers` that hold a valid certificate (all of them in open mode), less those
-        this peer convicted in an audit."""
+        this peer convicted in an audit, and those the organiser revoked unless `revoked_too` (an
+        observer shows them, marked)."""
         peers = set(peers) - self.convicted
         if not self.certified:
             return peers
@@ -174,7 +181,8 @@ class Gate:
         return {
             p
             for p in peers
-            if (p == self.peer_id or self._admitted_until.get(p, 0.0) > now) and p not in self._revocations
+            if (p == self.peer_id or self._admitted_until.get(p, 0.0) > now)
+            and (revoked_too or p not in self._revocations)
         }
 
     def _look_up(self, unknown: set[str], now: float) -> None:

@@ -29,9 +29,10 @@ from p2p_diloco.swarm.node import start_dht
 from p2p_diloco.swarm.processes import stop_process
 from p2p_diloco.swarm.state_client import StateClient
 
-# Each admitted peer's latest round record, their progress reports, {accused: accusers}, and
-# {peer: name} from the organiser's certificates (certified runs; empty in open ones).
-Poll = tuple[dict[str, RoundRecord], list[Progress], dict[str, list[str]], dict[str, str]]
+# Each admitted peer's latest round record, their progress reports, {accused: accusers},
+# {peer: name} from the organiser's certificates and {revoked peer: (reason, unix time issued)}
+# (certified runs; both empty in open ones). Revoked peers' records are in, for the view to mark.
+Poll = tuple[dict[str, RoundRecord], list[Progress], dict[str, list[str]], dict[str, str], dict[str, tuple[str, float]]]
 
 
 class RunReader:
@@ -51,12 +52,14 @@ class RunReader:
         with self._lock:
             found = records.read_rounds(self.dht, self.prefix)
             progress, accusations = records.read_progress(self.dht, self.prefix)
-        admitted = self.gate.admitted(set(found) | {p.peer for p in progress})
+        self.gate.refresh_revocations(publish=False)  # a bootstrap node's own loop publishes them
+        admitted = self.gate.admitted(set(found) | {p.peer for p in progress}, revoked_too=True)
         return (
             {p: r for p, r in found.items() if p in admitted},
             [p for p in progress if p.peer in admitted],
             records.convicted_by(accusations),
             {p: self.gate.names[p] for p in admitted if p in self.gate.names},
+            self.gate.revocations(),
         )
 
     def healthy(self) -> tuple[bool, str]:

@@ -143,7 +143,12 @@ def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_c
     (same,) = [r for r in view["rounds"] if r["round"] == int(summary[1])]
     agree = "every peer agrees" if same["all_agree"] else "peers DISAGREE"
     assert (same["digest"][:12], agree, len(same["counted"])) == (summary[2], summary[3], int(summary[4])), status
-    assert re.match(rf"peer {c[-8:]}: [\d,]+ tokens credited in the rounds seen", status[3]), status
+    # (status reads the records of the last rounds for 3 s: its credit is of the rounds it saw)
+    assert re.match(
+        rf"peer {c[-8:]}: [\d,]+ tokens credited in the rounds seen \(as its groups' averages weighed them; "
+        r"[\d,]+ trained in the rounds it was counted in\)$",
+        status[3],
+    ), status
     assert any(line.endswith(f"not counted: {SILENT}") for line in status[4:]), status
 
 

@@ -84,8 +84,21 @@ def test_contributors_are_listed_by_verified_tokens_and_names_cannot_inject_mark
     text = card.model_card(card.provenance(payload_of(cfg), "1", found, seen), "m")
     rows = [line for line in text.splitlines() if line.startswith("| ") and "`" in line and line[2].isdigit()]
     assert [r.split(" | ")[1] for r in rows] == [f"`{A}`", f"`{B}`", f"`{C}`"]
-    assert r"\<b\>alice\</b\> \| \[x\](y)" in rows[0] and "745 verified tokens from 3 peers" in text
+    assert r"\<b\>alice\</b\> \| \[x\](y)" in rows[0] and "745 credited tokens from 3 peers" in text
     assert "up to round 9" in text
+
+
+def test_the_card_credits_what_the_average_weighed_beside_what_was_trained_and_marks_revoked_and_convicted(
+    cfg, tmp_path
+):
+    fast = {**entry(A, 200, 2), "tokens_trained": 2000, "revoked": "sold | `its` slot", "convicted_by": [B, C]}
+    view = observer_view(cfg, [fast, {**entry(B, 200, 2), "tokens_trained": 200, "revoked": None, "convicted_by": []}])
+    found, _ = card.read_contributors(write(tmp_path, view), cfg.run.run_id, cfg.fingerprint())
+    text = card.model_card(card.provenance(payload_of(cfg), "1", found, 9), "m")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and "`" in line and line[2].isdigit()]
+    marks = r"revoked by the organiser: sold \| \`its\` slot; convicted in reducer audits by 2 peer(s)"
+    assert rows[0].endswith(f"| 200 | 2,000 | 2 | {marks} |")
+    assert rows[1].endswith("| 200 | 200 | 2 |  |") and "weighed them at" in text
 
 
 @pytest.mark.parametrize(
@@ -102,6 +115,11 @@ def test_contributors_are_listed_by_verified_tokens_and_names_cannot_inject_mark
         ({"contributors": [entry("Qm`| <script>", 1)]}, "peer must be a peer id"),
         ({"contributors": [entry(A, 1, name="two\nlines")]}, "name must be printable"),
         ({"contributors": [entry(A, 1), entry(A, 2)]}, f"lists peer {A} more than once"),
+        ({"contributors": [{**entry(A, 1), "tokens_trained": -3}]}, "tokens_trained must be a whole number"),
+        ({"contributors": [{**entry(A, 1), "revoked": "x" * 201}]}, "revoked must be printable text"),
+        ({"contributors": [{**entry(A, 1), "revoked": 7}]}, "revoked must be printable text"),
+        ({"contributors": [{**entry(A, 1), "convicted_by": ["../x"]}]}, "convicted_by must be a list"),
+        ({"contributors": [{**entry(A, 1), "convicted_by": "Qm"}]}, "convicted_by must be a list"),
         ({"run": {"run_id": "another"}, "contributors": []}, "is of run_id 'another'"),
         ({"run": {"fingerprint": "ffff"}, "contributors": []}, "is of fingerprint 'ffff'"),
         ({"run": [], "contributors": []}, '"run" must be an object'),

@@ -3,8 +3,11 @@ Every expected value is worked out by hand from the records below."""
 
 from __future__ import annotations
 
+from functools import partial
+
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.observatory import REASONS, RunLog, Target, prometheus
+from p2p_diloco.robust import weighed_tokens
 from p2p_diloco.rounds import Progress
 
 A, B, C, D = "peer-aaaaaaaa", "peer-bbbbbbbb", "peer-cccccccc", "peer-dddddddd"
@@ -67,6 +70,9 @@ def test_the_run_card_online_peers_and_the_next_round_due():
         "round": 4,
         "round_due_in_s": 9.0,  # rounds start every 10 s: round 4 started at 40, due at 50
         "finished": False,
+        "tokens_per_s": 100.0,  # A and B online, 50 tokens/s each (C and D: offline)
+        "eval_every": 0,
+        "eval_off": "held-out loss off: not asked for",
         "eval_round": None,
         "eval_loss": None,
     }
@@ -151,3 +157,80 @@ def test_status_sums_up_the_last_closed_round_not_the_one_still_being_published(
     assert status_lines(view)[2] == f"round 7: digest {'7' * 12}, every peer agrees, 2 counted"
     view["rounds"] = [round_(8, [], False)]
     assert len(status_lines(view)) == 2  # no round closed yet: nothing to sum up
+
+
+def three_unequal(how: str) -> RunLog:
+    """A, B and C average as one group in rounds 1 and 2; B trains ten times the tokens of A and C."""
+    log = RunLog("r", "fp", rounds_total=10, credit=partial(weighed_tokens, how=how, weight_cap=2.0))
+    for r in (1, 2):
+        records = {p: rec(p, r, D1 if r == 1 else D2, 1000 if p == B else 100, group=(A, B, C)) for p in (A, B, C)}
+        log.ingest(records, [beat(p, 10 * r) for p in (A, B, C)], {}, now=10 * r)
+    return log
+
+
+def test_a_peer_is_credited_with_what_its_groups_average_weighed_its_tokens_at():
+    # weight_cap 2 x the lower median of (100, 1000, 100), 100: B's 1000 tokens weighed as 200
+    # (clip, aligned-clip, centered-clip); mean weighs them all; trimmed-mean counts each sender
+    # once, as at most the median's 100.
+    for how, b_weighed in (
+        ("aligned-clip", 200),
+        ("clip", 200),
+        ("centered-clip", 200),
+        ("mean", 1000),
+        ("trimmed-mean", 100),
+    ):
+        view = three_unequal(how).view(now=21)
+        credit = {c["peer"]: (c["tokens"], c["tokens_trained"], c["rounds"]) for c in view["contributors"]}
+        assert credit == {A: (200, 200, 2), B: (2 * b_weighed, 2000, 2), C: (200, 200, 2)}, how
+        two = view["rounds"][-1]
+        assert (two["tokens"], two["tokens_trained"]) == (200 + b_weighed, 1200), how
+
+
+def test_revoked_and_convicted_peers_are_marked_with_why_from_the_round_after_on():
+    log = four_rounds()  # C is stopped from round 2 on, its record left; A convicted C at 30
+    log.ingest({}, [beat(A, 45)], {C: [A]}, revoked={C: ("sold its GPU time twice", 25.0)}, now=45)
+    view = log.view(now=45)
+    peers = {p["peer"]: p for p in view["peers"]}
+    assert (peers[C]["revoked"], peers[C]["convicted_by"], peers[A]["revoked"]) == (
+        "sold its GPU time twice",
+        [A],
+        None,
+    )
+    reasons = {r["round"]: {n["peer"]: n["reason"] for n in r["not_counted"]} for r in view["rounds"]}
+    assert reasons[1][C] == REASONS["alone"]  # before the revocation (issued at 25): what it was then
+    assert reasons[3][C] == f"{REASONS['revoked']}: sold its GPU time twice"  # round 3 started at 30
+    log = four_rounds()  # the same conviction without a revocation: from the round after it was seen
+    stopped = rec(C, 2, D2, 0, outcome="start", copied=True)
+    five = {A: rec(A, 5, "5" * 64, group=(A, B)), B: rec(B, 5, "5" * 64, group=(A, B)), C: stopped}
+    log.ingest(five, [beat(A, 49), beat(B, 49)], {C: [A]}, now=50)  # closes round 4
+    reasons = {r["round"]: {n["peer"]: n["reason"] for n in r["not_counted"]} for r in log.view(now=51)["rounds"]}
+    assert reasons[3][C] == REASONS["silent"]  # seen convicted at 30, as round 3 began
+    assert reasons[4][C] == f"{REASONS['convicted']} (by 1 peer(s))"
+
+
+def test_a_contributor_that_was_revoked_keeps_its_verified_work_and_says_so():
+    log = three_unequal("mean")
+    log.ingest({}, [], {}, revoked={B: ("", 30.0)}, now=30)
+    marked = {c["peer"]: (c["tokens"], c["revoked"], c["convicted_by"]) for c in log.view(now=31)["contributors"]}
+    assert marked == {B: (2000, "no reason given", []), A: (200, None, []), C: (200, None, [])}
+
+
+def test_a_peer_s_speed_is_its_last_measured_one_not_the_zero_it_reports_between_phases():
+    log = RunLog("r", "fp", rounds_total=10)
+    log.ingest({}, [beat(A, 1, tokens_per_s=80.0), beat(B, 1, tokens_per_s=20.0)], {}, now=1)
+    log.ingest({}, [beat(A, 2, tokens_per_s=0.0), beat(B, 2, tokens_per_s=30.0)], {}, now=2)
+    view = log.view(now=3)
+    assert {p["peer"]: p["tokens_per_s"] for p in view["peers"]} == {A: 80.0, B: 30.0}
+    assert view["run"]["tokens_per_s"] == 110.0
+
+
+def test_the_run_s_last_round_is_evaluated_whatever_eval_every_says():
+    log = RunLog("r", "fp", rounds_total=4)
+    for r in range(1, 5):
+        log.ingest({p: rec(p, r, str(r) * 64, group=(A, B)) for p in (A, B)}, [beat(A, r), beat(B, r)], {}, now=r)
+        if r == 3:
+            assert log.to_evaluate(every=10, now=r) == Target(3, "3" * 64, (A, B))  # the first
+            log.note_evaluation(3, "3" * 64, 2.0)
+    assert log.to_evaluate(every=10, now=4) == Target(4, "4" * 64, (A, B))  # 4 < 3 + 10, but the last
+    log.note_evaluation(4, "4" * 64, 1.9)
+    assert log.to_evaluate(every=10, now=4) is None
