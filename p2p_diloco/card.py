@@ -156,16 +156,35 @@ def provenance_json(facts: Mapping[str, Any]) -> str:
 
 # --- the model card -------------------------------------------------------------------------------
 
-FRONT_MATTER = "---\nlibrary_name: transformers\ntags:\n- p2p-diloco\n- diloco\n---\n"
+FRONT_MATTER = "---\nlibrary_name: transformers\n{license}tags:\n- p2p-diloco\n- diloco\n---\n"
+_LICENSE = re.compile(r"[a-z0-9][a-z0-9.+-]{0,63}")  # a Hub licence identifier: apache-2.0, mit, cc-by-4.0, other
+
+
+def check_license(license_: str) -> None:
+    """ExportError unless `license_` is a licence identifier as the Hub's model cards take them."""
+    if not _LICENSE.fullmatch(license_):
+        raise ExportError(
+            f"--license {license_[:80]!r} is not a licence identifier: lower-case letters, digits, . + -, "
+            "as the Hugging Face Hub lists them (e.g. apache-2.0, mit, cc-by-4.0, or other)"
+        )
+
+
+def held_out_fact(loss: float | None, why_not: str, sequences: int, seq_len: int) -> dict[str, Any]:
+    """What the card says of the exported θ's held-out loss, computed at export (evaluate.held_out_loss)."""
+    if loss is None:
+        return {"loss": None, "why_not": why_not}
+    return {"loss": loss, "sequences": sequences, "seq_len": seq_len}
 
 
 def model_card(facts: Mapping[str, Any], load_from: str) -> str:
     """README.md of the exported folder: a Hugging Face model card with YAML front matter."""
+    license_ = facts.get("license")
     parts = [
-        FRONT_MATTER,
+        FRONT_MATTER.format(license=f"license: {license_}\n" if license_ else ""),
         _title(facts, load_from),
         _facts_table(facts),
         _digest_text(facts),
+        _use_text(facts),
         _contributors_text(facts),
         _config_text(facts),
     ]
@@ -221,6 +240,36 @@ def _digest_text(facts: Mapping[str, Any]) -> str:
         f"peers of the run logged (`metrics.jsonl`, the `round done` log line) or that the run's observer "
         f"shows; `p2p-diloco export RUN_DIR OUT --round {r}` on any peer's run dir recomputes the digest of "
         f"its checkpoint and refuses one that does not match, and exports the same θ.\n"
+    )
+
+
+def _use_text(facts: Mapping[str, Any]) -> str:
+    """The held-out loss, what the model is for, and its licence."""
+    held = facts.get("held_out") or {"loss": None, "why_not": "not computed"}
+    if held["loss"] is not None:
+        loss = (
+            f"Held-out loss (cross-entropy, nats per token) of this θ: **{held['loss']:.4f}**, on the run's held-out "
+            f"batch ({held['sequences']} sequences of {held['seq_len']} tokens from the documents the run holds "
+            "out, `data.heldout_fraction`), computed at export with the code every peer computes its `eval_loss` with."
+        )
+    else:
+        loss = f"Held-out loss: not computed at export ({_md(held['why_not'])})."
+    data = facts["shared_config"].get("data", {})
+    source = data.get("name") or data.get("source", "?")
+    license_ = facts.get("license")
+    terms = (
+        f"`{license_}`, as the exporter stated it (`--license`)."
+        if license_
+        else "not stated by the exporter (`p2p-diloco export --license ID`); the training data's terms apply."
+    )
+    return (
+        f"## Evaluation\n\n{loss}\n\n## Intended use and limitations\n\nA research checkpoint of a "
+        f"peer-to-peer DiLoCo run, trained on `{_code(source)}` (`data.source` `{_code(data.get('source', '?'))}`). "
+        "It has not been evaluated beyond the held-out loss above: not for safety, bias or factual accuracy, so "
+        "it is not for use in products or decisions about people. The `tiny` preset is for testing the "
+        "training system, not for generating text. Its training was open to volunteers: the "
+        "contributors below are as the run's observer verified them, and the state digest ties this θ to the "
+        f"round the peers agreed on.\n\n## Licence\n\n{terms}\n"
     )
 
 

@@ -336,6 +336,12 @@ def _add_export_command(sub: _Commands) -> None:
         help="the JSON the run's observer serves at /api/v1/run: the model card lists its contributors",
     )
     export.add_argument(
+        "--license",
+        metavar="ID",
+        help="the licence the model card states, as the Hub names them (apache-2.0, mit, cc-by-4.0, other); "
+        "default: none stated",
+    )
+    export.add_argument(
         "--push-to-hub",
         metavar="REPO",
         help="then upload the folder to this Hugging Face Hub repo (user/name, created if missing) on "
@@ -580,7 +586,7 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         if len(args.paths) != 2:
             raise ConfigError("export needs a peer's RUN_DIR and the new folder OUT (or OUT --initial-peers MADDR)")
-        out = export_run(args.paths[0], args.paths[1], args.round, args.contributors, args.push_to_hub)
+        out = export_run(args.paths[0], args.paths[1], args.round, args.contributors, args.push_to_hub, args.license)
     print(
         f"exported to {out} (model card: {out / 'README.md'}); load it with "
         f"AutoModelForCausalLM.from_pretrained({str(out)!r})",
@@ -622,7 +628,7 @@ def _export_from_swarm(args: argparse.Namespace) -> Any:
     params = model.params(found.state)
     out = args.paths[0]
     return export_agreed(
-        cfg, found.round, found.digest, found.served_by, params, out, args.contributors, args.push_to_hub
+        cfg, found.round, found.digest, found.served_by, params, out, args.contributors, args.push_to_hub, args.license
     )
 
 

@@ -25,7 +25,7 @@ import torch
 from p2p_diloco import data, outer
 from p2p_diloco import model as model_mod
 from p2p_diloco.config import Config
-from p2p_diloco.errors import StateDownloadError
+from p2p_diloco.errors import DataError, StateDownloadError
 from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.network import Fetch, ServedState, StateSource, download_verified
 from p2p_diloco.observatory import Target
@@ -66,10 +66,24 @@ class HeldOut(RunModel):
 
     def loss(self, state: ServedState) -> float:
         """The held-out loss of θ of a verified served state."""
+        return self.loss_of(self.params(state))
+
+    def loss_of(self, params: outer.Tensors) -> float:
+        """The held-out loss of θ, by parameter name."""
         with torch.no_grad():
-            for name, value in self.params(state).items():
+            for name, value in params.items():
                 self.like[name].copy_(value)
         return self._trainer.evaluate(self.batch)
+
+
+def held_out_loss(config: Config, params: outer.Tensors) -> tuple[float | None, str]:
+    """The held-out loss of θ on the run's held-out batch, as every peer computes its `eval_loss`,
+    or (None, why not): the run's data is not readable here."""
+    try:
+        held = HeldOut(config)
+    except DataError as e:
+        return None, str(e)
+    return held.loss_of(params), ""
 
 
 Pick = Callable[[], "Target | None"]

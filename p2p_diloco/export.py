@@ -17,6 +17,7 @@ from p2p_diloco import __version__, card, checkpoint
 from p2p_diloco import config as config_mod
 from p2p_diloco import model as model_mod
 from p2p_diloco.errors import CheckpointError, ConfigError, ExportError
+from p2p_diloco.evaluate import held_out_loss
 
 DEFAULT_HUB = "https://huggingface.co"
 CONNECT_TIMEOUT_S = 10.0  # the Hub client itself waits for a connection without a deadline
@@ -28,15 +29,17 @@ def export_run(
     round_: int | None = None,
     contributors: str | Path | None = None,
     hub_repo: str | None = None,
+    license_: str | None = None,
 ) -> Path:
     """Write θ of the latest (or the given round's) checkpoint to `out_dir`, loadable by
     `AutoModelForCausalLM.from_pretrained(out_dir)`, with its model card and provenance.json.
     The checkpoint is verified first; a malformed `contributors` file writes nothing.
-    `hub_repo` only names where the card says the model loads from."""
+    `hub_repo` only names where the card says the model loads from; `license_`, the licence it
+    states (the exporter's choice)."""
     path = _checkpoint_path(run_dir, round_)
     payload = checkpoint.load(path)
     cfg = config_mod.from_mapping(payload["config"], where=str(path))
-    return _export(cfg, payload, out_dir, contributors, hub_repo)
+    return _export(cfg, payload, out_dir, contributors, hub_repo, license_)
 
 
 def export_agreed(
@@ -48,6 +51,7 @@ def export_agreed(
     out_dir: str | Path,
     contributors: str | Path | None = None,
     hub_repo: str | None = None,
+    license_: str | None = None,
 ) -> Path:
     """Write θ of the swarm's agreed state of `round_` (downloaded from `served_by` and verified
     against `digest`, observe.fetch_agreed) to `out_dir`, as `export_run` writes a checkpoint's."""
@@ -60,7 +64,7 @@ def export_agreed(
         "params": params,
         "served_by": served_by,
     }
-    return _export(cfg, payload, out_dir, contributors, hub_repo)
+    return _export(cfg, payload, out_dir, contributors, hub_repo, license_)
 
 
 def _export(
@@ -69,11 +73,18 @@ def _export(
     out_dir: str | Path,
     contributors: str | Path | None,
     hub_repo: str | None,
+    license_: str | None,
 ) -> Path:
+    if license_ is not None:
+        card.check_license(license_)
     seen: tuple[list[dict[str, Any]] | None, int | None] = (None, None)
     if contributors is not None:
         seen = card.read_contributors(contributors, cfg.run.run_id, payload["fingerprint"])
     facts = card.provenance(payload, __version__, *seen)
+    loss, why_not = held_out_loss(cfg, payload["params"])
+    facts.update(
+        license=license_, held_out=card.held_out_fact(loss, why_not, cfg.run.eval_sequences, cfg.model.seq_len)
+    )
     files = {
         "README.md": card.model_card(facts, hub_repo or str(out_dir)),
         "provenance.json": card.provenance_json(facts),

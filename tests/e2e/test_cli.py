@@ -382,12 +382,18 @@ def exported_facts(run_dir: Path) -> dict:
 
 def test_export_writes_a_model_card_and_provenance_of_the_checkpoint(trained_run, tmp_path, capsys):
     out = tmp_path / "model"
-    assert main_in_process(capsys, "export", str(trained_run), str(out)).returncode == 0
+    assert main_in_process(capsys, "export", str(trained_run), str(out), "--license", "apache-2.0").returncode == 0
     expected = exported_facts(trained_run)
     facts = json.loads((out / "provenance.json").read_text())
     assert {key: facts[key] for key in expected} == expected and facts["contributors"] is None
     card = (out / "README.md").read_text()
-    assert card.startswith("---\nlibrary_name: transformers\ntags:\n- p2p-diloco\n- diloco\n---\n")
+    assert card.startswith("---\nlibrary_name: transformers\nlicense: apache-2.0\ntags:\n- p2p-diloco\n- diloco\n---\n")
+    # The held-out loss computed at export is the one the peer computed of its own state of the round.
+    own = [json.loads(line) for line in (trained_run / "metrics.jsonl").read_text().splitlines()]
+    (peer_loss,) = [r["eval_loss"] for r in own if r["round"] == expected["round"] and "eval_loss" in r]
+    assert facts["held_out"] == {"loss": peer_loss, "sequences": 4, "seq_len": 32}
+    assert f"of this θ: **{peer_loss:.4f}**" in card and "## Intended use and limitations" in card
+    assert "## Licence\n\n`apache-2.0`, as the exporter stated it" in card
     for fact in (
         f"`{expected['run_id']}`",
         f"round {expected['round']} of {expected['rounds_total']}",
@@ -412,11 +418,15 @@ def test_export_lists_the_observers_contributors_by_verified_tokens(trained_run,
     path, out = observer_file(tmp_path, trained_run, found), tmp_path / "model"
     assert main_in_process(capsys, "export", str(trained_run), str(out), "--contributors", str(path)).returncode == 0
     in_order = [found[1], found[2], found[0]]
-    assert json.loads((out / "provenance.json").read_text())["contributors"] == in_order
+    unmarked = {"tokens_trained": None, "revoked": None, "convicted_by": []}  # an observer that did not say
+    assert json.loads((out / "provenance.json").read_text())["contributors"] == [{**c, **unmarked} for c in in_order]
     card = (out / "README.md").read_text()
     rows = [line for line in card.splitlines() if line.startswith(("| 1 |", "| 2 |", "| 3 |"))]
-    assert rows == [f"| {i} | `{c['peer']}` | {c['name']} | {c['tokens']:,} | 2 |" for i, c in enumerate(in_order, 1)]
-    assert "330 verified tokens from 3 peers" in card
+    expected = [
+        f"| {i} | `{c['peer']}` | {c['name']} | {c['tokens']:,} | not said | 2 |  |" for i, c in enumerate(in_order, 1)
+    ]
+    assert rows == expected
+    assert "330 credited tokens from 3 peers" in card
 
 
 def test_export_refuses_a_malformed_contributors_file_in_one_line_and_writes_nothing(trained_run, tmp_path, capsys):

@@ -212,3 +212,15 @@ def test_a_card_of_a_state_exported_from_the_swarm_names_its_server_and_no_expor
         "| tokens trained by the exporting peer | none: exported from the swarm by a node that trains nothing |" in text
     )
     assert "one peer's verified checkpoint" not in text
+
+
+def test_a_licence_is_an_identifier_as_the_hub_takes_it_and_a_held_out_loss_not_computed_says_why(cfg):
+    for bad in ("Apache 2.0", "", "mit\nlicense: x", "a" * 65):
+        with pytest.raises(ExportError, match="is not a licence identifier"):
+            card.check_license(bad)
+    card.check_license("cc-by-4.0")
+    facts = card.provenance(payload_of(cfg), "1")
+    facts["held_out"] = card.held_out_fact(None, "no such file: /data/shard-*.jsonl", 4, 32)
+    text = card.model_card(facts, "m")
+    assert "Held-out loss: not computed at export (no such file: /data/shard-\\*.jsonl)." in text
+    assert "license:" not in text and "not stated by the exporter (`p2p-diloco export --license ID`)" in text
