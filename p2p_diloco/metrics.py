@@ -188,6 +188,19 @@ def setup_logging(level: str) -> None:
     root.setLevel(level.upper())
 
 
+def tag_process_logs(tag: str) -> None:
+    """In a process of a peer's own (its averager): every line of this package's loggers starts
+    with `[tag]`, as the peer's main process names itself (PeerLogger)."""
+
+    def tagged(record: logging.LogRecord) -> bool:
+        if record.name.startswith("p2p_diloco") and not str(record.msg).startswith("["):
+            record.msg = f"[{tag}] {record.msg}"
+        return True
+
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(tagged)
+
+
 def not_written_already(record: logging.LogRecord) -> bool:
     """False for a record that a handler of a logger below the root has written to the console already.
 

@@ -31,7 +31,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 
-from p2p_diloco import faults, links, robust
+from p2p_diloco import faults, links, metrics, robust
 from p2p_diloco.deadlines import state_bytes
 from p2p_diloco.swarm import identity, records
 from p2p_diloco.swarm.allreduce import LOSSY_TENSOR, ConsistentAllReduceRunner
@@ -111,11 +111,17 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         wait until it is ready within the deadline its DHT was given (swarm.join_timeout_s): hivemind
         waits forever, also for a process that died while it started. SwarmError otherwise."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as hivemind does: the child inherits it
+        self._log_tag = f"peer {str(self.dht.peer_id)[-4:]} averager"
         with quiet_fork():
             self.start()
         deadline_s = timeout if timeout is not None else float(getattr(self.dht, "timeout_s", START_TIMEOUT_S))
         if await_ready:
             wait_started(self, "averaging process", deadline_s)
+
+    def run(self) -> None:
+        """The averager process: its log lines name the peer, as the main process's do."""
+        metrics.tag_process_logs(getattr(self, "_log_tag", "averager"))
+        super().run()
 
     # --- admission (doors.py) ---------------------------------------------------------------
 

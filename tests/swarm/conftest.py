@@ -3,6 +3,7 @@
 import json
 import os
 import random
+import re
 import signal
 import subprocess
 import sys
@@ -32,6 +33,15 @@ SWARM = {
 }
 del SWARM["data.shard"]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # several peers share 2 cores
+
+
+ALARM = re.compile(r"^(\d\d:\d\d:\d\d (WARN|WARNING|ERROR|CRITICAL) |.*\[(WARN|WARNING|ERROR|CRITICAL)\] )")
+
+
+def alarms(log: str) -> list[str]:
+    """The lines of a log that ask the user to act: ours (`HH:MM:SS WARN …`, metrics.setup_logging)
+    and hivemind's or p2pd's (`[WARN]`, `[ERROR]`). A healthy swarm logs none (issue 26)."""
+    return [line for line in log.splitlines() if ALARM.match(line)]
 
 
 def wait_until(condition, procs, timeout_s, what):

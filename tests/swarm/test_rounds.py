@@ -7,7 +7,7 @@ import time
 
 import pytest
 
-from tests.swarm.conftest import SWARM, wait_until
+from tests.swarm.conftest import SWARM, alarms, wait_until
 from tests.swarm.procs import alive
 
 ROUNDS = int(SWARM["run.rounds"])
@@ -35,6 +35,8 @@ def test_three_peers_agree_on_every_round(swarm):
     assert all(records[name][ROUNDS]["bytes_sent"] > 0 for name in peers)
     # The bootstrap node reports every 2 s; sub-second rounds may end before it reports the last one.
     assert re.search(r"run 'p2p-diloco': round \d+: 3 peers", (swarm.folder / "bootstrap.log").read_text())
+    # A healthy swarm asks nobody to act: no WARN or ERROR line in any log (ours, hivemind's, p2pd's).
+    assert {name: alarms(swarm.log(name)) for name in (*peers, "bootstrap")} == dict.fromkeys((*peers, "bootstrap"), [])
 
 
 @pytest.mark.timeout(300)
@@ -81,6 +83,9 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
     # a hog run, when the others finish it first.)
     sizes = [rec["group_size"] for rec in records["c"].values() if "group_size" in rec]
     assert 4 in sizes and max(sizes) == 4, sizes
+    # Late joiners, a restarted entry node: routine, so no WARN or ERROR line in any log (issue 26).
+    names = ("a", "b", "c", "d", "bootstrap", "second")
+    assert {name: alarms(swarm.log(name)) for name in names} == dict.fromkeys(names, [])
     follower = int(re.search(r"rank 1 of 2 started on cpu \(pid (\d+)\)", swarm.log("d")).group(1))
     assert "rank 1 ready on cpu" in swarm.log("d") and not alive(follower)
     print(f"the restarted entry node knew the swarm again {knew_again_s:.1f} s after it came up")

@@ -83,3 +83,28 @@ def test_a_hub_or_datasets_warning_reaches_stderr_once(tmp_path):
     assert done.returncode == 0, done.stderr
     lines = done.stderr.splitlines()
     assert {text: sum(text in line for line in lines) for text in LINES_HOLDING} == LINES_HOLDING, done.stderr
+
+
+def test_a_peer_s_averager_process_names_the_peer_in_every_line_of_ours():
+    import io
+    import logging
+
+    from p2p_diloco.metrics import tag_process_logs
+
+    out = io.StringIO()
+    handler = logging.StreamHandler(out)
+    root = logging.getLogger()
+    saved = root.handlers[:]
+    root.handlers[:] = [handler]  # as in the forked averager process: the peer's one handler
+    try:
+        tag_process_logs("peer T4fo averager")
+        logging.getLogger("p2p_diloco.swarm.averager").warning("parts of this peer's span: %s", "Qm1: 1 dropped of 1")
+        logging.getLogger("p2p_diloco.swarm.doors").warning("[already tagged] x")
+        logging.getLogger("hivemind.averaging").warning("theirs")
+    finally:
+        root.handlers[:] = saved
+    assert out.getvalue().splitlines() == [
+        "[peer T4fo averager] parts of this peer's span: Qm1: 1 dropped of 1",
+        "[already tagged] x",
+        "theirs",
+    ]
