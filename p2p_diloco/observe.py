@@ -164,8 +164,16 @@ def evaluation(
         warn(off)
         return off
     from p2p_diloco.errors import DataError
-    from p2p_diloco.evaluate import HeldOut
 
+    try:
+        from p2p_diloco.evaluate import HeldOut
+    except ImportError as e:  # a node-only install (bootstrap/Dockerfile) has no transformers or datasets
+        off = (
+            f"held-out loss off: this install has no training stack ({e.name or e}): evaluating needs p2p-diloco "
+            "installed with its dependencies (pip install p2p-diloco), not the node-only image"
+        )
+        warn(off)
+        return off
     try:
         held = HeldOut(config)
     except DataError as e:

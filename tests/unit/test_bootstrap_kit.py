@@ -9,11 +9,13 @@ import json
 import re
 import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
 import threading
 import time
+import urllib.request
 import zipfile
 from fnmatch import fnmatch
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -206,6 +208,7 @@ def test_the_package_the_image_installs_holds_every_file_it_reads(tmp_path):
     for source, dest in copies().items():
         if dest.startswith("/src/"):
             copy = shutil.copytree if (ROOT / source).is_dir() else shutil.copy
+            (tmp_path / dest.removeprefix("/src/")).parent.mkdir(parents=True, exist_ok=True)
             copy(ROOT / source, tmp_path / dest.removeprefix("/src/"))
     build = [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", "dist", "."]
     subprocess.run(build, cwd=tmp_path, check=True, capture_output=True, timeout=100)
@@ -379,3 +382,49 @@ def test_the_nodes_status_line_counts_only_peers_whose_heartbeat_is_fresh():
     assert rounds_seen(found, reports, now) == "round 19: 1 peer, round 20: 2 peers; 1 stopped (no heartbeat for 10 s)"
     assert rounds_seen(found, [], now) == "4 stopped (no heartbeat for 10 s)"
     assert rounds_seen({}, [], now) == "no round records yet"
+
+
+def test_the_image_installs_the_package_s_own_dependencies_less_the_training_stack():
+    import tomllib
+
+    declared = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    lines = [line for line in (KIT / "requirements.txt").read_text().splitlines() if line and line[0] != "#"]
+    name = re.compile(r"[A-Za-z0-9_.-]+")
+    left_out = {name.match(d).group(0) for d in declared} - {name.match(line).group(0) for line in lines}
+    assert left_out == {"torch", "transformers", "datasets", "safetensors"}  # torch: the CPU build, first
+    assert set(lines) <= set(declared), set(lines) - set(declared)  # the same pins
+    dockerfile = joined_lines(KIT / "Dockerfile")
+    assert "RUN pip install -r /src/bootstrap/requirements.txt" in dockerfile
+    assert "RUN pip install --no-deps /src && rm -rf /src" in dockerfile
+
+
+OBSERVE_EVERY_5 = ["--observe-port", "0", "--observe-eval-every", "5"]
+
+
+@pytest.mark.timeout(120)
+def test_a_node_and_its_observer_run_without_the_training_stack_and_say_why_there_is_no_held_out_loss(tmp_path):
+    from p2p_diloco import config
+
+    toml = tmp_path / "run.toml"
+    config.save(config.load(None, {}), toml)
+    options = ["--identity", str(tmp_path / "b.key"), "--host", "127.0.0.1", "--port", "0", "--config", str(toml)]
+    node = subprocess.Popen(
+        [sys.executable, str(Path(__file__).with_name("node_only.py")), "bootstrap", *options, *OBSERVE_EVERY_5],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+        cwd=ROOT,
+    )
+    try:
+        lines = [node.stdout.readline() for _ in range(3)]
+        assert lines[0].startswith("bootstrap node up") and "--initial-peers /ip4/127.0.0.1/tcp/" in lines[1], lines
+        url = re.search(r"dashboard (http://\S+/)", lines[2]).group(1)
+        with urllib.request.urlopen(url + "api/v1/run", timeout=10) as answer:
+            run = json.loads(answer.read())["run"]
+        assert run["eval_off"].startswith("held-out loss off: this install has no training stack (transformers)")
+    finally:
+        node.send_signal(signal.SIGTERM)
+        _, err = node.communicate(timeout=60)
+    assert node.returncode == 0 and "Traceback" not in err, err
+    assert err.count("held-out loss off: this install has no training stack") == 1, err
