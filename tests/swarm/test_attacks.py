@@ -11,15 +11,21 @@ import sys
 import pytest
 
 from tests.swarm.conftest import CLI, ENV, wait_until
+from tests.swarm.start_gate import open_gate
 
 
 def _honest_pair_against(swarm, attack: str, extra: dict | None = None) -> tuple[dict, dict]:
     """Honest a and b with attacker m (attacker_peer's ATTACK); once a and b finished their 4
     rounds, both cleanly, with equal digests in every round both hold: their metrics records.
-    (Rounds take under a second here: a peer that came up a second after the others caught up
-    with their first round and holds no round 0.)"""
-    honest = [swarm.peer("a", extra), swarm.peer("b", extra)]
-    swarm.peer("m", extra, script=[sys.executable, "-m", "tests.swarm.attacker_peer"], env={"ATTACK": attack})
+    All three are held at their start until each is up (start_gate.py): rounds take under a second
+    here, and in a hog run a, slower to come up, found b and m's 4-round run over and exited 0
+    with no round of its own. (A peer may still catch up with the others' first round.)"""
+    go = swarm.folder / "go"
+    gated = [sys.executable, "-m", "tests.swarm.gated_peer"]
+    honest = [swarm.peer(name, extra, script=gated, env={"START_GO": str(go)}) for name in ("a", "b")]
+    env = {"ATTACK": attack, "START_GO": str(go)}
+    m = swarm.peer("m", extra, script=[sys.executable, "-m", "tests.swarm.attacker_peer"], env=env)
+    open_gate(go, [*honest, m])
     wait_until(lambda: all(p.poll() is not None for p in honest), honest, 200, "honest peers finish")
     assert [p.returncode for p in honest] == [0, 0], swarm.log("a")[-3000:]
     a, b = swarm.records("a"), swarm.records("b")
