@@ -433,14 +433,29 @@ def prometheus(view: Mapping[str, Any]) -> str:
         *_metric(
             "p2p_diloco_verified_tokens_total",
             "counter",
-            "tokens in rounds where their peer was counted",
+            "tokens in rounds where their peer was counted, as the averages weighed them",
             label,
             sum(c["tokens"] for c in view["contributors"]),
+        ),
+        *_metric(
+            "p2p_diloco_tokens_per_s",
+            "gauge",
+            "the swarm's speed: each online, unrevoked peer's last measured tokens/s, summed",
+            label,
+            run.get("tokens_per_s", 0.0),
+        ),
+        *_metric(
+            "p2p_diloco_peers_revoked",
+            "gauge",
+            "peers the organiser revoked",
+            label,
+            sum(p.get("revoked") is not None for p in view["peers"]),
         ),
     ]
     lines += _evaluation(run, label)
     lines += [
-        "# HELP p2p_diloco_peer_verified_tokens tokens of one peer in rounds where it was counted",
+        "# HELP p2p_diloco_peer_verified_tokens tokens of one peer in rounds where it was counted, as the averages "
+        "weighed them",
         "# TYPE p2p_diloco_peer_verified_tokens counter",
     ]
     lines += [

@@ -2,8 +2,12 @@
 looks for groups and asks for states, and the admitted peers never count, group with or serve it;
 then the organiser revokes one admitted peer mid-run, with the real `admission revoke` command."""
 
+import json
+import re
+import signal
 import subprocess
 import sys
+import urllib.request
 
 import pytest
 
@@ -22,6 +26,7 @@ def certified_run(tmp_path):
     # no retries: a failed group is not waited out twice
     run = {"admission.mode": "certified", "admission.organiser_key": public, "run.rounds": str(ROUNDS)}
     run["swarm.averaging_retries"] = "0"
+    run["swarm.linger_s"] = "10"  # the final state served 10 s after the end: the observer evaluates it
     cfg = config.load(None, {**SWARM, **run})
     signed = admission.sign_config(tmp_path / "run.key", cfg.run.run_id, public, cfg.fingerprint())
     run["admission.config_signature"] = signed.signature
@@ -44,6 +49,7 @@ def test_outsiders_are_refused_at_every_door_and_a_revoked_peer_stops_while_the_
         script = [sys.executable, "-m", "tests.swarm.intruder_peer"] if name == "intruder" else None
         peers[name] = swarm.peer(name, options, script=script)
     admitted = [peers["a"], peers["b"]]
+    watcher, url = start_observer(swarm, tmp_path, key, run_id)  # the organiser's, certified: it evaluates
     wait_until(lambda: max(swarm.records("a"), default=0) >= 1, admitted, 150, "round 1")
     revoke = [*CLI, "admission", "revoke", "--key", str(tmp_path / "run.key"), "--config", str(tmp_path / "run.toml")]
     revoke += ["--peer-id", ids["c"], "--reason", "left the project", "--folder", str(tmp_path / "certs")]
@@ -54,6 +60,9 @@ def test_outsiders_are_refused_at_every_door_and_a_revoked_peer_stops_while_the_
     revoked_at = max(swarm.records("a"))  # the round a had finished when peers held the revocation
     wait_until(lambda: all(p.poll() is not None for p in admitted), admitted, 200, "a and b finish")
     assert [p.returncode for p in admitted] == [0, 0], swarm.log("a")[-3000:]
+    view = json.loads(urllib.request.urlopen(url + "api/v1/run", timeout=10).read())  # the run's end, as it saw it
+    watcher.send_signal(signal.SIGINT)
+    assert watcher.wait(timeout=60) == 0, watcher.stderr.read()[-2000:]
 
     # The revoked peer stopped itself with one line, at most one round later; a and b went on and agree.
     assert peers["c"].wait(timeout=60) == 2, swarm.log("c")[-2000:]
@@ -71,6 +80,7 @@ def test_outsiders_are_refused_at_every_door_and_a_revoked_peer_stops_while_the_
     assert max(sizes) <= 3 and max(late, default=2) <= 2, f"an outsider or the revoked peer was averaged with: {sizes}"
     assert max(sizes) >= 2, f"the admitted peers never averaged together: {sizes}"
     assert f"the organiser revoked peer {ids['c']}" in swarm.log("a")
+    check_observer(view, ids)
 
     # The intruder never averaged, and was refused at the records, matchmaking and state doors.
     intruder = swarm.records("intruder")
@@ -81,6 +91,40 @@ def test_outsiders_are_refused_at_every_door_and_a_revoked_peer_stops_while_the_
     # at round 0 while they moved on); the matchmaking door is tested in-process (test_doors.py).
     assert f"refused peer {ids['intruder']} at the state download door" in honest_logs
     assert "sent nothing" in swarm.log("intruder"), "the intruder asked for a state and got none"
+
+
+def start_observer(swarm, tmp_path, key, run_id) -> tuple[subprocess.Popen, str]:
+    """`p2p-diloco observe` with a key and certificate of its own (peers serve admitted askers only),
+    evaluating every 4 rounds: the process and its dashboard's URL."""
+    identity = tmp_path / "observer.key"
+    cert = admission.issue(key, run_id, peer_id_of(identity), "organiser's observer", 2_000_000_000)
+    (tmp_path / "observer.cert").write_text(cert.to_json())
+    command = [*CLI, "observe", "--config", str(tmp_path / "run.toml"), "--initial-peers", swarm.maddr, "--port", "0"]
+    command += ["--poll-s", "1", "--eval-every", "4", "--identity", str(identity)]
+    command += ["--certificate", str(tmp_path / "observer.cert")]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=ENV)
+    swarm.procs.append(proc)  # ended with the swarm if the test fails first
+    swarm.sessions.add(proc.pid)
+    found = re.search(r"dashboard (http://\S+/)", proc.stdout.readline())
+    assert found, proc.stderr.read()[-2000:] if proc.poll() is not None else "no dashboard line"
+    return proc, found.group(1)
+
+
+def check_observer(view: dict, ids: dict) -> None:
+    """The organiser's observer marks the revoked peer with the organiser's reason, in the peers,
+    the rounds it missed after it and the contributors, names peers as their certificates do, and
+    evaluated the agreed state with its own certificate, the run's last round included."""
+    peers = {p["peer"]: p for p in view["peers"]}
+    assert peers[ids["c"]]["revoked"] == "left the project" and peers[ids["a"]]["revoked"] is None
+    assert {peers[ids[n]]["name"] for n in "abc"} == {"a", "b", "c"}
+    assert ids["intruder"] not in peers  # no certificate: not a member of the run
+    revoked = [(r["round"], n["peer"]) for r in view["rounds"] for n in r["not_counted"] if "revoked" in n["reason"]]
+    assert revoked and {p for _, p in revoked} == {ids["c"]}, revoked  # while its last record was in the DHT
+    assert all(n["reason"] == "revoked by the organiser: left the project" for r in view["rounds"]
+               for n in r["not_counted"] if "revoked" in n["reason"])  # fmt: skip
+    contributors = {c["peer"]: c for c in view["contributors"]}
+    assert contributors[ids["c"]]["revoked"] == "left the project"  # its work before stays credited
+    assert view["run"]["eval_off"] == "" and view["run"]["eval_round"] == ROUNDS, view["run"]
 
 
 @pytest.mark.timeout(120)

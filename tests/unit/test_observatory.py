@@ -94,6 +94,7 @@ def test_prometheus_text_has_the_run_s_figures():
     assert 'p2p_diloco_round{run_id="r"} 4' in text
     assert 'p2p_diloco_peers_online{run_id="r"} 2' in text
     assert 'p2p_diloco_verified_tokens_total{run_id="r"} 820' in text
+    assert 'p2p_diloco_tokens_per_s{run_id="r"} 100.0' in text and 'p2p_diloco_peers_revoked{run_id="r"} 0' in text
     assert f'p2p_diloco_peer_verified_tokens{{run_id="r",peer="{B}"}} 420' in text
     assert "# TYPE p2p_diloco_round gauge" in text and text.endswith("\n")
 
