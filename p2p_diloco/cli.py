@@ -241,6 +241,10 @@ def _add_bootstrap_command(sub: _Commands) -> None:
     boot.add_argument(
         "--report-every", type=float, default=30.0, metavar="SECONDS", help="log the swarm status this often"
     )
+    _add_bootstrap_observer_options(boot)
+
+
+def _add_bootstrap_observer_options(boot: argparse.ArgumentParser) -> None:
     boot.add_argument(
         "--observe-port", type=int, metavar="PORT", help="also serve the run's dashboard, /metrics and /healthz here"
     )

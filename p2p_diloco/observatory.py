@@ -408,10 +408,25 @@ def _mean(values: Iterable[float]) -> float | None:
 
 def prometheus(view: Mapping[str, Any]) -> str:
     """The view as Prometheus text exposition (version 0.0.4)."""
-    run, rounds = view["run"], view["rounds"]
-    last = last_closed(rounds) or {}
+    run = view["run"]
     label = f'run_id="{prometheus_label(run["run_id"])}"'
-    lines = [
+    lines = _run_metrics(view, label) + _evaluation(run, label)
+    lines += [
+        "# HELP p2p_diloco_peer_verified_tokens tokens of one peer in rounds where it was counted, as the averages "
+        "weighed them",
+        "# TYPE p2p_diloco_peer_verified_tokens counter",
+    ]
+    lines += [
+        f'p2p_diloco_peer_verified_tokens{{{label},peer="{prometheus_label(c["peer"])}"}} {c["tokens"]}'
+        for c in view["contributors"]
+    ]
+    return "\n".join(lines) + "\n"
+
+
+def _run_metrics(view: Mapping[str, Any], label: str) -> list[str]:
+    run = view["run"]
+    last = last_closed(view["rounds"]) or {}
+    return [
         *_metric("p2p_diloco_round", "gauge", "the latest round any peer published", label, run["round"]),
         *_metric("p2p_diloco_rounds_total", "gauge", "rounds in the run", label, run["rounds_total"]),
         *_metric("p2p_diloco_peers_online", "gauge", "peers online", label, sum(p["online"] for p in view["peers"])),
@@ -452,17 +467,6 @@ def prometheus(view: Mapping[str, Any]) -> str:
             sum(p.get("revoked") is not None for p in view["peers"]),
         ),
     ]
-    lines += _evaluation(run, label)
-    lines += [
-        "# HELP p2p_diloco_peer_verified_tokens tokens of one peer in rounds where it was counted, as the averages "
-        "weighed them",
-        "# TYPE p2p_diloco_peer_verified_tokens counter",
-    ]
-    lines += [
-        f'p2p_diloco_peer_verified_tokens{{{label},peer="{prometheus_label(c["peer"])}"}} {c["tokens"]}'
-        for c in view["contributors"]
-    ]
-    return "\n".join(lines) + "\n"
 
 
 def last_closed(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import replace
 from typing import Any
 
@@ -19,6 +20,7 @@ from p2p_diloco.swarm.gate import Gate
 logger = logging.getLogger(__name__)
 
 MAX_CONFIGS = 8  # configs of one run id looked at (each costs a DHT read)
+LOOKS = 3  # reads of another config's live peers before a refused peer is told none is live
 
 
 class RunIdentity:
@@ -50,9 +52,23 @@ class RunIdentity:
         geneses = self._believed(found)
         verdict = genesis.judge(mine, live, geneses, self.config.run.rounds)
         if verdict.kind == "other":
+            if not live.get(verdict.rival):  # a new node's first reads may come back incomplete
+                live[verdict.rival] = self._live_on_second_look(run_id, verdict.rival)
             raise RunConfigMismatch(self._mismatch(verdict, published, geneses, live))
         self._publish_start(theta0, geneses)
         return replace(verdict, nearby=tuple(genesis.nearby_runs(run_id, seen_runs)))
+
+    def _live_on_second_look(self, run_id: str, fingerprint: str) -> int:
+        """Live peers of the run's other config, read again LOOKS times a second apart before this
+        peer is told none is live: a node that just joined the DHT may not yet reach every record
+        (a refused peer was told "none is live now" of three training peers)."""
+        for _ in range(LOOKS):
+            time.sleep(1.0)  # a DHT re-read interval, bounded by LOOKS
+            with self._dht_lock:
+                found = len(records.live_peers(self.dht, run_id, fingerprint) - {self.peer_id})
+            if found:
+                return found
+        return 0
 
     def _believed(self, found: dict[str, Genesis]) -> dict[str, Genesis]:
         """The genesis records that count: from admitted peers, and in certified runs only those

@@ -104,11 +104,13 @@ def test_peer_with_another_config_is_refused_naming_the_field(swarm):
     other = swarm.peer("b", {"run.rounds": "1000", "inner.lr": "0.001"})
     assert other.wait(timeout=120) == 2
     assert "inner.lr: 0.003 != 0.001" in swarm.log("b")
+    assert "(fingerprint " in swarm.log("b") and ", 1 peer(s) live)" in swarm.log("b")  # a trains: said so
     # Tried again at once, it is refused again: a refused peer publishes no config of its own, so
     # it never finds its own fingerprint there and starts a second run beside the first.
     again = swarm.peer("b", {"run.rounds": "1000", "inner.lr": "0.001"})
     assert again.wait(timeout=120) == 2
     assert swarm.log("b").count("inner.lr: 0.003 != 0.001") == 2
+    assert "none is live now" not in swarm.log("b")
     assert running.poll() is None
 
 
