@@ -100,7 +100,7 @@ def test_a_peer_s_averager_process_names_the_peer_in_every_line_of_ours():
         tag_process_logs("peer T4fo averager")
         logging.getLogger("p2p_diloco.swarm.averager").warning("parts of this peer's span: %s", "Qm1: 1 dropped of 1")
         logging.getLogger("p2p_diloco.swarm.doors").warning("[already tagged] x")
-        logging.getLogger("hivemind.averaging").warning("theirs")
+        logging.getLogger("another_library").warning("theirs")  # (hivemind's loggers do not reach the root)
     finally:
         root.handlers[:] = saved
     assert out.getvalue().splitlines() == [
