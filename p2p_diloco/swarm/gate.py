@@ -113,7 +113,11 @@ class Gate:
     def revocations(self) -> dict[str, tuple[str, float]]:
         """{revoked peer: (the organiser's reason, unix time issued)}, for observers."""
         found = {p: admission.Revocation.parse(text) for p, text in self._revocations.items()}
-        return {p: (r.reason, float(r.issued)) for p, r in found.items()}
+        # one printable line of at most 200 characters, as `admission revoke` writes it
+        return {
+            p: ("".join(c for c in " ".join(r.reason.split()) if c.isprintable())[:200], float(r.issued))
+            for p, r in found.items()
+        }
 
     def refresh_revocations(self, publish: bool = True) -> None:
         """Read the run's revocations (every REVOCATIONS_POLL_S); publish those verified again

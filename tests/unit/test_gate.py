@@ -123,6 +123,18 @@ def test_a_revoked_or_expired_peer_stops_itself(tmp_path):
         gate.check_self()
 
 
+def test_an_observer_is_handed_each_revocation_s_reason_as_one_printable_line_and_when_it_was_issued(tmp_path):
+    cfg, key = certified(tmp_path, tmp_path / "me.cert")
+    write(tmp_path, admission.issue(key, cfg.run.run_id, ME, "alice", int(time.time()) + 3600))
+    gate = Gate(cfg, ME)
+    reason = "ran a\nmodified\x1b[31m client " + "x" * 300  # signed by the organiser, by another tool
+    revoked = admission.Revocation(cfg.run.run_id, OTHER, reason, 1_700_000_000).signed_with(key)
+    gate._revocations = admission.revoked_ids([revoked.to_json()], key.public_key(), cfg.run.run_id)
+    ((peer, (said, issued)),) = gate.revocations().items()
+    assert (peer, issued) == (OTHER, 1_700_000_000.0)
+    assert said.startswith("ran a modified[31m client xxx") and len(said) == 200 and said.isprintable()
+
+
 def test_an_observer_names_admitted_peers_as_their_certificates_do(tmp_path, monkeypatch):
     cfg, key = certified(tmp_path)
     alice = admission.issue(key, cfg.run.run_id, OTHER, "alice", int(time.time()) + 3600)
