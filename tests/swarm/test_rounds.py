@@ -11,6 +11,7 @@ from tests.swarm.conftest import SWARM, alarms, wait_until
 from tests.swarm.procs import alive
 
 ROUNDS = int(SWARM["run.rounds"])
+HOLD_AT = 12  # the joiners test: a and b wait at their 12th inner phase (round 12) for c and d
 
 
 @pytest.mark.timeout(240)
@@ -47,12 +48,18 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
     # running peers ping their entry nodes every 10 s, so it knows the swarm again and c, given
     # only the first, joins the running swarm. Every round a joiner holds is the swarm's. d trains
     # with two processes (gloo on the CPU): one member all the same.
+    # a and b hold at the start of their HOLD_AT-th inner phase until both joiners have joined (a
+    # delay hook, faulty_peer's WAIT): rounds of a second and joiners that take 15 s to come up under
+    # load otherwise leave it to chance whether c arrives before the run's end (hog run A4: after).
     first_node = swarm.maddr
     port = int(first_node.split("/tcp/")[1].split("/")[0])
-    last = 36  # rounds take about 1.5-2 s here: the last joiner comes at about round 25 and trains the rest
+    last = 36
     extra = {"run.rounds": str(last)}
     second = swarm.bootstrap("second", initial_peers=(first_node,), run=extra)
-    running = [swarm.peer(name, extra, entries=(first_node, second)) for name in ("a", "b")]
+    go = {"FAULT_GO": str(swarm.folder / "joined")}
+    running = [
+        swarm.peer(name, extra, fault=f"inner:{HOLD_AT}:WAIT", env=go, entries=(first_node, second)) for name in "ab"
+    ]
     wait_until(lambda: 2 in swarm.records("a") and 2 in swarm.records("b"), running, 120, "2 rounds done")
     os.killpg(swarm.nodes["bootstrap"].pid, signal.SIGKILL)
     swarm.nodes["bootstrap"].wait(timeout=30)
@@ -65,6 +72,9 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
     knew_again_s = time.monotonic() - back
     c = swarm.peer("c", extra, entries=(first_node,))
     everyone = [*running, d, c]
+    joined = lambda: all("joined the swarm of run" in swarm.log(n) for n in "cd")  # noqa: E731
+    wait_until(joined, everyone, 120, "both joiners joined")
+    (swarm.folder / "joined").touch()  # a and b go on: the four train the rest of the run
     wait_until(lambda: all(p.poll() is not None for p in everyone), everyone, 240, "all finish")
     assert [p.returncode for p in everyone] == [0, 0, 0, 0], swarm.log("c")[-2000:]
     records = {name: swarm.records(name) for name in ("a", "b", "c", "d")}
