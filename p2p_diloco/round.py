@@ -296,11 +296,22 @@ class PhaseRunner:
 
         try:
             if not self.speed_aware:
-                return peer.trainer.run_phase(peer.next_batch, self.steps, stop.is_set, on_step)
+                return self._fixed_phase(stop, round_, on_step)
             return self._speed_aware_phase(stop, round_, started, on_step)
         finally:
             peer.log.step = None
             peer.progress.close()
+
+    def _fixed_phase(self, stop: threading.Event, round_: int, on_step: Any) -> PhaseResult:
+        """H steps. The speed of the last phase is reported at the start, the tokens at the end at
+        rate 0, as in speed-aware rounds: nobody waits on them here, but observers show the speed."""
+        peer = self.peer
+        peer.swarm.report_progress(round_, 0, self.tokens_per_s)
+        phase = peer.trainer.run_phase(peer.next_batch, self.steps, stop.is_set, on_step)
+        if phase.steps:
+            self.tokens_per_s = phase.tokens / max(phase.compute_s, 1e-9)
+        peer.swarm.report_progress(round_, phase.tokens, 0.0)
+        return phase
 
     def _speed_aware_phase(self, stop: threading.Event, round_: int, started: float, on_step: Any) -> PhaseResult:
         """Train until the swarm's tokens reach the round's budget. Abandoned if the swarm published

@@ -57,6 +57,7 @@ class FakeSwarm:
     calls: list[Call] = field(default_factory=list)
     results: list[AllReduced | None] = field(default_factory=list)
     published: list[RoundRecord] = field(default_factory=list)
+    reported: list[tuple[int, int, float]] = field(default_factory=list)  # (round, tokens, tokens/s) as reported
     downloads: list[tuple[int, str, list[str]]] = field(default_factory=list)
     verdict: Verdict | None = None  # what check_config() says (default: join if others published, else new)
     final: Genesis | None = None  # what final_state() says: a run whose genesis claims its end
@@ -141,6 +142,7 @@ class FakeSwarm:
         return {p: r.digest for p, r in self.peers().items() if p in expected and r.round == round_}
 
     def report_progress(self, round_: int, tokens: int, tokens_per_s: float) -> None:
+        self.reported.append((round_, tokens, tokens_per_s))
         if self.on_progress is not None:
             self.on_progress(round_, tokens)
 

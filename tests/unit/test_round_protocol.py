@@ -639,3 +639,13 @@ def test_a_peer_ahead_of_the_swarm_alone_waits_for_it_then_takes_its_state(tmp_p
         assert "nobody else reached round 1 within 1 s: going on" in caplog.text
         assert fake.downloads == []
     assert [c.round for c in fake.calls] == [1] and peer.state.round == 2
+
+
+def test_a_fixed_h_peer_reports_its_measured_speed_for_observers(tmp_path):
+    # The dashboard of a fixed-H run showed 0 tokens/s for every peer: only speed-aware rounds reported a speed.
+    fake = FakeSwarm(solo=True)
+    run(make_peer(tmp_path, fake, **{"run.rounds": "2"}))
+    # (round trained from, tokens, tokens/s): from θ(0), then from round 1's state
+    (start0, end0), (start1, end1) = [[(t, rate) for r, t, rate in fake.reported if r == k] for k in (0, 1)]
+    assert start0 == (0, 0.0) and start1[0] == 0 and start1[1] > 0  # the first phase's speed, as the second starts
+    assert end0[1] == end1[1] == 0.0 and end0[0] == end1[0] > 0  # each phase's tokens: nothing more to extrapolate
