@@ -44,7 +44,7 @@ from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
 from p2p_diloco.swarm.auditor import Audits
 from p2p_diloco.swarm.heartbeat import Heartbeat
 from p2p_diloco.swarm.step import AveragingStep
-from tests.swarm.start_gate import install_gate
+from tests.swarm.round_gate import install_gate
 
 KIND, X = os.environ["ATTACK"].split(":")
 X = float(X)
@@ -201,7 +201,7 @@ elif KIND.startswith("state-"):
 else:
     raise SystemExit(f"unknown ATTACK {KIND!r}")
 
-install_gate()  # tests that need every peer from round 0 hold them all at the start (start_gate.py)
+install_gate()  # tests that need every peer in the first round hold them all before it (round_gate.py)
 
 if __name__ == "__main__":
     sys.exit(cli.main())

@@ -53,8 +53,13 @@ def wait_until(condition, procs, timeout_s, what):
         for p in procs:
             if p.poll() is not None and p.returncode != 0:
                 raise AssertionError(f"{what}: a process exited with {p.returncode}: {Path(p.args[-1]).name}")
-        try:
-            procs[0].wait(timeout=0.2)  # a bounded wait that also notices the process ending
+        running = [p for p in procs if p.poll() is None]
+        if not running:
+            time.sleep(0.2)  # a poll interval, bounded by the deadline above
+            continue
+        try:  # a bounded wait that also notices the process ending. (It waited on procs[0] even
+            # once that one had exited 0, and spun: a core taken from the peers still running.)
+            running[0].wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             pass
 

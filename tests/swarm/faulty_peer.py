@@ -20,6 +20,8 @@ terminal (which also signals the whole foreground process group), SIGTERM `timeo
 - `look`: the peer published its start record and is about to catch up with the swarm. With the
   signal WAIT (`FAULT=look:1:WAIT`, `FAULT_GO=<path>`) the peer is held there until the test
   creates the file: a delay hook, not a fault.
+With ROUND_GO=<path> the peer also holds before its first round's group with the test's other
+peers (round_gate.py; a `matchmaking` fault replaces that hold).
 Counting from this peer's start makes the fault land after it took part in the swarm, however many
 rounds it skipped by catching up. The tests start this process in a session of its own, so the
 group is exactly this peer.
@@ -29,25 +31,23 @@ import os
 import signal
 import sys
 import threading
-import time
 
 from p2p_diloco import cli
 from p2p_diloco.faults import FaultPoint, install
 from tests.swarm.procs import signal_tree
+from tests.swarm.round_gate import install_gate, wait_for_file
 
 PHASE, NTH, SIGNAL = os.environ["FAULT"].split(":")
 NTH = int(NTH)
 SIGNUM = {"KILL": signal.SIGKILL, "STOP": signal.SIGSTOP, "INT": signal.SIGINT, "TERM": signal.SIGTERM}.get(SIGNAL)
-GO_TIMEOUT_S = 120.0  # WAIT: the longest the test may take to say go
 FIRED = threading.Event()
 
 
 def wait_for_go() -> None:
     """WAIT: hold the peer at the point until the test creates the file $FAULT_GO (a delay hook:
-    the test chooses what the swarm has done meanwhile). Bounded: the peer goes on after GO_TIMEOUT_S."""
-    go, deadline = os.environ["FAULT_GO"], time.monotonic() + GO_TIMEOUT_S
-    while not os.path.exists(go) and time.monotonic() < deadline:
-        FIRED.wait(0.1)  # a poll of the file, bounded by the deadline
+    the test chooses what the swarm has done meanwhile). Bounded: the peer goes on after
+    round_gate.GO_TIMEOUT_S."""
+    wait_for_file(os.environ["FAULT_GO"])
 
 
 def fail() -> None:
@@ -109,6 +109,7 @@ def mid_matchmaking(window_s: float, **context) -> None:
     threading.Timer(window_s / 2, fail).start()
 
 
+install_gate()  # ROUND_GO: held before the first round with the test's other peers (round_gate.py)
 if PHASE == "allreduce":
     in_allreduce_after_completed()
 elif PHASE == "audit":

@@ -1,10 +1,10 @@
-"""`p2p-diloco` with the start gate of tests/swarm/start_gate.py (START_GO): an honest peer that
-starts its run together with the others of its test. Same arguments as p2p-diloco peer."""
+"""`p2p-diloco` with the gate of tests/swarm/round_gate.py (ROUND_GO): an honest peer that
+starts its first round together with the others of its test. Same arguments as p2p-diloco peer."""
 
 import sys
 
 from p2p_diloco import cli
-from tests.swarm.start_gate import install_gate
+from tests.swarm.round_gate import install_gate
 
 install_gate()
 

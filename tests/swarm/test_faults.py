@@ -12,12 +12,14 @@ bench/faults.py.
 
 import os
 import signal
+import sys
 import time
 
 import pytest
 
 from tests.swarm.conftest import SWARM, wait_until
 from tests.swarm.procs import alive, descendants
+from tests.swarm.round_gate import open_gate
 
 ROUNDS = 12
 FAST = {"run.rounds": str(ROUNDS)}
@@ -26,11 +28,14 @@ AVERAGING_S = float(SWARM["swarm.averaging_timeout_s"])
 
 
 def run_with_fault(swarm, fault, extra=None):
-    """Two survivors and a subject, started together; the subject fails as `fault` says. Returns
-    the survivors' records and the last round the subject completed (it averaged in that round)."""
-    options = {**FAST, **(extra or {})}
-    survivors = [swarm.peer("a", options), swarm.peer("b", options)]
-    subject = swarm.peer("c", options, fault=fault)
+    """Two survivors and a subject, held before their first round until all three are there
+    (round_gate.py); the subject fails as `fault` says. Returns the survivors' records and the last
+    round the subject completed (it averaged in that round)."""
+    options, go = {**FAST, **(extra or {})}, swarm.folder / "go"
+    gated, env = [sys.executable, "-m", "tests.swarm.gated_peer"], {"ROUND_GO": str(go)}
+    survivors = [swarm.peer(name, options, script=gated, env=env) for name in ("a", "b")]
+    subject = swarm.peer("c", options, fault=fault, env=env)
+    open_gate(go, [*survivors, subject])
     wait_until(lambda: all(p.poll() is not None for p in survivors), survivors, 220, "survivors finish")
     assert [p.returncode for p in survivors] == [0, 0], swarm.log("a")[-3000:]
     assert subject.poll() is None or subject.returncode == -9
@@ -69,7 +74,13 @@ def test_peer_hangs_between_its_allreduce_and_the_audit(swarm):
     # audit it (probed links once gave it none, and the fault never fired).
     a, b, last = run_with_fault(swarm, "audit:3:STOP", {"swarm.probe_links": "false"})
     assert_agree_every_round(a, b, last)
-    assert [a[r]["group_size"] for r in range(ROUNDS - 2, ROUNDS + 1)] == [2, 2, 2]
+    # In round last + 1 the subject answered one survivor's audit (its group of 3 completed) and not
+    # the other's; from the next round on the two average alone. (This asserted rounds 10-12 only,
+    # which held while the fault came by round 9: in CI the subject, started last on a loaded
+    # machine, joined late and its 3rd audited group was round 10, which a rightly completed as 3.)
+    averaged = [(recs, r) for recs in (a, b) for r in range(last + 2, ROUNDS + 1) if "group_size" in recs.get(r, {})]
+    after = [recs[r]["group_size"] for recs, r in averaged]  # a round caught up with has none
+    assert after and set(after) == {2}, (last, after)
     lost_s = time_lost(a, last)
     assert lost_s <= AVERAGING_S, f"the fault cost {lost_s:.1f} s, more than one all-reduce deadline"
 
