@@ -23,15 +23,17 @@ In certified runs only organiser-signed geneses from admitted peers count (swarm
 from __future__ import annotations
 
 import difflib
+import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
+from p2p_diloco import wire
 from p2p_diloco.agreement import config_to_defer_to
 
 MAX_TEXT = 4096  # longest signature accepted; fingerprints and digests are far shorter
-MAX_SHARED = 16384  # a config's shared fields take about 1 KB
+_FINGERPRINT = re.compile(r"^[0-9a-f]{1,64}$")  # config.Config.fingerprint's hex
 COPIES = 8  # a peer publishes its own genesis record only while fewer peers carry the same one
 
 
@@ -49,19 +51,24 @@ class Genesis:
     @staticmethod
     def parse(value: Any) -> Genesis | None:
         """A genesis from the DHT, or None if it is malformed."""
-        if not isinstance(value, dict):
-            return None
-        texts = [value.get(k) for k in ("fingerprint", "theta0", "final_digest", "signature")]
-        final = value.get("final_round")
-        if not all(isinstance(t, str) and len(t) <= MAX_TEXT for t in texts) or type(final) is not int:
-            return None
-        fingerprint, theta0, final_digest, signature = (str(t) for t in texts)
-        shared = value.get("shared", {})
-        if not fingerprint or not theta0 or final < -1 or (final >= 0) != bool(final_digest):
-            return None
-        if not isinstance(shared, dict) or len(repr(shared)) > MAX_SHARED:
-            return None
-        return Genesis(fingerprint, theta0, final, final_digest, signature, shared)
+        return wire.parse_or_none(Genesis.read, value, "genesis record")
+
+    @staticmethod
+    def read(value: Any) -> Genesis:
+        """A genesis from the DHT (wire.py's parsers: raises WireError if malformed)."""
+        record = wire.mapping(value)
+        final = wire.field(record, "final_round", lambda v: wire.integer(v, -1))
+        final_digest = wire.field(record, "final_digest", lambda v: "" if v == "" else wire.digest(v))
+        if (final >= 0) != bool(final_digest):
+            raise wire.WireError("a final round without its digest, or a digest without its round")
+        return Genesis(
+            wire.field(record, "fingerprint", lambda v: wire.text(v, 64, _FINGERPRINT)),
+            wire.field(record, "theta0", wire.digest),
+            final,
+            final_digest,
+            wire.field(record, "signature", lambda v: wire.text(v, MAX_TEXT)),
+            wire.field(record, "shared", wire.config_sections, {}),
+        )
 
     def as_dict(self) -> dict[str, Any]:
         return {**asdict(self), "shared": dict(self.shared)}

@@ -16,15 +16,15 @@ from __future__ import annotations
 
 import contextlib
 import logging
-import re
 import secrets
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
 
 import torch
 
+from p2p_diloco import wire
 from p2p_diloco.errors import StateDownloadError, WriteError
 from p2p_diloco.rounds import SwarmProgress
 
@@ -33,10 +33,19 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-_DIGEST = re.compile(r"^[0-9a-f]{32}$")
-
 # What a peer serves to another that downloads its state: ({"round", "digest"}, [θ, momentum]).
 ServedState = tuple[dict[str, Any], list[torch.Tensor]]
+
+
+def served_metadata(value: Any) -> dict[str, Any]:
+    """A served state's metadata as another peer sent it, read through wire.py (raises WireError):
+    its round (an int of 64 bits: the state's digest packs it so) and the digest it claims. A
+    round beyond 64 bits killed every downloader (issue 27): the digest's struct.pack raised
+    outside the download's error handling."""
+    meta = wire.mapping(value, "state metadata")
+    return {"round": wire.field(meta, "round", wire.integer), "digest": wire.field(meta, "digest", wire.digest)}
+
+
 # Checks a downloaded state: returns the digest of what arrived (or "malformed").
 StateCheck = Callable[[dict[str, Any], list[torch.Tensor]], str]
 # Asks one peer (by id) for the state it serves now, within a timeout: None if it sent none.
@@ -119,22 +128,34 @@ class PastRound:
     @classmethod
     def parse(cls, value: Any) -> PastRound | None:
         """One entry of a record's history, or None if it is malformed (untrusted, like the record)."""
-        if not isinstance(value, dict):
-            return None
-        try:
-            outcome = str(value.get("outcome", ""))
-            past = cls(
-                int(value["round"]),
-                str(value["digest"]),
-                int(value["tokens"]),
-                float(value["loss"]),
-                bool(value.get("copied", False)),
-                tuple(str(p)[:128] for p in value.get("group", ())[:MAX_GROUP]),
-                outcome if outcome in OUTCOMES else "",
-            )
-        except (KeyError, TypeError, ValueError, OverflowError):  # int(inf) raises OverflowError
-            return None
-        return past if past.round >= 0 and past.tokens >= 0 and _DIGEST.match(past.digest) else None
+        return wire.parse_or_none(cls.read, value, "past round")
+
+    @classmethod
+    def read(cls, value: Any) -> PastRound:
+        """One entry of a record's history (wire.py's parsers: raises WireError if malformed)."""
+        entry = wire.mapping(value)
+        return cls(
+            wire.field(entry, "round", wire.integer),
+            wire.field(entry, "digest", wire.digest),
+            wire.field(entry, "tokens", wire.integer),
+            wire.field(entry, "loss", real_loss),
+            wire.field(entry, "copied", wire.flag, False),
+            wire.field(entry, "group", group_list, ()),
+            wire.field(entry, "outcome", outcome_word, ""),
+        )
+
+
+def real_loss(value: Any) -> float:
+    """A published loss: finite, -1 for none (publishers write -1 for a loss that was not finite)."""
+    return wire.real(value, -1.0, 1e6)
+
+
+def group_list(value: Any) -> tuple[str, ...]:
+    return wire.items(value, MAX_GROUP, wire.peer_id)
+
+
+def outcome_word(value: Any) -> str:
+    return wire.choice(value, OUTCOMES, other="")  # a newer peer's outcome reads as "does not say"
 
 
 def bounded(past: Iterable[PastRound]) -> tuple[PastRound, ...]:
@@ -191,29 +212,31 @@ class RoundRecord:
     @classmethod
     def parse(cls, value: Any) -> RoundRecord | None:
         """A record from the DHT, or None if it is malformed (it came from another peer: trust nothing)."""
-        if not isinstance(value, dict):
-            return None
-        try:
-            addrs = tuple(str(a) for a in value.get("addrs", ())[:8])
-            group = tuple(str(p)[:128] for p in value.get("group", ())[:MAX_GROUP])
-            outcome = str(value.get("outcome", ""))
-            record = cls(
-                str(value["peer"]),
-                int(value["round"]),
-                str(value["digest"]),
-                int(value["tokens"]),
-                float(value["loss"]),
-                addrs,
-                bool(value.get("serves", True)),
-                bool(value.get("copied", False)),
-                group,
-                outcome if outcome in OUTCOMES else "",
-            )
-        except (KeyError, TypeError, ValueError, OverflowError):  # int(inf) raises OverflowError
-            return None
-        if record.round < 0 or record.tokens < 0 or not _DIGEST.match(record.digest) or len(record.peer) > 128:
-            return None
-        return replace(record, history=parse_history(value.get("history"), record.round))
+        return wire.parse_or_none(cls.read, value, "round record")
+
+    @classmethod
+    def read(cls, value: Any) -> RoundRecord:
+        """A record from the DHT (wire.py's parsers: raises WireError if malformed). A malformed
+        entry of its history is dropped, never the record."""
+        record = wire.mapping(value)
+        round_ = wire.field(record, "round", wire.integer)
+        return cls(
+            wire.field(record, "peer", wire.peer_id),
+            round_,
+            wire.field(record, "digest", wire.digest),
+            wire.field(record, "tokens", wire.integer),
+            wire.field(record, "loss", real_loss),
+            wire.field(record, "addrs", address_list, ()),
+            wire.field(record, "serves", wire.flag, True),
+            wire.field(record, "copied", wire.flag, False),
+            wire.field(record, "group", group_list, ()),
+            wire.field(record, "outcome", outcome_word, ""),
+            parse_history(record.get("history"), round_),
+        )
+
+
+def address_list(value: Any) -> tuple[str, ...]:
+    return wire.items(value, 8, lambda a: wire.text(a, 256))
 
 
 @dataclass(frozen=True)

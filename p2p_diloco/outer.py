@@ -156,7 +156,7 @@ def served_digest(
     try:
         theta, momentum = tensors
         return digest(int(metadata["round"]), unflatten(theta.float(), like), unflatten(momentum.float(), like))
-    except (ValueError, KeyError, TypeError, OverflowError, RuntimeError, IndexError):
+    except (ValueError, KeyError, TypeError, OverflowError, RuntimeError, IndexError, struct.error):
         return "malformed"
 
 

@@ -210,9 +210,8 @@ class Swarm:
     def peers(self) -> dict[str, RoundRecord]:
         """The latest round record of every live peer of this run, by peer id."""
         with self._dht_lock:
-            found = records.read_rounds(self.dht, self.prefix)
-        admitted = self.gate.admitted(found)
-        return {p: r for p, r in found.items() if p in admitted}
+            entries = records.read_entries(self.dht, records.rounds_key(self.prefix))
+        return records.rounds_from(entries, self.gate.admitted)  # admitted peers' only, none else parsed
 
     def wait_for_round(self, round_: int, timeout: float) -> bool:
         """Whether the swarm's backed state (agreement.backed) reaches round `round_` (or later)

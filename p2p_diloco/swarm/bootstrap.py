@@ -77,10 +77,9 @@ class Bootstrap:
         known = self.dht.run_coroutine(_routing_table_size)
         if not self.watch_run:
             return f"{known} peers in the routing table (pass --config RUN_TOML to see the run's rounds)"
-        found = records.read_rounds(self.dht, self.prefix)
-        reports, _ = records.read_progress(self.dht, self.prefix)
-        admitted = self.gate.admitted(found)
-        seen = rounds_seen({p: r for p, r in found.items() if p in admitted}, reports, time.time())
+        found = records.read_rounds(self.dht, self.prefix, self.gate.admitted)
+        reports, _ = records.read_progress(self.dht, self.prefix, self.gate.admitted)
+        seen = rounds_seen(found, reports, time.time())
         return f"{known} peers in the routing table; run {self.config.run.run_id!r}: {seen}"
 
     def serve(self, stop: threading.Event, report_every_s: float, observatory: Any = None) -> None:
@@ -99,7 +98,7 @@ class Bootstrap:
             if observatory is not None and time.monotonic() - last_poll >= observatory.poll_s - 0.05:
                 observatory.ingest(observatory.reader.poll())
                 last_poll = time.monotonic()
-            seen = records.read_rounds(self.dht, self.prefix) if self.watch_run else {}
+            seen = records.read_rounds(self.dht, self.prefix, self.gate.admitted) if self.watch_run else {}
             self.entries.tend(time.time(), seen, str(self.dht.peer_id), also=self.remembered)
             if self.watch_run:
                 self.gate.refresh_revocations()

@@ -85,19 +85,19 @@ class Heartbeat:
             if mine is not None:
                 convicted = self.gate.convicted
                 records.publish_progress(self.dht, self.validator, self.prefix, replace(mine, time=now), convicted)
-            reports, accusations = records.read_progress(self.dht, self.prefix)
-            rounds_seen = records.read_rounds(self.dht, self.prefix)
+            progress_entries = records.read_entries(self.dht, records.progress_key(self.prefix))
+            round_entries = records.read_entries(self.dht, records.rounds_key(self.prefix))
         if refresh:
             self.gate.publish()
         self.gate.refresh_revocations()
+        # admitted peers' records only, none of another parsed (Gate.admitted: all in open runs)
+        self._reports, accusations = records.progress_from(progress_entries, self.gate.admitted)
+        self._rounds_seen = records.rounds_from(round_entries, self.gate.admitted)
         self.convictions.refresh(accusations)
-        admitted = self.gate.admitted({r.peer for r in reports} | set(rounds_seen))
-        self._reports = [r for r in reports if r.peer in admitted]
-        self._rounds_seen = {p: r for p, r in rounds_seen.items() if p in admitted}
         self._read_at = now
         with self._dht_lock:
             self.entries.tend(now, self._rounds_seen, self.peer_id)
-        for p in admitted:
+        for p in {r.peer for r in self._reports} | set(self._rounds_seen):
             self._first_seen.setdefault(p, now)
 
     def published(self, record: RoundRecord) -> None:

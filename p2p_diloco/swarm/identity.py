@@ -15,6 +15,7 @@ import hashlib
 import re
 from pathlib import Path
 
+from cryptography.exceptions import UnsupportedAlgorithm
 from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric import rsa
 from hivemind.dht.crypto import RSASignatureValidator
@@ -88,7 +89,7 @@ def owner_peer_id(subkey: bytes) -> str | None:
         return None
     try:
         public = serialization.load_ssh_public_key(match.group(1))
-    except (ValueError, TypeError):
+    except (ValueError, TypeError, UnsupportedAlgorithm):  # "[owner:not a key]": a key type nobody knows
         return None
     if not isinstance(public, rsa.RSAPublicKey):
         return None

@@ -50,13 +50,19 @@ class RunReader:
     def poll(self) -> Poll:
         """One read of the run's records (`Poll`)."""
         with self._lock:
-            found = records.read_rounds(self.dht, self.prefix)
-            progress, accusations = records.read_progress(self.dht, self.prefix)
+            round_entries = records.read_entries(self.dht, records.rounds_key(self.prefix))
+            progress_entries = records.read_entries(self.dht, records.progress_key(self.prefix))
         self.gate.refresh_revocations(publish=False)  # a bootstrap node's own loop publishes them
-        admitted = self.gate.admitted(set(found) | {p.peer for p in progress}, revoked_too=True)
+
+        def admit(peers: set[str]) -> set[str]:  # revoked members are shown, marked
+            return self.gate.admitted(peers, revoked_too=True)
+
+        found = records.rounds_from(round_entries, admit)
+        progress, accusations = records.progress_from(progress_entries, admit)
+        admitted = set(found) | {p.peer for p in progress}
         return (
-            {p: r for p, r in found.items() if p in admitted},
-            [p for p in progress if p.peer in admitted],
+            found,
+            progress,
             records.convicted_by(accusations),
             {p: self.gate.names[p] for p in admitted if p in self.gate.names},
             self.gate.revocations(),

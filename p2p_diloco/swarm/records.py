@@ -20,6 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from hivemind.utils import get_dht_time
 
+from p2p_diloco import wire
 from p2p_diloco.genesis import Genesis
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress
@@ -40,6 +41,8 @@ T = TypeVar("T", bound=_Claimed)
 RECORD_TTL_S = 90.0  # a peer that stops refreshing its record drops out of the swarm's view after this
 REFRESH_S = 30.0  # live peers re-publish their latest record this often (a heartbeat)
 PROGRESS_TTL_S = 30.0  # progress reports are stale after seconds anyway (rounds.py); they need not live long
+MAX_TOKENS_PER_S = 1e9  # a claimed speed beyond this is no GPU's (an H100 trains a 1B model at ~1e5)
+MAX_UNIX_TIME = 4102444800.0  # 2100-01-01
 
 
 def run_prefix(run_id: str, fingerprint: str) -> str:
@@ -55,22 +58,20 @@ def round_bits(round_: int) -> str:
 
 def parse_progress(value: Any) -> Progress | None:
     """A progress report from the DHT, or None if it is malformed (untrusted, like every record)."""
-    if not isinstance(value, dict):
-        return None
-    try:
-        report = Progress(
-            str(value["peer"]),
-            int(value["round"]),
-            int(value["tokens"]),
-            float(value["tokens_per_s"]),
-            float(value["time"]),
-        )
-    except (KeyError, TypeError, ValueError, OverflowError):  # int(inf) raises OverflowError
-        return None
-    numbers_ok = report.tokens >= 0 and 0.0 <= report.tokens_per_s < float("inf") and report.time == report.time
-    if report.round < 0 or not numbers_ok or len(report.peer) > 128:
-        return None
-    return report
+    return wire.parse_or_none(read_progress_report, value, "progress report")
+
+
+def read_progress_report(value: Any) -> Progress:
+    """A progress report (wire.py's parsers: raises WireError if malformed). Its time is a unix
+    time, within a century of the epoch's 2000s: an infinite one made every estimate infinite."""
+    report = wire.mapping(value)
+    return Progress(
+        wire.field(report, "peer", wire.peer_id),
+        wire.field(report, "round", wire.integer),
+        wire.field(report, "tokens", wire.integer),
+        wire.field(report, "tokens_per_s", lambda v: wire.real(v, 0.0, MAX_TOKENS_PER_S)),
+        wire.field(report, "time", lambda v: wire.real(v, 0.0, MAX_UNIX_TIME)),
+    )
 
 
 def _store(dht: Any, validator: Any, key: str, value: Any, ttl: float = RECORD_TTL_S) -> None:
@@ -91,16 +92,34 @@ def _entries(found: Any) -> list[tuple[Any, Any]]:
     return [(subkey, entry.value) for subkey, entry in sorted(entries, key=lambda e: -e[1].expiration_time)]
 
 
-def signed_by_their_peer(entries: list[tuple[Any, Any]], parse: Callable[[Any], T | None]) -> list[T]:
-    """The parsed records whose claimed peer id is the id of the key that signed them (I4). Any
-    other is dropped and logged once: one key speaks for one peer id, never for another's."""
+Admit = Callable[[set[str]], set[str]]  # of these signers, those whose records are read (Gate.admitted)
+
+
+def everyone(signers: set[str]) -> set[str]:
+    return signers
+
+
+def admitted_signers(entries: list[tuple[Any, Any]], admit: Admit) -> list[tuple[str, Any]]:
+    """(signer's peer id, value) of the entries whose signer `admit` lets in, before a field of the
+    value is read: in a certified run a non-member's record is never parsed. An entry whose
+    subkey is no peer's key is dropped."""
+    signed = [(owner_peer_id(subkey), value) for subkey, value in entries]
+    allowed = admit({signer for signer, _ in signed if signer is not None})
+    return [(signer, value) for signer, value in signed if signer is not None and signer in allowed]
+
+
+def signed_by_their_peer(
+    entries: list[tuple[Any, Any]], parse: Callable[[Any], T | None], admit: Admit = everyone
+) -> list[T]:
+    """The parsed records of admitted signers whose claimed peer id is the id of the key that
+    signed them (I4). Any other is dropped and logged once: one key speaks for one peer id,
+    never for another's."""
     out = []
-    for subkey, value in entries:
+    for signer, value in admitted_signers(entries, admit):
         record = parse(value)
         if record is None:
             continue
-        signer = owner_peer_id(subkey)
-        if signer is not None and record.peer == signer:
+        if record.peer == signer:
             out.append(record)
         else:
             _log_forged_once(signer, record.peer)
@@ -122,14 +141,33 @@ def _log_forged_once(signer: str | None, claimed: str) -> None:
 
 
 def publish_round(dht: Any, validator: Any, prefix: str, record: RoundRecord) -> None:
-    _store(dht, validator, f"{prefix}_rounds", {**asdict(record), "addrs": list(record.addrs)})
+    _store(dht, validator, rounds_key(prefix), {**asdict(record), "addrs": list(record.addrs)})
 
 
-def read_rounds(dht: Any, prefix: str) -> dict[str, RoundRecord]:
-    """Each peer's latest round record, only from the peer itself (its id is its signing key).
-    Nothing here is trusted further: digests are checked on every download."""
+def read_rounds(dht: Any, prefix: str, admit: Admit = everyone) -> dict[str, RoundRecord]:
+    """`rounds_from` the run's round records as read now."""
+    return rounds_from(read_entries(dht, rounds_key(prefix)), admit)
+
+
+def rounds_key(prefix: str) -> str:
+    return f"{prefix}_rounds"
+
+
+def progress_key(prefix: str) -> str:
+    return f"{prefix}_progress"
+
+
+def read_entries(dht: Any, key: str) -> list[tuple[Any, Any]]:
+    """The (subkey, value) entries under `key`, unparsed: a reader holding the DHT lock reads them,
+    and parses them once it let go (`admit` may read certificates, under the same lock)."""
+    return _read(dht, key)
+
+
+def rounds_from(entries: list[tuple[Any, Any]], admit: Admit = everyone) -> dict[str, RoundRecord]:
+    """Each admitted peer's latest round record, only from the peer itself (its id is its signing
+    key). Nothing here is trusted further: digests are checked on every download."""
     out: dict[str, RoundRecord] = {}
-    for record in signed_by_their_peer(_read(dht, f"{prefix}_rounds"), RoundRecord.parse):
+    for record in signed_by_their_peer(entries, RoundRecord.parse, admit):
         if record.peer not in out:
             out[record.peer] = record
     return out
@@ -139,27 +177,39 @@ def publish_progress(dht: Any, validator: Any, prefix: str, report: Progress, co
     """This peer's progress, with the peers it convicted (its accusations, swarm/evidence.py): one
     record that every peer reads every beat anyway."""
     value = {**asdict(report), "convicted": sorted(convicted)[:MAX_CONVICTIONS]}
-    _store(dht, validator, f"{prefix}_progress", value, ttl=PROGRESS_TTL_S)
+    _store(dht, validator, progress_key(prefix), value, ttl=PROGRESS_TTL_S)
 
 
-def read_progress(dht: Any, prefix: str) -> tuple[list[Progress], dict[str, list[str]]]:
-    """Every peer's latest progress report (one per peer id, the freshest), and every peer's
+def read_progress(dht: Any, prefix: str, admit: Admit = everyone) -> tuple[list[Progress], dict[str, list[str]]]:
+    """`progress_from` the run's progress records as read now."""
+    return progress_from(read_entries(dht, progress_key(prefix)), admit)
+
+
+def progress_from(
+    entries: list[tuple[Any, Any]], admit: Admit = everyone
+) -> tuple[list[Progress], dict[str, list[str]]]:
+    """Every admitted peer's latest progress report (one per peer id, the freshest), and their
     accusations ({accuser, by the key that signed them: the peers it says it convicted})."""
-    entries = _read(dht, f"{prefix}_progress")
     out: dict[str, Progress] = {}
-    for report in signed_by_their_peer(entries, parse_progress):
+    for report in signed_by_their_peer(entries, parse_progress, admit):
         if report.peer not in out or report.time > out[report.peer].time:
             out[report.peer] = report
-    return list(out.values()), _accusations(entries)
+    return list(out.values()), _accusations(admitted_signers(entries, admit))
 
 
-def _accusations(entries: list[tuple[Any, Any]]) -> dict[str, list[str]]:
+def _accusations(signed: list[tuple[str, Any]]) -> dict[str, list[str]]:
     out: dict[str, list[str]] = {}
-    for subkey, value in entries:
-        accuser, accused = owner_peer_id(subkey), value.get("convicted") if isinstance(value, dict) else None
-        if accuser is not None and accuser not in out and isinstance(accused, list):
-            out[accuser] = [p for p in accused[:MAX_CONVICTIONS] if isinstance(p, str) and len(p) <= 128]
+    for accuser, value in signed:
+        if accuser in out or not isinstance(value, dict):
+            continue
+        accused = wire.parse_or_none(_convicted_list, value.get("convicted", []), "accusation list")
+        if accused is not None:
+            out[accuser] = list(accused)
     return out
+
+
+def _convicted_list(value: Any) -> tuple[str, ...]:
+    return wire.items(value, MAX_CONVICTIONS, wire.peer_id)
 
 
 def convicted_by(accusations: dict[str, list[str]]) -> dict[str, list[str]]:
@@ -182,13 +232,17 @@ class _Published:
 
 
 def _parse_certificate(value: Any) -> _Published | None:
-    if not isinstance(value, str) or len(value) > 4096:
-        return None
+    """The peer id a published certificate names (admission.check verifies the rest)."""
+    return wire.parse_or_none(_read_certificate, value, "certificate")
+
+
+def _read_certificate(value: Any) -> _Published:
+    text = wire.text(value, 4096)
     try:
-        peer = json.loads(value).get("peer_id")
-    except (ValueError, AttributeError):
-        return None
-    return _Published(peer, value) if isinstance(peer, str) else None
+        found = json.loads(text)
+    except (ValueError, RecursionError):
+        raise wire.WireError("not JSON") from None
+    return _Published(wire.field(wire.mapping(found), "peer_id", wire.peer_id), text)
 
 
 def certificates_key(prefix: str) -> str:
@@ -227,12 +281,19 @@ def read_configs(dht: Any, run_id: str) -> dict[str, PublishedConfig]:
     agreement.config_to_defer_to for which of them count)."""
     out: dict[str, PublishedConfig] = {}
     for _, value in _read(dht, run_prefix(run_id, "configs")):
-        if not isinstance(value, dict):
-            continue
-        fingerprint, shared, signature = value.get("fingerprint"), value.get("shared"), value.get("signature", "")
-        if isinstance(fingerprint, str) and isinstance(shared, dict) and isinstance(signature, str):
-            out.setdefault(fingerprint, PublishedConfig(fingerprint, shared, signature))
+        config = wire.parse_or_none(_read_config, value, "published config")
+        if config is not None:
+            out.setdefault(config.fingerprint, config)
     return out
+
+
+def _read_config(value: Any) -> PublishedConfig:
+    config = wire.mapping(value)
+    return PublishedConfig(
+        wire.field(config, "fingerprint", lambda v: wire.text(v, 64)),
+        wire.field(config, "shared", wire.config_sections),
+        wire.field(config, "signature", lambda v: wire.text(v, 4096), ""),
+    )
 
 
 def live_peers(dht: Any, run_id: str, fingerprint: str) -> set[str]:
@@ -255,7 +316,8 @@ def revocation_holders(dht: Any, prefix: str, text: str) -> set[str]:
     return {
         signer
         for subkey, value in _read(dht, f"{prefix}_revoked")
-        if isinstance(value, list) and text in value and (signer := owner_peer_id(subkey)) is not None
+        if text in (wire.parse_or_none(_revocation_list, value, "revocation list") or ())
+        and (signer := owner_peer_id(subkey)) is not None
     }
 
 
@@ -263,9 +325,13 @@ def read_revocations(dht: Any, prefix: str) -> list[str]:
     """Every revocation text any node published for this run (unchecked: admission.revoked_ids)."""
     texts: set[str] = set()
     for _, value in _read(dht, f"{prefix}_revoked"):
-        if isinstance(value, list):
-            texts.update(t for t in value[:MAX_REVOCATIONS] if isinstance(t, str) and len(t) <= 4096)
+        found = wire.parse_or_none(_revocation_list, value, "revocation list")
+        texts.update(found or ())
     return sorted(texts)
+
+
+def _revocation_list(value: Any) -> tuple[str, ...]:
+    return wire.items(value, MAX_REVOCATIONS, lambda t: wire.text(t, 4096))
 
 
 GENESIS_TTL_S = 30 * 24 * 3600.0  # a run's genesis outlives its round records: a finished run stays finished

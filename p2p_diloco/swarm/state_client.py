@@ -28,15 +28,15 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 
 from p2p_diloco.deadlines import state_bytes
-from p2p_diloco.network import ServedState
+from p2p_diloco.network import ServedState, served_metadata
 
 logger = logging.getLogger(__name__)
 
 
 async def read_served_state(stream: Any, limit: int, peer: Any, stall_s: float) -> ServedState | None:
     """(metadata, tensors) from a `rpc_download_state` reply stream, or None if it held no metadata
-    (a peer with nothing to serve, or one that refuses the asker). Raises past `limit` bytes, or
-    when nothing arrived for `stall_s`."""
+    (a peer with nothing to serve, or one that refuses the asker). Raises past `limit` bytes, when
+    nothing arrived for `stall_s`, or (WireError) when the metadata is malformed."""
     metadata: Any = None
     tensors: list[torch.Tensor] = []
     parts: list[runtime_pb2.Tensor] = []
@@ -53,9 +53,9 @@ async def read_served_state(stream: Any, limit: int, peer: Any, stall_s: float) 
         parts.append(message.tensor_part)
     if parts:
         tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-    if not isinstance(metadata, dict):
+    if metadata is None:
         return None
-    return metadata, tensors
+    return served_metadata(metadata), tensors  # untrusted: WireError if malformed (the caller's problem line)
 
 
 async def _until_silent(stream: Any, stall_s: float, peer: Any) -> Any:

@@ -34,12 +34,15 @@ def test_the_slowest_link_must_be_a_positive_rate():
             config.load(None, {"swarm.min_download_mbps": bad})
 
 
-def served(values: list[torch.Tensor], pause_s: float, silent_after: int | None = None):
+META = {"round": 3, "digest": "3" * 32}  # as peer.py serves it
+
+
+def served(values: list[torch.Tensor], pause_s: float, silent_after: int | None = None, meta: object = META):
     """A `rpc_download_state` reply as hivemind streams it: metadata with the first part, each
     tensor in parts of 1 KiB, `pause_s` between parts; silent for good after `silent_after` parts."""
 
     async def stream():
-        metadata, sent = MSGPackSerializer.dumps({"round": 3}), 0
+        metadata, sent = MSGPackSerializer.dumps(meta), 0
         for tensor in values:
             for part in split_for_streaming(serialize_torch_tensor(tensor), 1024):
                 if sent == silent_after:
@@ -58,7 +61,7 @@ def test_a_slow_but_steady_server_is_read_to_the_end_past_the_silence_deadline()
     took = time.monotonic() - started
     assert got is not None
     metadata, tensors = got
-    assert metadata == {"round": 3} and torch.equal(tensors[0], theta) and torch.equal(tensors[1], momentum)
+    assert metadata == META and torch.equal(tensors[0], theta) and torch.equal(tensors[1], momentum)
     assert took > 2 * 0.5, f"16 parts of 1 KiB, 0.1 s apart: twice the silence deadline in all ({took:.2f} s)"
 
 

@@ -15,6 +15,7 @@ from tests.unit.fake_swarm import FakeSwarm
 from tests.unit.test_round_protocol import make_peer, moved, records, run
 
 MINE, OTHER, THIRD = "f" * 16, "a" * 16, "b" * 16
+T0, D = "0" * 32, "d" * 32  # digests as outer.digest writes them
 ROUNDS = 12
 
 
@@ -63,14 +64,20 @@ def test_the_end_is_the_final_digest_most_publishers_name_at_the_last_round():
     [
         None,
         "text",
-        {"fingerprint": MINE, "theta0": "t0", "final_digest": "", "signature": ""},  # no final_round
-        {"fingerprint": MINE, "theta0": "t0", "final_round": 3, "final_digest": "", "signature": ""},  # no digest
-        {"fingerprint": MINE, "theta0": "t0", "final_round": -1, "final_digest": "d", "signature": ""},
-        {"fingerprint": "", "theta0": "t0", "final_round": -1, "final_digest": "", "signature": ""},
-        {"fingerprint": MINE, "theta0": "t0", "final_round": 2.5, "final_digest": "d", "signature": ""},
-        {"fingerprint": MINE, "theta0": "t0", "final_round": True, "final_digest": "", "signature": ""},
+        {"fingerprint": MINE, "theta0": T0, "final_digest": "", "signature": ""},  # no final_round
+        {"fingerprint": MINE, "theta0": T0, "final_round": 3, "final_digest": "", "signature": ""},  # no digest
+        {"fingerprint": MINE, "theta0": T0, "final_round": -1, "final_digest": D, "signature": ""},
+        {"fingerprint": "", "theta0": T0, "final_round": -1, "final_digest": "", "signature": ""},
+        {"fingerprint": MINE, "theta0": T0, "final_round": 2.5, "final_digest": D, "signature": ""},
+        {"fingerprint": MINE, "theta0": T0, "final_round": True, "final_digest": "", "signature": ""},
         {"fingerprint": MINE, "theta0": "x" * 5000, "final_round": -1, "final_digest": "", "signature": ""},
-        {"fingerprint": MINE, "theta0": "t0", "final_round": -1, "final_digest": "", "signature": "", "shared": []},
+        {"fingerprint": MINE, "theta0": T0, "final_round": -1, "final_digest": "", "signature": "", "shared": []},
+        # what every record's fields must be (wire.py): real digests and fingerprints, configs of sections
+        {"fingerprint": MINE, "theta0": "t0", "final_round": -1, "final_digest": "", "signature": ""},
+        {"fingerprint": MINE, "theta0": T0, "final_round": 4, "final_digest": "d", "signature": ""},
+        {"fingerprint": "x" * 16, "theta0": T0, "final_round": -1, "final_digest": "", "signature": ""},
+        {"fingerprint": MINE, "theta0": T0, "final_round": 2**64, "final_digest": D, "signature": ""},
+        {"fingerprint": MINE, "theta0": T0, "final_round": -1, "final_digest": "", "signature": "", "shared": {"a": 1}},
     ],
 )
 def test_a_malformed_genesis_record_is_dropped(value):
@@ -78,8 +85,8 @@ def test_a_malformed_genesis_record_is_dropped(value):
 
 
 def test_a_genesis_record_reads_back_as_written():
-    own = Genesis(MINE, "t0", signature="sig", shared={"run": {"rounds": ROUNDS}})
-    assert Genesis.parse(own.as_dict()) == own and Genesis.parse(own.finished_at(12, "d").as_dict()).final_round == 12
+    own = Genesis(MINE, T0, signature="sig", shared={"run": {"rounds": ROUNDS}})
+    assert Genesis.parse(own.as_dict()) == own and Genesis.parse(own.finished_at(12, D).as_dict()).final_round == 12
 
 
 def test_a_peer_adds_its_genesis_record_only_while_fewer_than_COPIES_carry_it():

@@ -40,14 +40,17 @@ def test_a_peer_whose_own_reads_fail_judges_nobody_stale_on_what_it_could_not_re
     # the DHT; its last view aged, the holder it was downloading from looked stale after 10 s, and
     # it took it for gone: "the run finished" (exit 0), or in a running swarm, training alone.
     reads = {"ok": True}
+    holder = {"time": lambda: clock[0]}  # the time of the holder's latest report, as read
 
-    def read_progress(dht, prefix):
+    def read_entries(dht, key):
         if not reads["ok"]:
             raise TimeoutError("the DHT did not answer")
-        return [Progress("holder", 3, 0, 0.0, clock[0])], []
+        return []
 
-    monkeypatch.setattr(heartbeat.records, "read_progress", read_progress)
-    monkeypatch.setattr(heartbeat.records, "read_rounds", lambda dht, prefix: {})
+    monkeypatch.setattr(heartbeat.records, "read_entries", read_entries)
+    progress = lambda entries, admit: ([Progress("holder", 3, 0, 0.0, holder["time"]())], {})  # noqa: E731
+    monkeypatch.setattr(heartbeat.records, "progress_from", progress)
+    monkeypatch.setattr(heartbeat.records, "rounds_from", lambda entries, admit: {})
     beat = Heartbeat(None, None, "run", "me", threading.Lock(), Gate(), Entries())
     beat.convictions.refresh = lambda accusations: None
     beat._beat()
@@ -59,9 +62,7 @@ def test_a_peer_whose_own_reads_fail_judges_nobody_stale_on_what_it_could_not_re
     reads["ok"] = True  # a read again: the holder's report is fresh, so it is live
     beat._beat()
     assert beat.stale_peers() == set()
-    monkeypatch.setattr(
-        heartbeat.records, "read_progress", lambda dht, prefix: ([Progress("holder", 3, 0, 0.0, 0.0)], [])
-    )
+    holder["time"] = lambda: 0.0
     clock[0] += 1
     beat._beat()  # a read that shows the holder's last report 1,031 s old: it stopped
     assert beat.stale_peers() == {"holder"}

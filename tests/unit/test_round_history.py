@@ -11,7 +11,7 @@ from p2p_diloco.network import HISTORY_MEMBERS, HISTORY_ROUNDS, PastRound, Round
 from p2p_diloco.observatory import REASONS, RunLog
 from p2p_diloco.rounds import Progress
 
-A, B, C = "peer-aaaaaaaa", "peer-bbbbbbbb", "peer-cccccccc"
+A, B, C = "PeerAaaaaaaa", "PeerBbbbbbbb", "PeerCccccccc"  # base58, as libp2p ids are
 X = "f" * 32  # a digest of C's own (it averaged alone)
 
 
@@ -221,7 +221,7 @@ def test_a_record_replaced_within_its_round_is_credited_by_the_replacement():
     log.ingest(three, [beat(p, 3) for p in pubs], {}, now=3)
     round2 = next(r for r in log.view(now=3.5)["rounds"] if r["round"] == 2)
     assert (round2["all_agree"], round2["counted"]) == (True, [A, B])
-    assert round2["not_counted"] == [{"peer": C, "name": "cccccccc", "reason": REASONS["copied"]}]
+    assert round2["not_counted"] == [{"peer": C, "name": "Cccccccc", "reason": REASONS["copied"]}]
 
 
 def test_the_next_round_is_due_from_round_lengths_even_when_polls_skip_rounds():
