@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -145,9 +146,18 @@ class PastRound:
         )
 
 
+MAX_LOSS = 1e6  # a train loss beyond this is published as none (-1): a diverged peer's is no number to average
+
+
 def real_loss(value: Any) -> float:
-    """A published loss: finite, -1 for none (publishers write -1 for a loss that was not finite)."""
-    return wire.real(value, -1.0, 1e6)
+    """A published loss: in [0, MAX_LOSS], or -1 for none (`published_loss`)."""
+    return wire.real(value, -1.0, MAX_LOSS)
+
+
+def published_loss(loss: float) -> float:
+    """The loss a record carries: -1 for none, or a loss no reader would take (not finite, or past
+    MAX_LOSS): a record that readers drop would hide its peer from the swarm."""
+    return loss if math.isfinite(loss) and 0.0 <= loss <= MAX_LOSS else -1.0
 
 
 def group_list(value: Any) -> tuple[str, ...]:

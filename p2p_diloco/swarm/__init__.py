@@ -15,7 +15,6 @@ agreement.py: this class only does the I/O.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
@@ -38,6 +37,7 @@ from p2p_diloco.network import (
     StateCheck,
     download_verified,
     history_after,
+    published_loss,
 )
 from p2p_diloco.rounds import SwarmProgress
 from p2p_diloco.swarm import entry, records
@@ -194,7 +194,7 @@ class Swarm:
             round=round_,
             digest=digest,
             tokens=tokens,
-            loss=loss if math.isfinite(loss) else -1.0,
+            loss=published_loss(loss),
             addrs=tuple(self.visible_maddrs()),
             serves=not self.config.swarm.client_mode,
             copied=made.copied,
