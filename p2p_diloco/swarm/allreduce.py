@@ -335,15 +335,18 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         like: torch.Tensor,
     ) -> torch.Tensor:
         """A sender's part of our span, checked (I4) once its signature verified. A malformed part
-        its sender signed is kept as a case against the sender (ledger.py), which anyone can judge."""
+        its sender signed (a weight that is not finite and >= 0, bytes that do not decode, values
+        that are not finite) is kept as a case against the sender (ledger.py), which anyone can
+        judge; a well-formed part of the wrong size makes this member refuse the sender."""
         sender = str(self.sender_peer_ids[sender_index])
-        if not (msg.weight >= 0 and msg.weight < float("inf")):
-            raise AllreduceException(f"sender {sender_index} sent weight {msg.weight}")
         self.ledger.accept_part(self._my_index, sender_index, part_index, msg.weight, msg.tensor_part, msg.peer_id)
-        if isinstance(decoded, AllreduceException) or not bool(torch.isfinite(decoded).all()):
+        why = malformed(decoded, msg.weight)
+        if why is not None:
             self.ledger.garbage[sender] = (self._my_index, part_index, msg)
-            why = str(decoded) if isinstance(decoded, AllreduceException) else "non-finite values"
             raise AllreduceException(f"{sender} signed and sent a malformed part ({why})")
+        assert isinstance(decoded, torch.Tensor)  # malformed() said so
+        if decoded.shape != like.shape:
+            self.ledger.misfits.add(sender)
         check_part(decoded, like, sender)
         return decoded
 
@@ -424,6 +427,18 @@ async def _end_after(messages: AsyncIterator[Any], event: asyncio.Event) -> Asyn
     async for message in messages:
         yield message
     await event.wait()
+
+
+def malformed(decoded: torch.Tensor | AllreduceException, weight: float) -> str | None:
+    """Why a signed part is malformed whatever the group (anyone can check it from the part
+    alone, evidence.judge): its weight, its bytes, its values. None if it is not."""
+    if not (0.0 <= weight < float("inf")):
+        return f"weight {weight}"
+    if isinstance(decoded, AllreduceException):
+        return str(decoded)
+    if not bool(torch.isfinite(decoded).all()):
+        return "non-finite values"
+    return None
 
 
 def check_part(part: torch.Tensor, like: torch.Tensor, peer: Any) -> None:

@@ -86,6 +86,13 @@ class Audits:
         """After an all-reduce, whatever its end: refuse whoever signed what it did not send, and
         convict, with a case, whoever signed a malformed part (evidence.sender_case)."""
         self.convicted |= ledger.bad_signers
+        for sender in sorted(ledger.misfits - self.convicted):
+            logger.warning(
+                "refused sender %s: it signed a part of another size than the group's layout; "
+                "it is refused for the rest of the run",
+                sender,
+            )
+        self.convicted |= ledger.misfits
         for sender in ledger.garbage:
             if sender not in self.convicted:
                 logger.warning(

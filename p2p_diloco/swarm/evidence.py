@@ -27,7 +27,7 @@ from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import audit, codecs, robust
 from p2p_diloco.swarm import identity, streams
-from p2p_diloco.swarm.allreduce import WireCodec, check_part
+from p2p_diloco.swarm.allreduce import WireCodec, check_part, malformed
 from p2p_diloco.swarm.ledger import part_statement
 
 logger = get_logger(__name__)
@@ -104,12 +104,13 @@ def _judge_sender(case: Case, codec: WireCodec) -> tuple[bool, str] | None:
     if not case.keys[sender].verify(statement, message.peer_id):
         return True, f"a part {case.part} that sender {sender} did not sign"
     try:
-        decoded = codec.extract(message.tensor_part)
+        decoded: torch.Tensor | AllreduceException = codec.extract(message.tensor_part)
     except AllreduceException as e:
-        return False, f"signed a malformed part {case.part} ({e})"
-    if not bool(torch.isfinite(decoded).all()):
+        decoded = e
+    why = malformed(decoded, message.weight)
+    if why == "non-finite values":
         return False, f"signed a part {case.part} with non-finite values"
-    return None
+    return None if why is None else (False, f"signed a malformed part {case.part} ({why})")
 
 
 class Evidence:

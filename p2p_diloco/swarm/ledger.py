@@ -21,8 +21,11 @@ from p2p_diloco import audit
 
 
 def part_statement(group_id: bytes, reducer: str, part: int, weight: float, encoded: runtime_pb2.Tensor) -> bytes:
-    """audit.part_statement of an encoded part: its bytes, its number of values and its codec."""
+    """audit.part_statement of an encoded part: its bytes, its number of values and its codec. A
+    size no honest part has (negative, or past 64 bits: a part's header is the sender's word)
+    stands as 2**64 - 1, so its statement is still one a liar can sign and be held to."""
     numel = math.prod(encoded.size) if len(encoded.size) else 0
+    numel = numel if 0 <= numel < 2**64 else 2**64 - 1
     return audit.part_statement(group_id, reducer, part, weight, encoded.buffer, numel, encoded.dtype)
 
 
@@ -68,6 +71,10 @@ class Ledger:
         # Senders whose signed part does not decode or holds non-finite values: sender -> (reducer
         # index, part, the signed message), a case anyone can judge (evidence.judge_sender).
         self.garbage: dict[str, tuple[int, int, Any]] = {}
+        # Senders whose signed part is well-formed but not the size of the part this member reduces:
+        # only this member knows the span layout it computed, so no case others could judge;
+        # refused here from then on, like a bad signer.
+        self.misfits: set[str] = set()
 
     def sign_part(self, reducer: int, part: int, weight: float, encoded: runtime_pb2.Tensor) -> bytes:
         statement = part_statement(self.group_id, self.peers[reducer], part, weight, encoded)
