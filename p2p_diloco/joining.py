@@ -5,8 +5,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from p2p_diloco import agreement
 from p2p_diloco.errors import RunFinished, StateDownloadError
-from p2p_diloco.genesis import Verdict
+from p2p_diloco.genesis import Genesis, Verdict
+from p2p_diloco.network import RoundRecord
 
 if TYPE_CHECKING:
     from p2p_diloco.peer import Peer
@@ -19,20 +21,22 @@ def refuse_a_finished_run(peer: Peer, failure: StateDownloadError | None = None)
     that downloaded the final state goes on to the end.
 
     The claim is read afresh (the run may have ended while this peer settled or slept), but only
-    when no other live peer trains at or behind this peer's round: in a healthy swarm, no DHT read."""
+    when no other live peer trains at or behind this peer's round: in a healthy swarm, no DHT read.
+    While other peers are live, the end counts only if it is their backed state (`end_is_backed`):
+    one peer's record of the last round and its "finished" genesis send nobody home."""
     stale = peer.swarm.stale_peers()
-    live = [r.round for p, r in peer.swarm.peers().items() if p not in stale and p != peer.peer_id]
-    if failure is None and any(r <= peer.state.round for r in live):
+    seen = {p: r for p, r in peer.swarm.peers().items() if p not in stale and p != peer.peer_id}
+    if failure is None and any(r.round <= peer.state.round for r in seen.values()):
         return
     final = peer.swarm.final_state()
-    # No end, this peer holds it, or a false claim of one: live peers still train the run (anyone may
-    # publish a claim). A state of the final round with another digest is not the end: it is this
-    # peer's own (its group was the minority and the majority's holders left).
+    # No end, this peer holds it, or a claim the live peers do not back (anyone may publish a claim).
+    # A state of the final round with another digest is not the end: it is this peer's own (its
+    # group was the minority and the majority's holders left).
     if (
         final is None
         or peer.state.round > final.final_round
         or (peer.state.round == final.final_round and peer.state.digest() == final.final_digest)
-        or max(live, default=final.final_round) < final.final_round
+        or not end_is_backed(seen, peer.swarm.fresh_peers(), final, _own_record(peer))
     ):
         if failure is not None:
             peer.log.info("the peers ahead of this one left before it could download their state: going on")
@@ -48,6 +52,21 @@ def refuse_a_finished_run(peer: Peer, failure: StateDownloadError | None = None)
         f"{ended} and no peer serves its final state any more: nothing to train. Ask the organiser for the model, "
         f"or start a new run with another run.run_id"
     )
+
+
+def end_is_backed(seen: dict[str, RoundRecord], fresh: set[str], final: Genesis, mine: RoundRecord) -> bool:
+    """Whether the run's claimed end counts: nobody else is live (the genesis is all there is), or
+    the backed state of the live peers and this one (`mine`: agreement.backed, at least half of
+    the counted peers made it) is the end. One peer's claim sends no joiner of a live run home:
+    beside one honest trainer and the joiner it is a third of the votes (threat model)."""
+    if not seen:
+        return True
+    state = agreement.backed(seen, agreement.counted(seen, set(), fresh), mine.peer, mine)
+    return state is not None and (state.round, state.digest) == (final.final_round, final.final_digest)
+
+
+def _own_record(peer: Peer) -> RoundRecord:
+    return RoundRecord(peer.peer_id, peer.state.round, peer.state.digest(), 0, -1.0)
 
 
 def say_whom_it_joined(peer: Peer) -> None:

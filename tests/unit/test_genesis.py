@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from p2p_diloco import genesis
+from p2p_diloco import genesis, joining
 from p2p_diloco.errors import RunFinished
 from p2p_diloco.genesis import Genesis, Verdict
 from tests.unit.fake_swarm import FakeSwarm
@@ -145,6 +145,36 @@ def test_a_false_claim_of_the_end_does_not_stop_a_peer_while_peers_train(tmp_pat
     peer = make_peer(tmp_path / "late", fake, **{"run.rounds": "4"})
     assert peer.state.round == 1
     peer.close()
+
+
+def test_one_peers_record_of_the_last_round_and_its_finished_genesis_send_no_joiner_home(tmp_path):
+    # The attacker m publishes a round record at the run's last round and a genesis that says the
+    # run ended there. The peer between rounds finds p1 ahead of it (round 3; no state the swarm
+    # backs yet) and asks whether the run ended: it counted m's record as a live peer at the end
+    # and stopped with "run finished", exit 0 (issue 27; in certified runs too, m being a member).
+    from p2p_diloco.network import RoundRecord
+
+    forged = "f" * 32
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path / "late", fake, **{"run.rounds": "4"})
+    fake.final = Genesis(MINE, T0, 4, forged)
+    fake.publish_other("p1", moved(peer.state, 0.01, 3))
+    fake.records["m"] = RoundRecord("m", 4, forged, 10, 1.0)
+    joining.refuse_a_finished_run(peer)  # RunFinished before: one of three votes is no end
+    peer.close()
+    training = moved(peer.state, 0.01, 1)
+    # The end as it is: the peers that made the final state are live at it, a straggler behind.
+    end = moved(training, 0.01, 3)
+    fake = FakeSwarm(verdict=Verdict("join", publishers=2, final=final_of(end)))
+    for p in ("p1", "p2"):
+        fake.publish_other(p, end)
+    fake.publish_other("p3", training)
+    joiner = RoundRecord("me", 0, T0, 0, -1.0)
+    assert joining.end_is_backed(fake.records, set(), final_of(end), joiner)  # 2 of 4 votes: half
+    claim = Genesis(MINE, T0, 4, forged)
+    attacker = {"p3": fake.records["p3"], "m": RoundRecord("m", 4, forged, 10, 1.0)}
+    assert not joining.end_is_backed(attacker, set(), claim, joiner)  # 1 of 3 votes
+    assert joining.end_is_backed({}, set(), claim, joiner)  # nobody live: the genesis is all there is
 
 
 def test_a_peer_that_slept_through_the_end_does_not_finish_the_run_alone(tmp_path):
