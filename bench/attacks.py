@@ -33,7 +33,7 @@ HONEST = ("a", "b", "c")
 CONFIG = {"run.run_id": "attacks", "run.rounds": str(ROUNDS), **TINY_FIXED_H}
 # Runs whose settings differ from their label's (the same identities and shards: one invocation)
 RUN_SETTINGS = {"clean, mean": {"swarm.aggregator": "mean"}, "clean, clip": {"swarm.aggregator": "clip"}}
-STATE_ATTACKS = ["state-malformed:0", "state-huge:20", "state-tamper:0"]
+STATE_ATTACKS = ["state-malformed:0", "state-huge:20", "state-tamper:0", "state-round:0"]
 SENDER_ATTACKS = ["scale:1e4", "flip:10", "zero:1000", "weight:1000", "replay:0"]
 REDUCER_ATTACKS = ["reducer-scale:100", "reducer-random:1", "reducer-mute:0"]
 # (label, settings, runs): "clean..." is a run without an attack, anything else attacker_peer's ATTACK
@@ -63,6 +63,9 @@ PLAN = [
     ("clip, audited reducers", {"swarm.aggregator": "clip"}, ["clean", *REDUCER_ATTACKS]),
     # a sender of signed NaN parts: convicted on its own signature (evidence.py)
     ("clip, malformed parts", {"swarm.aggregator": "clip"}, ["clean", "garbage:0"]),
+    # signed parts with a malformed weight (convicted on its own signature) or of another size than
+    # the group's layout (refused by each reducer it sends one to), issue 27
+    ("aligned-clip, malformed parts", {}, ["clean", "part-weight:nan", "part-weight:-1", "part-shape:0"]),
     # two colluders among five (the label's "2 of 5"): a coordinated sign flip, and ALIE with
     # z = 1 (Baruch et al. 2019 give z_max = 0.84 for n = 5, f = 2)
     ("clip, 2 of 5", {"swarm.aggregator": "clip"}, ["clean", "flip:10", "alie:1"]),

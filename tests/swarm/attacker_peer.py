@@ -9,6 +9,8 @@ As a sender (its pseudo-gradient, norms and biases included, and the weight it c
 - `weight:x`    claims x times its tokens;
 - `replay:0`    sends its first round's Δ every round (an old update);
 - `garbage:0`   sends NaN for every value, signed (a malformed part);
+- `part-weight:x`  signs and sends its parts with weight x (nan, -1: a malformed weight);
+- `part-shape:0`   signs and sends parts one value longer than the group's layout (well-formed);
 - `alie:z`      "a little is enough" (Baruch et al., 2019): ATTACK_COLLUDERS attackers (default 2)
                 pool their own honest Δ of the round in a folder beside the run config, and each
                 sends μ − z·σ of the pool, coordinate-wise: a shift hidden inside the spread.
@@ -25,7 +27,8 @@ In its round records and the states it serves:
 As a server of its state to peers that catch up (it trains and publishes honestly):
 - `state-malformed:0`  metadata whose round is not a number;
 - `state-huge:x`       a state x times the model's size (a stream without end, to the downloader);
-- `state-tamper:0`     θ + 1e-3 (it does not hash to the digest it published).
+- `state-tamper:0`     θ + 1e-3 (it does not hash to the digest it published);
+- `state-round:0`      metadata whose round is 2**64 - 1 (msgpack carries it; a digest packs 64 signed bits).
 In link probes:
 - `link:x`      announces x times the link figure it measured (10 Gbit/s before it measured one).
 """
@@ -69,6 +72,26 @@ def lie_as_sender() -> None:
         return original(self, delta, weight, round_, retry, expected_group, exact)
 
     Swarm.average = average
+
+
+def lie_in_parts() -> None:
+    """A sender that signs what it sends, but sends a weight (`part-weight`) or a size
+    (`part-shape`) no honest member sends."""
+    original_init = ConsistentAllReduceRunner.__init__
+
+    def init(self, *args, **kwargs):
+        original_init(self, *args, **kwargs)
+        if KIND == "part-weight":
+            self.weight = X
+
+    def encode_input(self, peer_index, part_index, part, info):
+        flat = part.reshape(-1)
+        encoded = self.codec.compress(torch.cat([flat, flat[:1]]), info)
+        return encoded, self.ledger.sign_part(peer_index, part_index, self.weight, encoded)
+
+    ConsistentAllReduceRunner.__init__ = init
+    if KIND == "part-shape":
+        ConsistentAllReduceRunner._encode_input = encode_input
 
 
 def _pool_folder() -> Path:
@@ -167,6 +190,8 @@ def serve_bad_states() -> None:
         metadata, (theta, momentum) = honest(self)
         if KIND == "state-malformed":
             return {**metadata, "round": "many"}, [theta, momentum]
+        if KIND == "state-round":
+            return {**metadata, "round": 2**64 - 1}, [theta, momentum]
         if KIND == "state-huge":
             return metadata, [theta.repeat(int(X)), momentum.repeat(int(X))]
         return metadata, [theta + 1e-3, momentum]
@@ -186,6 +211,8 @@ def lie_about_the_link() -> None:
 
 if KIND in ("scale", "flip", "zero", "weight", "replay", "alie", "garbage"):
     lie_as_sender()
+elif KIND in ("part-weight", "part-shape"):
+    lie_in_parts()
 elif KIND.startswith("reducer-"):
     lie_as_reducer()
 elif KIND == "progress":
