@@ -25,7 +25,7 @@ from hivemind.utils import get_logger
 from hivemind.utils.crypto import RSAPublicKey
 from hivemind.utils.mpfuture import MPFuture
 
-from p2p_diloco import audit, codecs, robust
+from p2p_diloco import audit, codecs, robust, wire
 from p2p_diloco.swarm import identity, streams
 from p2p_diloco.swarm.allreduce import WireCodec, check_part, malformed
 from p2p_diloco.swarm.ledger import part_statement
@@ -191,29 +191,63 @@ class Evidence:
 
     def _case_from(self, accused: str, messages: list[averaging_pb2.AveragingData]) -> Case | None:
         """The case in an accuser's messages, if it is well-formed and the average is the accused's."""
-        if len(messages) < 3:
+        try:
+            return case_from(accused, messages, self.serializer.loads)
+        except wire.WireError as e:
+            wire.dropped("case", str(e))
             return None
-        header = self.serializer.loads(messages[0].peer_id)
-        peers, senders = [str(p) for p in header["peers"]], [str(p) for p in header["senders"]]
-        shown = {p: identity.key_of(p, header["keys"].get(p)) for p in set(peers) | set(senders)}
-        keys = {p: k for p, k in shown.items() if k is not None}
-        if accused not in peers or len(keys) != len(shown) or len(peers) > MAX_GROUP:
-            return None
-        part, answer, sender = int(messages[0].weight), messages[-1], int(header.get("sender", -1))
-        group = messages[0].group_id
-        if sender >= 0:  # against a sender: its one signed part
-            reducer = int(header["reducer"])
-            accused_ok = sender < len(senders) and senders[sender] == accused
-            valid = accused_ok and len(messages) == 3 and 0 <= reducer < len(peers)
-            parts, signature, against = messages[1:2], b"", sender
-        else:  # against a reducer: every sender's part, then its signed average
-            reducer = peers.index(accused)
-            statement = audit.output_statement(group, accused, part, answer.tensor_part.buffer)
-            valid = keys[accused].verify(statement, answer.peer_id)  # else not the accused's average
-            parts, signature, against = messages[1:-1], answer.peer_id, None
-        if not valid:
-            return None
-        return Case(group, peers, senders, keys, reducer, part, parts, answer.tensor_part, signature, against)
+
+
+def case_from(accused: str, messages: list[averaging_pb2.AveragingData], loads: Callable[[bytes], Any]) -> Case | None:
+    """The case an accuser served (untrusted: its header through wire.py, WireError if malformed),
+    or None if it is no case against `accused`: a part the accused did not sign, an id without
+    its key."""
+    if len(messages) < 3:
+        return None
+    header = wire.mapping(loads(messages[0].peer_id), "case header")
+    peers = list(wire.field(header, "peers", lambda v: wire.items(v, MAX_GROUP, wire.peer_id)))
+    senders = list(wire.field(header, "senders", lambda v: wire.items(v, MAX_GROUP, wire.peer_id)))
+    raw_keys = wire.field(header, "keys", lambda v: _key_bytes(v, len(peers) + len(senders)))
+    shown = {p: identity.key_of(p, raw_keys.get(p)) for p in set(peers) | set(senders)}
+    keys = {p: k for p, k in shown.items() if k is not None}
+    if accused not in peers or len(keys) != len(shown):
+        return None
+    part = _part_index(messages[0].weight)
+    sender = wire.field(header, "sender", lambda v: wire.integer(v, -1, MAX_GROUP), -1)
+    answer, group = messages[-1], messages[0].group_id
+    if sender >= 0:  # against a sender: its one signed part
+        reducer = wire.field(header, "reducer", lambda v: wire.integer(v, 0, len(peers) - 1))
+        valid = sender < len(senders) and senders[sender] == accused and len(messages) == 3
+        parts, signature, against = messages[1:2], b"", sender
+    else:  # against a reducer: every sender's part, then its signed average
+        reducer = peers.index(accused)
+        statement = audit.output_statement(group, accused, part, answer.tensor_part.buffer)
+        valid = keys[accused].verify(statement, answer.peer_id)  # else not the accused's average
+        parts, signature, against = messages[1:-1], answer.peer_id, None
+    if not valid:
+        return None
+    return Case(group, peers, senders, keys, reducer, part, parts, answer.tensor_part, signature, against)
+
+
+def _part_index(weight: float) -> int:
+    """The part a case is about: it travels as the header's weight, a whole number."""
+    number = wire.real(weight, 0.0, 2.0**32)
+    if number != int(number):
+        raise wire.WireError("a part index that is no whole number")
+    return int(number)
+
+
+def _key_bytes(value: Any, max_n: int) -> dict[str, bytes]:
+    """{peer id: its public key's bytes} as a case names them (identity.key_of checks each)."""
+    keys = wire.mapping(value, "case keys")
+    if len(keys) > max_n:
+        raise wire.WireError(f"a case naming {len(keys)} keys for {max_n} members")
+    out = {}
+    for peer, key in keys.items():
+        if not isinstance(key, bytes) or len(key) > 4096:
+            raise wire.WireError("a case key that is no bytes of at most 4096")
+        out[wire.peer_id(peer)] = key
+    return out
 
 
 def _case_complete(messages: list[averaging_pb2.AveragingData]) -> bool:

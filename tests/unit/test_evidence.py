@@ -214,3 +214,31 @@ def test_a_served_case_parses_back_into_the_same_verdict(group):
         assert parsed is not None and judge(parsed, CODEC, CLIP) == judge(case, CODEC, CLIP)
         assert judge(parsed, CODEC, CLIP)[0] is False  # a conviction, for anyone
         assert evidence._case_from(ids[2], messages) is None  # the case names someone else
+
+
+def test_a_served_case_of_any_form_is_a_case_or_none_never_an_error(group):
+    """The case an accuser serves, its header fuzzed (tests/unit/test_untrusted_records.py's
+    hostile values in every field) and its part index any float: `_case_from` returns a case or
+    None; a malformed one is dropped, never raised into the averager's handler."""
+    from hivemind.utils.serializer import MSGPackSerializer
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from tests.unit.test_untrusted_records import FUZZ, HOSTILE, mutated
+
+    ids = group[0]
+    evidence, messages = _served(against_sender(group, signed_part(group, [1.0, float("nan")])))
+    header = MSGPackSerializer.loads(messages[0].peer_id)
+
+    @FUZZ
+    @given(fields=mutated(header) | HOSTILE, part=st.floats() | st.integers(0, 2**40))
+    def fuzz(fields, part):
+        try:
+            raw = MSGPackSerializer.dumps(fields)
+        except (TypeError, ValueError, OverflowError):  # not packable: no accuser can send it
+            return
+        first = averaging_pb2.AveragingData(group_id=messages[0].group_id, weight=float(part), peer_id=raw)
+        found = evidence._case_from(ids[1], [first, *messages[1:]])
+        assert found is None or found.senders[found.sender] == ids[1]
+
+    fuzz()
