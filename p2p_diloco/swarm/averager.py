@@ -236,6 +236,25 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
     async def _matchmaking_idle(self, future: MPFuture) -> None:
         future.set_result(not self._matchmaking.is_looking_for_group)
 
+    def set_round_key(self, group_bits: str, timeout: float) -> None:
+        """The matchmaking key of the next step, once no look for a group runs (TimeoutError after
+        `timeout`): a look re-declares itself under the averager's current key every few seconds,
+        so a key changed under a cancelled step's look that had not ended yet moved that step into
+        the next round's group ("group members [...] averaged another round; result dropped": a
+        lost round in hog run A9, session 18)."""
+        future = MPFuture()
+        self._outer_pipe.send(("_set_group_bits", [], dict(group_bits=group_bits, future=future)))
+        wait_result(self, future, "averaging process", timeout)
+
+    async def _set_group_bits(self, group_bits: str, future: MPFuture) -> None:
+        try:
+            async with self._matchmaking.lock_looking_for_group:  # the look in progress, if any, ends first
+                self._matchmaking.group_key_manager.group_bits = group_bits
+            future.set_result(None)
+        except Exception as e:  # hivemind's own version hands any failure to the asker
+            if not future.done():
+                future.set_exception(e)
+
     def set_target_group_size(self, size: int) -> None:
         """A group of `size` starts its all-reduce as soon as it is complete, without waiting out the
         matchmaking window; the swarm's progress tells each peer how many peers are at the round."""

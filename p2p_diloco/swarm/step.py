@@ -103,7 +103,13 @@ class AveragingStep:
             buffers[0].copy_(delta if self.residual is None else delta + self.residual)
             if exact is not None:
                 buffers[1].copy_(exact)
-        self.averager.set_group_bits(records.round_bits(round_))
+        try:  # after the last step's look for a group ended (bounded: that look's own deadline)
+            self.averager.set_round_key(records.round_bits(round_), self._matchmaking_timeout(True) + STEP_MARGIN_S)
+        except FuturesTimeout:
+            self.check_averager()
+            raise AveragingError(
+                f"round {round_}: the last step's look for a group did not end; nothing averaged"
+            ) from None
         if expected_group >= 2:
             self.averager.set_target_group_size(expected_group)
 

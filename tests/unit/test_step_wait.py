@@ -62,3 +62,33 @@ def test_an_allreduce_that_began_is_never_cut_by_the_swarm_moving_on():
     with pytest.raises(FuturesTimeout):
         a_step()._wait_for(control, deadline=0.05, overtaken=lambda: True)
     assert not control.cancelled
+
+
+def test_the_next_rounds_key_waits_until_the_last_steps_look_for_a_group_ended():
+    """hivemind's look for a group re-declares itself under the averager's *current* key every few
+    seconds. A cancelled step whose look had not ended yet (hivemind ends it in its clean-up) was
+    moved by the next step's key into the next round's group: "group members [...] averaged another
+    round; result dropped", a round lost (hog run A9, test_peer_hangs_between_its_allreduce_and_the_audit).
+    DiLoCoAverager._set_group_bits, the averager-process side of set_round_key, takes the
+    matchmaking lock first, so the key changes only once no look runs."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.utils.mpfuture import MPFuture
+
+    from p2p_diloco.swarm.averager import DiLoCoAverager
+
+    async def scenario():
+        keys = SimpleNamespace(group_bits="0100")
+        matchmaking = SimpleNamespace(lock_looking_for_group=asyncio.Lock(), group_key_manager=keys)
+        averager, future, seen = SimpleNamespace(_matchmaking=matchmaking), MPFuture(), []
+        async with matchmaking.lock_looking_for_group:  # the cancelled step's look, still running
+            task = asyncio.create_task(DiLoCoAverager._set_group_bits(averager, "0101", future))
+            for _ in range(5):  # the look re-declares meanwhile: under the key it started with
+                await asyncio.sleep(0)
+                seen.append(keys.group_bits)
+        await asyncio.wait_for(task, 1.0)
+        return seen, keys.group_bits, future.result(timeout=1.0)
+
+    seen, after, answer = asyncio.run(scenario())
+    assert seen == ["0100"] * 5 and after == "0101" and answer is None
