@@ -75,7 +75,8 @@ def test_peer_hangs_between_its_allreduce_and_the_audit(swarm):
     a, b, last = run_with_fault(swarm, "audit:3:STOP", {"swarm.probe_links": "false"})
     assert_agree_every_round(a, b, last)
     # In round last + 1 the subject answered one survivor's audit (its group of 3 completed) and not
-    # the other's; from the next round on the two average alone. (This asserted rounds 10-12 only,
+    # the other's; from the next round on the two survivors average as a pair (a group of 1 there
+    # was a round lost to a stale look for a group, hog run A9). (This asserted rounds 10-12 only,
     # which held while the fault came by round 9: in CI the subject, started last on a loaded
     # machine, joined late and its 3rd audited group was round 10, which a rightly completed as 3.)
     averaged = [(recs, r) for recs in (a, b) for r in range(last + 2, ROUNDS + 1) if "group_size" in recs.get(r, {})]
