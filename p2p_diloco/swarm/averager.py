@@ -112,7 +112,7 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         waits forever, also for a process that died while it started. SwarmError otherwise."""
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # as hivemind does: the child inherits it
         self._log_tag = f"peer {str(self.dht.peer_id)[-4:]} averager"
-        with quiet_fork():
+        with quiet_fork("averaging process"):
             self.start()
         deadline_s = timeout if timeout is not None else float(getattr(self.dht, "timeout_s", START_TIMEOUT_S))
         if await_ready:

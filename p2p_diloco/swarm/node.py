@@ -11,6 +11,7 @@ import logging
 import socket
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +21,12 @@ from hivemind.utils.multiaddr import Multiaddr
 from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import ConfigError, SwarmError
 from p2p_diloco.swarm.identity import not_a_key
+from p2p_diloco.swarm.in_use import in_use
 from p2p_diloco.swarm.processes import children_started, quiet_fork, wait_result, wait_started
 
 logger = logging.getLogger(__name__)
+
+IDENTITY_CHECK_SHARE = 0.25  # of swarm.join_timeout_s, for asking whether the identity is in use
 
 
 class SwarmDHT(hivemind.DHT):
@@ -36,12 +40,27 @@ class SwarmDHT(hivemind.DHT):
     SwarmError within processes.LIVENESS_S.
     """
 
-    def __init__(self, *args: Any, timeout_s: float, **kwargs: Any):
+    def __init__(self, *args: Any, timeout_s: float, identity_check: IdentityCheck | None = None, **kwargs: Any):
         self.timeout_s = timeout_s  # read by run_in_background, which hivemind's __init__ calls
-        super().__init__(*args, **kwargs)
+        self.identity_check = identity_check
+        super().__init__(*args, check_if_identity_free=False, **kwargs)  # in_use.py asks instead
+
+    def run(self) -> None:
+        """The DHT process: first ask whether another node uses this identity (in_use.py)."""
+        check = self.identity_check
+        if check is not None and in_use(check.path, self.initial_peers or (), check.relays, check.timeout_s):
+            self._ready.set_exception(
+                SwarmError(
+                    f"the identity {check.path} is in use by another running node of the swarm (two nodes with "
+                    f"one key take each other's messages): stop that node, or give this peer its own folder or "
+                    f"--identity"
+                )
+            )
+            return
+        super().run()
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
-        with quiet_fork():
+        with quiet_fork("DHT process"):
             self.start()
         if await_ready:
             wait_started(self, "DHT process", timeout or self.timeout_s)
@@ -65,6 +84,13 @@ class SwarmDHT(hivemind.DHT):
             raise SwarmError(
                 f"the DHT process did not answer within {self.timeout_s:g} s (swarm.join_timeout_s)"
             ) from None
+
+
+@dataclass(frozen=True)
+class IdentityCheck:
+    path: Path
+    relays: bool  # swarm.nat_traversal: a node reachable only through a relay can be found
+    timeout_s: float
 
 
 def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
@@ -109,8 +135,11 @@ def start_dht(
     host, announce = listen_maddrs(cfg)
     _check_port_free(cfg.host, cfg.port)
     nat = cfg.nat_traversal
+    check = None
     if identity_path is not None and identity_path.exists():
         _check_identity(identity_path)
+        if initial_peers:  # the first node of a swarm has nobody to ask
+            check = IdentityCheck(identity_path, nat, cfg.join_timeout_s * IDENTITY_CHECK_SHARE)
     try:
         with children_started():  # a signal to the peer's group leaves the DHT process to the peer
             return SwarmDHT(
@@ -128,6 +157,7 @@ def start_dht(
                 use_auto_relay=nat,
                 startup_timeout=cfg.join_timeout_s,
                 timeout_s=cfg.join_timeout_s,
+                identity_check=check,
             )
     except (SwarmError, ConfigError):
         raise
@@ -167,8 +197,6 @@ def _check_identity(path: Path) -> None:
 def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) -> str:
     text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
     lowered = str(error).lower()
-    if "identity" in lowered and "taken" in lowered:  # before the checks below: its text names the key's path
-        return f"this identity key is in use by another running node ({text}); stop that node or use another key"
     if "address already in use" in lowered or "bind" in lowered:
         return f"port {cfg.port} on {cfg.host} is already in use ({text}); choose another --swarm.port or 0 for any"
     if initial_peers and ("connect" in lowered or "bootstrap" in lowered or "timeout" in lowered or "dial" in lowered):

@@ -51,6 +51,7 @@ from typing import Any
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from p2p_diloco.errors import SwarmError
+from p2p_diloco.swarm import stacks
 
 logger = logging.getLogger(__name__)
 
@@ -92,19 +93,33 @@ _COLLECTIONS = _Collections()
 gc.callbacks.append(_COLLECTIONS)
 
 
+_FORKING: list[str] = []  # what quiet_fork is forking now: the child arms its stack dump
+
+
+def _arm_child() -> None:
+    if _FORKING:
+        stacks.arm(_FORKING[-1])
+
+
+os.register_at_fork(after_in_child=_arm_child)
+
+
 @contextmanager
-def quiet_fork() -> Iterator[None]:
-    """Fork a hivemind child inside this block: no collection of the cycle GC is in flight in any
-    thread (automatic ones are paused for the block: keep it to the fork itself), and no lock of
-    hivemind's futures is held by a process that died (`_no_leaked_locks`)."""
+def quiet_fork(what: str) -> Iterator[None]:
+    """Fork a hivemind child (`what`) inside this block: no collection of the cycle GC is in flight
+    in any thread (automatic ones are paused for the block: keep it to the fork itself), no lock of
+    hivemind's futures is held by a process that died (`_no_leaked_locks`), and the child writes
+    its stacks when asked (stacks.py)."""
     _no_leaked_locks()
     enabled = gc.isenabled()
     gc.disable()
+    _FORKING.append(what)
     try:
         if not _COLLECTIONS.wait_idle(QUIET_TIMEOUT_S):
             logger.warning("a garbage collection still ran after %g s: forking anyway", QUIET_TIMEOUT_S)
         yield
     finally:
+        _FORKING.pop()
         if enabled:
             gc.enable()
 
@@ -128,15 +143,19 @@ def _no_leaked_locks() -> None:
 
 def wait_started(part: Any, what: str, timeout_s: float) -> None:
     """Wait until hivemind's child `part` is ready (its `_ready` future), within `timeout_s`.
-    Raises SwarmError at once if it dies, and if it is not ready in time (it is then killed)."""
+    Raises SwarmError at once if it dies, and if it is not ready in time: it is then asked for its
+    stacks (stacks.py), and killed if it does not exit."""
     try:
         wait_result(part, part._ready, what, timeout_s)
     except FuturesTimeout:
-        part.kill()
+        wrote = stacks.ask_for_stacks(part, what)
+        if part.is_alive():
+            part.kill()
         part.join(STOP_TIMEOUT_S)
         raise SwarmError(
             f"the {what} did not start within {timeout_s:g} s (swarm.join_timeout_s); the machine may be "
             f"overloaded: raise swarm.join_timeout_s or free some CPU"
+            + (" (its stacks, for a bug report, are in the log above)" if wrote else "")
         ) from None
 
 

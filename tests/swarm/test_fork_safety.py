@@ -3,8 +3,10 @@ does not start is one SwarmError within its deadline, never a hang (swarm/proces
 
 bench/fork_stress.py is the long version: many DHT starts from a parent with busy threads."""
 
+import asyncio
 import faulthandler
 import gc
+import inspect
 import multiprocessing
 import os
 import signal
@@ -64,7 +66,7 @@ def forked_child_collects(quiet: bool) -> bool:
     child = multiprocessing.get_context("fork").Process(target=_report_gc, args=(theirs,))
     try:
         if quiet:
-            with quiet_fork():
+            with quiet_fork("test child"):
                 child.start()
         else:
             child.start()
@@ -174,6 +176,28 @@ class NeverReady(SwarmDHT):
         threading.Event().wait(60)  # the stuck start itself: the parent's deadline ends it
 
 
+INHERITED = threading.Lock()
+
+
+class StuckOnAnInheritedLock(SwarmDHT):
+    """A DHT process forked while another thread of its parent held a lock: the child's copy of
+    the lock has no owner left to release it (the classic fork-from-threads deadlock)."""
+
+    def run(self):
+        INHERITED.acquire()
+
+
+class StuckInATask(SwarmDHT):
+    """A DHT process whose event loop waits, in a task, on something that never comes: a thread's
+    frames show only the loop; the task's coroutine stack shows what it waits on."""
+
+    def run(self):
+        async def wait_for_the_daemon():
+            await asyncio.get_running_loop().create_future()
+
+        asyncio.run(wait_for_the_daemon())
+
+
 @pytest.mark.timeout(30)
 def test_a_dht_process_that_dies_while_it_starts_is_one_error_line_not_a_hang():
     started = time.monotonic()
@@ -189,3 +213,44 @@ def test_a_dht_process_that_does_not_start_within_its_deadline_is_killed_and_one
         NeverReady(host_maddrs=LOOPBACK, start=True, timeout_s=1)
     assert time.monotonic() - started < 5.0
     assert not [c for c in multiprocessing.active_children() if isinstance(c, NeverReady)], "it was killed"
+
+
+@pytest.mark.timeout(30)
+def test_a_dht_process_stuck_on_a_lock_inherited_from_its_parent_writes_its_stacks_and_exits(capfd):
+    """Why a start was stuck is in the log: the stuck frame, not only a kill after the deadline."""
+    holder_in, release = threading.Event(), threading.Event()
+
+    def hold():
+        with INHERITED:
+            holder_in.set()
+            release.wait(30)
+
+    holder = threading.Thread(target=hold, name="holder")
+    holder.start()
+    assert holder_in.wait(5)
+    try:
+        with pytest.raises(SwarmError, match=r"within 1 s .*\(its stacks, for a bug report, are in the log above\)$"):
+            StuckOnAnInheritedLock(host_maddrs=LOOPBACK, start=True, timeout_s=1)
+    finally:
+        release.set()
+        holder.join(5)
+    err = capfd.readouterr().err
+    assert "the DHT process (pid " in err and "did not start in time; its stacks" in err
+    assert _frame_line(StuckOnAnInheritedLock.run, "acquire") in err, err  # the stuck frame itself
+    assert "end of the stacks of the DHT process" in err, err
+
+
+@pytest.mark.timeout(30)
+def test_a_dht_process_stuck_in_an_asyncio_task_names_the_coroutine_it_waits_in(capfd):
+    with pytest.raises(SwarmError, match=r"are in the log above\)$"):
+        StuckInATask(host_maddrs=LOOPBACK, start=True, timeout_s=1)
+    err = capfd.readouterr().err
+    assert "--- asyncio task" in err and "wait_for_the_daemon" in err, err
+    assert not [c for c in multiprocessing.active_children() if isinstance(c, StuckInATask)]
+
+
+def _frame_line(function, text: str) -> str:
+    """How faulthandler names the line of `function` that holds `text`: 'line N in name'."""
+    lines = inspect.getsource(function).splitlines()
+    offset = next(i for i, line in enumerate(lines) if text in line)
+    return f"line {function.__code__.co_firstlineno + offset} in {function.__code__.co_name}"

@@ -1,9 +1,14 @@
 """Forged round records on a real DHT: one under an honest peer's id signed by another key, one
 under a made-up id. Both reach the DHT and both are dropped by every reader."""
 
+import logging
+import sys
+
 import pytest
+from hivemind.utils import logging as hivemind_logging
 
 from p2p_diloco import config
+from p2p_diloco.errors import SwarmError
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.swarm import records
 from p2p_diloco.swarm.identity import make_validator, owner_peer_id
@@ -40,3 +45,35 @@ def test_records_under_ids_their_signer_does_not_own_are_ignored(tmp_path):
     finally:
         for dht in started:
             dht.shutdown()
+
+
+@pytest.mark.timeout(120)
+def test_a_second_node_with_a_running_nodes_key_stops_with_one_line_and_no_daemon_probes_the_router(tmp_path, capfd):
+    """Two nodes with one key take each other's messages: the second is refused before its DHT
+    starts (swarm/in_use.py). Every p2pd of both starts, the throwaway one of the check included,
+    runs with UPnP/NAT-PMP port mapping and AutoNAT off: nothing probes the router outside a lab."""
+    cfg = config.load(None, SWARM)
+    hivemind_log, handler = logging.getLogger("hivemind"), hivemind_logging._default_handler
+    level = hivemind_log.level
+    hivemind_log.setLevel(logging.DEBUG)  # the DHT processes inherit it: they log each p2pd they launch
+    stream = handler.setStream(sys.__stderr__)  # to the file descriptor that capfd reads
+    started = []
+    try:
+        entry = start_dht(cfg.swarm, tmp_path / "entry.key", [], False, [])
+        started.append(entry)
+        peers = [str(m) for m in entry.get_visible_maddrs()]
+        first = start_dht(cfg.swarm, tmp_path / "peer.key", peers, False, [])  # a new key: nothing to check
+        started.append(first)
+        first.shutdown()
+        started.append(start_dht(cfg.swarm, tmp_path / "peer.key", peers, False, []))  # its restart: checked, free
+        with pytest.raises(SwarmError, match=r"^the identity .*peer\.key is in use by another running node"):
+            started.append(start_dht(cfg.swarm, tmp_path / "peer.key", peers, False, []))
+    finally:
+        hivemind_log.setLevel(level)
+        handler.setStream(stream)
+        for dht in started:
+            dht.shutdown()
+    launches = [line for line in capfd.readouterr().err.splitlines() if "Launching [" in line]
+    # entry, first, the restart's check and its own p2pd, the refused one's check
+    assert len(launches) == 5, launches
+    assert all("'-natPortMap=0'" in line and "'-autonat=0'" in line for line in launches), launches
