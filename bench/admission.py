@@ -110,8 +110,6 @@ def summarise(recs: dict[str, dict[int, dict]], exits: dict[str, int], wall_s: f
 
 def micro_costs() -> dict:
     """The admission checks themselves, timed in-process on this machine (seconds per call)."""
-    from hivemind.averaging.group_info import GroupInfo
-    from hivemind.utils.serializer import MSGPackSerializer
 
     from p2p_diloco.swarm.doors import Doors
 
@@ -119,22 +117,18 @@ def micro_costs() -> dict:
         public = admission.make_run_key(Path(folder) / "run.key")
         key = admission.load_run_key(Path(folder) / "run.key")
     peers = [f"QmPeer{i}" for i in range(3)]
-    data = [
-        MSGPackSerializer.dumps(
-            [None, 0, MSGPackSerializer.dumps({"cert": admission.issue(key, "r", p, p, 2**33).to_json()})]
-        )
-        for p in peers
-    ]
-    group = GroupInfo(b"g", tuple(peers), tuple(data))
+    certs = [admission.issue(key, "r", p, p, 2**33).to_json() for p in peers]
     cold, n = time.perf_counter(), 200
     for _ in range(n):
-        Doors("r", public, None).from_gathered(peers[0], data[0], MSGPackSerializer)
+        Doors("r", public, None).reason_to_refuse(peers[0], certs[0])
     cold = (time.perf_counter() - cold) / n
     doors = Doors("r", public, None)
-    doors.check_group(group, MSGPackSerializer)
+    for peer, text in zip(peers, certs):
+        doors.check_member(peer, text)
     cached = time.perf_counter()
     for _ in range(n):
-        doors.check_group(group, MSGPackSerializer)
+        for peer, text in zip(peers, certs):
+            doors.check_member(peer, text)
     return {"verify_one_certificate_cold_s": cold, "check_group_of_3_cached_s": (time.perf_counter() - cached) / n}
 
 

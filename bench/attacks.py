@@ -66,6 +66,9 @@ PLAN = [
     # signed parts with a malformed weight (convicted on its own signature) or of another size than
     # the group's layout (refused by each reducer it sends one to), issue 27
     ("aligned-clip, malformed parts", {}, ["clean", "part-weight:nan", "part-weight:-1", "part-shape:0"]),
+    # all-gather data that does not parse (vouches that are not a mapping): refused at every honest
+    # leader's door; followers of a group it leads leave it out (swarm/gathered.py), issue 27
+    ("aligned-clip, malformed group data", {}, ["clean", "gather:0"]),
     # two colluders among five (the label's "2 of 5"): a coordinated sign flip, and ALIE with
     # z = 1 (Baruch et al. 2019 give z_max = 0.84 for n = 5, f = 2)
     ("clip, 2 of 5", {"swarm.aggregator": "clip"}, ["clean", "flip:10", "alie:1"]),

@@ -66,11 +66,11 @@ class Audits:
             return f"it did not answer its audit; left out for {until - time.monotonic():.0f} s more"
         return None
 
-    def _bench(self, peer: str, reason: str) -> None:
+    def _bench(self, peer: str, reason: str, role: str = "reducer") -> None:
         offences = self._benched.get(peer, (0, 0.0))[0] + 1
         period = audit.bench_s(offences)
         self._benched[peer] = (offences, time.monotonic() + period)
-        logger.warning("reducer %s: %s; left out of this peer's groups for %.0f s", peer, reason, period)
+        logger.warning("%s %s: %s; left out of this peer's groups for %.0f s", role, peer, reason, period)
         self._ask_only_admitted_leaders()
 
     def convicted_peers(self, timeout: float) -> frozenset[str]:

@@ -14,7 +14,7 @@ import logging
 import signal
 import time
 from collections import OrderedDict
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
@@ -33,11 +33,12 @@ from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco import faults, links, metrics, robust
 from p2p_diloco.deadlines import state_bytes
-from p2p_diloco.swarm import identity, records
+from p2p_diloco.swarm import records
 from p2p_diloco.swarm.allreduce import LOSSY_TENSOR, ConsistentAllReduceRunner
 from p2p_diloco.swarm.auditor import Audits
 from p2p_diloco.swarm.doors import Doors
 from p2p_diloco.swarm.evidence import Case, Evidence
+from p2p_diloco.swarm.gathered import Entry, Groups, LedMatchmaking, fair
 from p2p_diloco.swarm.ledger import Ledger
 from p2p_diloco.swarm.probes import LinkProbes
 from p2p_diloco.swarm.processes import quiet_fork, wait_result, wait_started
@@ -58,18 +59,7 @@ def _not_a_failed_step(record: logging.LogRecord) -> bool:
 logging.getLogger("hivemind.averaging.averager").addFilter(_not_a_failed_step)
 
 
-class AdmittedMatchmaking(Matchmaking):
-    """hivemind's matchmaking, except that this peer asks only admitted peers to lead its group."""
-
-    may_lead: Callable[[Any, str], Awaitable[bool]]
-
-    async def _request_join_group(self, leader: PeerID) -> Any:
-        if not await self.may_lead(leader, "matchmaking (as a leader)"):
-            return None
-        return await super()._request_join_group(leader)
-
-
-class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
+class DiLoCoAverager(Groups, DecentralizedAverager, LinkProbes, Audits, Evidence):
     """DecentralizedAverager with the consistent runner, copying results into the averaged buffers.
 
     It also serves this peer's (round, θ, momentum) to joiners through `get_current_state`,
@@ -154,26 +144,9 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
 
     def _ask_only_admitted_leaders(self) -> None:
         if type(self._matchmaking) is Matchmaking:  # created in this process
-            self._matchmaking.__class__ = AdmittedMatchmaking
+            self._matchmaking.__class__ = LedMatchmaking
             self._matchmaking.may_lead = self.may_enter
-
-    async def rpc_join_group(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """As a leader: a join request from a peer that is not admitted is refused before hivemind
-        sees it (its certificate comes with the request, checked against its transport id). A peer
-        this one convicted in an audit, or left out after an unanswered one, is refused too."""
-        if self.left_out(context.remote_id) is not None:
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        if self._doors is not None:
-            reason = self._doors.from_gathered(str(context.remote_id), request.gather, self.serializer)
-            if reason is not None:
-                self._doors.log_refusal(str(context.remote_id), "matchmaking", reason)
-                yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-                return
-        async for response in super().rpc_join_group(request, context):
-            yield response
+            self._matchmaking.leaders = OrderedDict()
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext
@@ -297,27 +270,21 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
         return await read_served_state(stream, state_bytes(self.total_size), peer, stall_s)
 
-    def _ledger(self, group_info: GroupInfo, group_id: bytes, modes: list[AveragingMode]) -> Ledger:
-        """The all-reduce's ledger, with every member's identity key from the all-gather (checked
-        against its peer id): a member without one fails the group before a part is sent."""
-        keys = {}
-        for peer, data in zip(group_info.peer_ids, group_info.gathered):
-            key = identity.key_of(str(peer), _user_data(data, self.serializer).get("key"))
-            if key is None:
-                raise AllreduceException(f"group member {peer} showed no identity key of its own: nothing averaged")
-            keys[str(peer)] = key
+    def _ledger(self, group_info: GroupInfo, group_id: bytes, entries: list[Entry]) -> Ledger:
+        """The all-reduce's ledger, with every member's identity key from the all-gather."""
         peers = [str(p) for p in group_info.peer_ids]
-        senders = [p for p, m in zip(peers, modes) if m != AveragingMode.AUX]
-        return Ledger(group_id, peers, senders, self._signer, keys)
+        senders = [p for p, e in zip(peers, entries) if e.mode != AveragingMode.AUX]
+        return Ledger(group_id, peers, senders, self._signer, self.member_keys(group_info, entries))
 
     async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
         started = time.perf_counter()
-        if self._doors is not None:
-            self._doors.check_group(group_info, self.serializer)
+        entries = self.group_entries(group_info)  # gathered.py
+        self.admit_members(group_info, entries)
         left_out = {str(p): why for p in group_info.peer_ids if (why := self.left_out(p)) is not None}
         if left_out:  # a leader that let a convicted or benched reducer in: fail before a part is sent
             raise AllreduceException(f"group members left out by this peer's audits: {left_out}; nothing averaged")
-        gathered = await super()._aggregate_with_group(_fair(group_info, self.serializer), min_vector_size, **kwargs)
+        fair_group = fair(group_info, entries, self.serializer)
+        gathered = await super()._aggregate_with_group(fair_group, min_vector_size, **kwargs)
         stats = getattr(self, "_last_runner_stats", {})
         return {"gathered": gathered, "allreduce_s": time.perf_counter() - started, **stats}
 
@@ -325,12 +292,13 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
     ) -> None:
         group_id = group_info.group_id if group_id is None else group_id
-        modes = [AveragingMode(self.serializer.loads(data)[1]) for data in group_info.gathered]  # parsed by hivemind
+        entries = self.group_entries(group_info)  # parsed before, in _aggregate_with_group
+        modes = [e.mode for e in entries]
         kwargs["peer_fractions"] = tuple(
             links.cap_shares(kwargs["peer_fractions"], [m != AveragingMode.CLIENT for m in modes], self._max_share)
         )
         runner = ConsistentAllReduceRunner(
-            ledger=self._ledger(group_info, group_id, modes),
+            ledger=self._ledger(group_info, group_id, entries),
             p2p=self._p2p,
             servicer_type=type(self),
             prefix=self.prefix,
@@ -368,31 +336,3 @@ class DiLoCoAverager(DecentralizedAverager, LinkProbes, Audits, Evidence):
         self.last_updated = time.time()
         self._state_updated.set()
         faults.reached(faults.FaultPoint.ALLREDUCE_DONE)
-
-
-def _user_data(data: bytes, serializer: Any) -> dict:
-    """What a member added to the all-gather (step.py: round, seen, key, cert), or {} if malformed."""
-    try:
-        user = serializer.loads(list(serializer.loads(data))[2])
-    except Exception:  # anything a peer could send
-        return {}
-    return user if isinstance(user, dict) else {}
-
-
-def _fair(group_info: GroupInfo, serializer: Any) -> GroupInfo:
-    """The group with every member's bandwidth claim counted only up to what the other members
-    measured of its probes (links.vouched_bandwidths) and capped (links.fair_bandwidths), so that no
-    peer can claim its way to reducing the whole vector. Each member computes the same figures
-    from the same gathered bytes. Malformed gathered data is left for hivemind to refuse."""
-    try:
-        unpacked = [list(serializer.loads(data)) for data in group_info.gathered]
-        seen = []
-        for u in unpacked:
-            user = serializer.loads(u[2]) if isinstance(u[2], bytes) else None
-            seen.append(user.get("seen") if isinstance(user, dict) else None)
-        members = [str(p) for p in group_info.peer_ids]
-        fair = links.fair_bandwidths(links.vouched_bandwidths(members, [u[0] for u in unpacked], seen))
-        gathered = tuple(serializer.dumps([b, *u[1:]]) for b, u in zip(fair, unpacked))
-    except Exception:  # anything a peer could send: hivemind's own parsing fails the group cleanly
-        return group_info
-    return GroupInfo(group_info.group_id, group_info.peer_ids, gathered)

@@ -20,7 +20,6 @@ from collections.abc import Awaitable, Callable
 from typing import Any
 
 from hivemind.averaging.allreduce import AllreduceException
-from hivemind.averaging.group_info import GroupInfo
 from hivemind.utils import get_logger
 
 from p2p_diloco import admission
@@ -67,24 +66,12 @@ class Doors:
         self._recheck.pop(peer, None)
         return None
 
-    def from_gathered(self, peer: str, gathered: Any, serializer: Any) -> str | None:
-        """Why what `peer` sent for the all-gather (with its join request, or in the group) does not
-        admit it, or None if it does."""
-        try:
-            user = serializer.loads(list(serializer.loads(gathered))[2])
-        except Exception:  # anything a peer could send
-            return "it sent malformed group data"
-        return self.reason_to_refuse(peer, user.get("cert") if isinstance(user, dict) else None)
-
-    def check_group(self, group_info: GroupInfo, serializer: Any) -> None:
-        """Fail the group (before a part is sent) if any member is not admitted."""
-        for peer, data in zip(group_info.peer_ids, group_info.gathered):
-            reason = self.from_gathered(str(peer), data, serializer)
-            if reason is not None:
-                self.log_refusal(str(peer), "group", reason)
-                raise AllreduceException(
-                    f"group member {peer} is not admitted to this run ({reason}): nothing averaged"
-                )
+    def check_member(self, peer: str, certificate: str | None) -> None:
+        """Fail the group (before a part is sent) if its member `peer` is not admitted."""
+        reason = self.reason_to_refuse(peer, certificate)
+        if reason is not None:
+            self.log_refusal(peer, "group", reason)
+            raise AllreduceException(f"group member {peer} is not admitted to this run ({reason}): nothing averaged")
 
     async def admitted(self, peer: str) -> bool:
         """Whether `peer` is admitted, from the cache or the certificate it published in the DHT."""

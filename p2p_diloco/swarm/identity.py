@@ -44,11 +44,15 @@ def not_a_key(path: Path, entry_node: bool = False) -> str:
     )
 
 
+MADE_HERE: set[Path] = set()  # keys this process made: no other node can hold them (in_use.py)
+
+
 def load_identity(path: Path, entry_node: bool = False) -> RSAPrivateKey:
     """The peer's libp2p private key from `path`, made there on first start (the peer's id for good)."""
     if not path.exists():
         path.parent.mkdir(parents=True, exist_ok=True)
         P2P.generate_identity(str(path))
+        MADE_HERE.add(path.resolve())
     try:
         key = crypto_pb2.PrivateKey.FromString(path.read_bytes())
     except Exception:  # protobuf raises DecodeError and others on foreign bytes

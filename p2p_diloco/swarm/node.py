@@ -20,7 +20,7 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import ConfigError, SwarmError
-from p2p_diloco.swarm.identity import not_a_key
+from p2p_diloco.swarm.identity import MADE_HERE, not_a_key
 from p2p_diloco.swarm.in_use import in_use
 from p2p_diloco.swarm.processes import children_started, quiet_fork, wait_result, wait_started
 
@@ -138,7 +138,7 @@ def start_dht(
     check = None
     if identity_path is not None and identity_path.exists():
         _check_identity(identity_path)
-        if initial_peers:  # the first node of a swarm has nobody to ask
+        if initial_peers and identity_path.resolve() not in MADE_HERE:  # nobody to ask; a key made just now
             check = IdentityCheck(identity_path, nat, cfg.join_timeout_s * IDENTITY_CHECK_SHARE)
     try:
         with children_started():  # a signal to the peer's group leaves the DHT process to the peer

@@ -31,6 +31,8 @@ As a server of its state to peers that catch up (it trains and publishes honestl
 - `state-round:0`      metadata whose round is 2**64 - 1 (msgpack carries it; a digest packs 64 signed bits).
 In link probes:
 - `link:x`      announces x times the link figure it measured (10 Gbit/s before it measured one).
+In the group's all-gather:
+- `gather:0`    shows its group vouches that are not a mapping (group data that does not parse).
 """
 
 import os
@@ -209,6 +211,16 @@ def lie_about_the_link() -> None:
     AveragingStep._link_report = link_report
 
 
+def show_malformed_group_data() -> None:
+    original = AveragingStep._link_report
+
+    def link_report(self):
+        figure, _ = original(self)
+        return figure, "not a mapping"  # goes into the all-gather as "seen"
+
+    AveragingStep._link_report = link_report
+
+
 if KIND in ("scale", "flip", "zero", "weight", "replay", "alie", "garbage"):
     lie_as_sender()
 elif KIND in ("part-weight", "part-shape"):
@@ -223,6 +235,8 @@ elif KIND == "ahead":
     lie_about_rounds()
 elif KIND == "link":
     lie_about_the_link()
+elif KIND == "gather":
+    show_malformed_group_data()
 elif KIND.startswith("state-"):
     serve_bad_states()
 else:

@@ -68,12 +68,14 @@ def test_a_second_node_with_a_running_nodes_key_stops_with_one_line_and_no_daemo
         started.append(start_dht(cfg.swarm, tmp_path / "peer.key", peers, False, []))  # its restart: checked, free
         with pytest.raises(SwarmError, match=r"^the identity .*peer\.key is in use by another running node"):
             started.append(start_dht(cfg.swarm, tmp_path / "peer.key", peers, False, []))
+        validator = make_validator(tmp_path / "new.key")  # makes the key in this process: nobody else has it
+        started.append(start_dht(cfg.swarm, tmp_path / "new.key", peers, False, [validator]))
     finally:
         hivemind_log.setLevel(level)
         handler.setStream(stream)
         for dht in started:
             dht.shutdown()
     launches = [line for line in capfd.readouterr().err.splitlines() if "Launching [" in line]
-    # entry, first, the restart's check and its own p2pd, the refused one's check
-    assert len(launches) == 5, launches
+    # entry, first, the restart's check and its own p2pd, the refused one's check, new (no check)
+    assert len(launches) == 6, launches
     assert all("'-natPortMap=0'" in line and "'-autonat=0'" in line for line in launches), launches

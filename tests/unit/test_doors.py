@@ -1,5 +1,6 @@
-"""The averager's doors (certified runs), in-process: what a peer shows with its join request or in
-the all-gather, or published in the DHT, decides whether it comes in; revocations close every door."""
+"""The averager's doors (certified runs), in-process: the certificate a peer shows with its join
+request or in the all-gather (parsed by swarm/gathered.py, tests/unit/test_gathered.py), or
+published in the DHT, decides whether it comes in; revocations close every door."""
 
 import asyncio
 import time
@@ -7,8 +8,6 @@ import time
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.averaging.allreduce import AllreduceException
-from hivemind.averaging.group_info import GroupInfo
-from hivemind.utils.serializer import MSGPackSerializer
 
 from p2p_diloco import admission
 from p2p_diloco.swarm.doors import Doors
@@ -20,11 +19,6 @@ ORGANISER = admission.public_key_text(KEY.public_key())
 
 def cert(peer, key=KEY, run=RUN, expires=None):
     return admission.issue(key, run, peer, peer.lower(), expires or int(time.time()) + 3600).to_json()
-
-
-def gathered(user):
-    """What a member sends for the all-gather, as step.py packs it: [bandwidth, mode, user data]."""
-    return MSGPackSerializer.dumps([None, 0, MSGPackSerializer.dumps(user)])
 
 
 class Published:
@@ -55,22 +49,16 @@ def doors(published=None):
     ],
 )
 def test_a_join_request_comes_in_only_with_a_certificate_for_the_requesting_peer(user, problem):
-    reason = doors().from_gathered(ALICE, gathered(user), MSGPackSerializer)
+    reason = doors().reason_to_refuse(ALICE, user.get("cert"))
     assert reason is None if problem is None else problem in reason
-
-
-def test_malformed_group_data_is_a_refusal_not_a_crash():
-    for data in [b"", b"\xc1garbage", MSGPackSerializer.dumps([1]), MSGPackSerializer.dumps("text")]:
-        assert doors().from_gathered(ALICE, data, MSGPackSerializer) == "it sent malformed group data"
 
 
 def test_a_group_with_one_outsider_fails_before_anything_is_averaged():
     d = doors()
-    ok = GroupInfo(b"g", (ALICE, BOB), (gathered({"cert": cert(ALICE)}), gathered({"cert": cert(BOB)})))
-    d.check_group(ok, MSGPackSerializer)
-    bad = GroupInfo(b"g", (ALICE, MALLORY), (gathered({"cert": cert(ALICE)}), gathered({"cert": cert(BOB)})))
+    d.check_member(ALICE, cert(ALICE))
+    d.check_member(BOB, cert(BOB))
     with pytest.raises(AllreduceException, match="group member QmMallory is not admitted.*nothing averaged"):
-        d.check_group(bad, MSGPackSerializer)
+        d.check_member(MALLORY, cert(BOB))
 
 
 def test_state_and_probe_doors_look_up_the_published_certificate_once():
@@ -89,10 +77,9 @@ def test_a_revocation_closes_every_door_at_once_even_for_a_cached_peer():
     assert asyncio.run(d.admitted(ALICE))
     d.set_revoked(frozenset({ALICE}))
     assert not asyncio.run(d.admitted(ALICE))
-    assert d.from_gathered(ALICE, gathered({"cert": cert(ALICE)}), MSGPackSerializer) == "the organiser revoked it"
-    group = GroupInfo(b"g", (ALICE,), (gathered({"cert": cert(ALICE)}),))
+    assert d.reason_to_refuse(ALICE, cert(ALICE)) == "the organiser revoked it"
     with pytest.raises(AllreduceException, match="revoked"):
-        d.check_group(group, MSGPackSerializer)
+        d.check_member(ALICE, cert(ALICE))
 
 
 def test_a_certificate_that_expires_mid_run_closes_the_doors_it_opened(monkeypatch):
@@ -102,4 +89,4 @@ def test_a_certificate_that_expires_mid_run_closes_the_doors_it_opened(monkeypat
     assert asyncio.run(d.admitted(ALICE))
     monkeypatch.setattr(time, "time", lambda: now + 61)  # a minute later: the cached verdict ran out
     assert not asyncio.run(d.admitted(ALICE)) and published.lookups == 2
-    assert "expired" in d.from_gathered(ALICE, gathered({"cert": published.certs[ALICE]}), MSGPackSerializer)
+    assert "expired" in d.reason_to_refuse(ALICE, published.certs[ALICE])
