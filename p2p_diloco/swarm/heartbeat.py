@@ -56,6 +56,7 @@ class Heartbeat:
         self._started = time.time()
         self._read_at = self._started  # when the last beat read the swarm's records
         self._first_seen: dict[str, float] = {}
+        self._sending: dict[str, Any] = {}  # the store in flight of each kind of this peer's records
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="swarm-heartbeat", daemon=True)
 
@@ -78,15 +79,22 @@ class Heartbeat:
         now = time.time()
         mine = self._my_progress
         refresh = self._last_record is not None and now - self._last_refresh >= records.REFRESH_S
-        with self._dht_lock:
-            if refresh and self._last_record is not None:
-                records.publish_round(self.dht, self.validator, self.prefix, self._last_record)
-                self._last_refresh = now
-            if mine is not None:
-                convicted = self.gate.convicted
-                records.publish_progress(self.dht, self.validator, self.prefix, replace(mine, time=now), convicted)
-            progress_entries = records.read_entries(self.dht, records.progress_key(self.prefix))
-            round_entries = records.read_entries(self.dht, records.rounds_key(self.prefix))
+        # Stores are not waited for, and nothing here holds the DHT lock while it waits (the DHT
+        # handle's writes are serialised by node.OneSendAtATime): with a member asleep, each store
+        # waited 3 s for each try of it (6 s measured) under the lock, and every read of the swarm
+        # by the peer waited behind it, a survivor's catch-up too (hog run A13: 26.8 s lost).
+        if refresh and self._last_record is not None and self._sent("round"):
+            self._sending["round"] = records.publish_round(
+                self.dht, self.validator, self.prefix, self._last_record, wait=False
+            )
+            self._last_refresh = now
+        if mine is not None and self._sent("progress"):
+            convicted = self.gate.convicted
+            self._sending["progress"] = records.publish_progress(
+                self.dht, self.validator, self.prefix, replace(mine, time=now), convicted, wait=False
+            )
+        progress_entries = records.read_entries(self.dht, records.progress_key(self.prefix))
+        round_entries = records.read_entries(self.dht, records.rounds_key(self.prefix))
         if refresh:
             self.gate.publish()
         self.gate.refresh_revocations()
@@ -99,6 +107,11 @@ class Heartbeat:
             self.entries.tend(now, self._rounds_seen, self.peer_id)
         for p in {r.peer for r in self._reports} | set(self._rounds_seen):
             self._first_seen.setdefault(p, now)
+
+    def _sent(self, kind: str) -> bool:
+        """Whether this peer's last store of `kind` ended: one at a time (a newer one follows)."""
+        future = self._sending.get(kind)
+        return future is None or future.done()
 
     def published(self, record: RoundRecord) -> None:
         """This peer just published `record`: refresh it from now on; a new round has no tokens yet."""

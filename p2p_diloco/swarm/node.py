@@ -8,7 +8,9 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import os
 import socket
+import threading
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
@@ -62,6 +64,7 @@ class SwarmDHT(hivemind.DHT):
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         with quiet_fork("DHT process"):
             self.start()
+        self._outer_pipe = OneSendAtATime(self._outer_pipe)  # type: ignore[has-type]  # hivemind: untyped
         if await_ready:
             wait_started(self, "DHT process", timeout or self.timeout_s)
 
@@ -91,6 +94,26 @@ class IdentityCheck:
     path: Path
     relays: bool  # swarm.nat_traversal: a node reachable only through a relay can be found
     timeout_s: float
+
+
+class OneSendAtATime:
+    """hivemind's DHT handle writes each call to one pipe and waits for the answer on a future of
+    its own. Two threads writing at once could interleave their bytes, so each write takes this
+    lock, and only the write: a thread waiting for a slow answer (3 s for each try of a node that
+    sleeps) no longer holds up the others' calls. A child forked while a write was in flight makes
+    its own lock (the copy would be held for ever)."""
+
+    def __init__(self, pipe: Any):
+        self._pipe, self._pid, self._lock = pipe, os.getpid(), threading.Lock()
+
+    def send(self, message: Any) -> None:
+        if os.getpid() != self._pid:
+            self._pid, self._lock = os.getpid(), threading.Lock()
+        with self._lock:
+            self._pipe.send(message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
 
 
 def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:

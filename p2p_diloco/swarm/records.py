@@ -74,8 +74,12 @@ def read_progress_report(value: Any) -> Progress:
     )
 
 
-def _store(dht: Any, validator: Any, key: str, value: Any, ttl: float = RECORD_TTL_S) -> None:
-    dht.store(key, value, expiration_time=get_dht_time() + ttl, subkey=validator.local_public_key)
+def _store(dht: Any, validator: Any, key: str, value: Any, ttl: float = RECORD_TTL_S, wait: bool = True) -> Any:
+    """Store `value` under this peer's subkey; with `wait=False`, return the store's future at once."""
+    expiration = get_dht_time() + ttl
+    if wait:
+        return dht.store(key, value, expiration_time=expiration, subkey=validator.local_public_key)
+    return dht.store(key, value, expiration_time=expiration, subkey=validator.local_public_key, return_future=True)
 
 
 def _read(dht: Any, key: str) -> list[tuple[Any, Any]]:
@@ -140,8 +144,8 @@ def _log_forged_once(signer: str | None, claimed: str) -> None:
     )
 
 
-def publish_round(dht: Any, validator: Any, prefix: str, record: RoundRecord) -> None:
-    _store(dht, validator, rounds_key(prefix), {**asdict(record), "addrs": list(record.addrs)})
+def publish_round(dht: Any, validator: Any, prefix: str, record: RoundRecord, wait: bool = True) -> Any:
+    return _store(dht, validator, rounds_key(prefix), {**asdict(record), "addrs": list(record.addrs)}, wait=wait)
 
 
 def read_rounds(dht: Any, prefix: str, admit: Admit = everyone) -> dict[str, RoundRecord]:
@@ -173,11 +177,13 @@ def rounds_from(entries: list[tuple[Any, Any]], admit: Admit = everyone) -> dict
     return out
 
 
-def publish_progress(dht: Any, validator: Any, prefix: str, report: Progress, convicted: Collection[str] = ()) -> None:
+def publish_progress(
+    dht: Any, validator: Any, prefix: str, report: Progress, convicted: Collection[str] = (), wait: bool = True
+) -> Any:
     """This peer's progress, with the peers it convicted (its accusations, swarm/evidence.py): one
     record that every peer reads every beat anyway."""
     value = {**asdict(report), "convicted": sorted(convicted)[:MAX_CONVICTIONS]}
-    _store(dht, validator, progress_key(prefix), value, ttl=PROGRESS_TTL_S)
+    return _store(dht, validator, progress_key(prefix), value, ttl=PROGRESS_TTL_S, wait=wait)
 
 
 def read_progress(dht: Any, prefix: str, admit: Admit = everyone) -> tuple[list[Progress], dict[str, list[str]]]:

@@ -17,6 +17,7 @@ import json
 import os
 import threading
 import time
+from concurrent.futures import Future
 from dataclasses import asdict
 from types import SimpleNamespace
 
@@ -118,9 +119,13 @@ class FakeDHT:
             return None
         return SimpleNamespace(value={sk: Entry(v, self.expiration) for sk, v in found.items()})
 
-    def store(self, key, value, expiration_time, subkey=None):
+    def store(self, key, value, expiration_time, subkey=None, return_future=False):
         self.entries.setdefault(key, {})[subkey] = value
-        return True
+        if not return_future:
+            return True
+        done = Future()  # the heartbeat does not wait for its stores
+        done.set_result(True)
+        return done
 
     def is_alive(self):
         return True
