@@ -12,10 +12,11 @@ move every honest peer's θ at will, since all members apply the same bytes (I1)
 2. **The check's randomness comes after.** Once every average arrived, each member derives the
    audit `seed` from the group id and the hashes of every average it received. No reducer knows,
    when it answers, which of its parts will be checked; no reducer can change an answer after.
-3. **The audit.** For each other reducer, every member asks it for the signed parts of one part
-   index (`audited_part`), checks every signature, recomputes the combination and compares it with
-   the signed average it received (`disagreement`). Every honest member checks the same part with
-   the same data, so all reach the same verdict.
+3. **The audit.** For each other reducer, every member asks it for every sender's signed part of
+   some of its part indices (`audited_parts`: as many as fit 2 MiB, one of a big model's), checks
+   every signature, recomputes the combination and compares it with the signed average it
+   received (`disagreement`). Every honest member checks the same parts with the same data, so
+   all reach the same verdict.
 
 A reducer whose answer is not the combination of the signed parts is convicted: the round's
 average is discarded (I2), and the members refuse it for the rest of the run. A sender cannot
@@ -38,6 +39,7 @@ import torch
 from p2p_diloco import codecs, robust
 
 TOLERANCE = 0.01  # of the recomputed average's norm (after the codec)
+AUDIT_BYTES = 2 * 1024 * 1024  # of each reducer's parts checked per audit (one part of a big model)
 _PART = b"p2p-diloco/part/v1"
 _OUTPUT = b"p2p-diloco/average/v1"
 
@@ -72,10 +74,20 @@ def seed(group_id: bytes, output_digests: Sequence[bytes]) -> bytes:
     return digest(_framed(b"p2p-diloco/audit/v1", group_id, *output_digests))
 
 
-def audited_part(audit_seed: bytes, reducer: str, num_parts: int) -> int:
-    """Which of `reducer`'s parts every member checks (num_parts > 0)."""
+def audited_parts(audit_seed: bytes, reducer: str, num_parts: int, count: int = 1) -> list[int]:
+    """Which of `reducer`'s parts every member checks (num_parts > 0): `count` of them (all when
+    count >= num_parts), chosen by the seed, in increasing order."""
     value = int.from_bytes(digest(audit_seed + reducer.encode())[:8], "big")
-    return value % num_parts
+    count = max(1, min(count, num_parts))
+    return sorted((value + i * num_parts // count) % num_parts for i in range(count))
+
+
+def parts_to_audit(part_bytes: int, budget_bytes: int = AUDIT_BYTES) -> int:
+    """How many of a reducer's parts each audit checks: as many as fit `budget_bytes`, at least one.
+    A big model's 2 MiB parts: one, a fraction q of a liar's parts caught with probability q per
+    round. A small model cut into small parts (links.part_bytes): its whole span, as when it was one
+    part."""
+    return max(1, budget_bytes // max(1, part_bytes))
 
 
 def disagreement(

@@ -25,6 +25,7 @@ from __future__ import annotations
 import asyncio
 import math
 from collections import Counter
+from collections.abc import Sequence
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
 import torch
@@ -83,6 +84,13 @@ class WireCodec(CompressionBase):
 
     def estimate_compression_ratio(self, info: CompressionInfo) -> float:
         return self._for(info).bytes_per_value() / 4
+
+    def encoded_bytes(self, tensors: Sequence[torch.Tensor]) -> int:
+        """The bytes `tensors` take on the wire, as hivemind counts them when it cuts parts."""
+        infos = (CompressionInfo.from_tensor(t, key=i) for i, t in enumerate(tensors))
+        return int(
+            sum(t.numel() * t.element_size() * self.estimate_compression_ratio(i) for t, i in zip(tensors, infos))
+        )
 
 
 class _Collected:

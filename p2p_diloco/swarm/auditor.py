@@ -1,7 +1,7 @@
 """The audit after every all-reduce (audit.py): a mixin of the averager, run in the averager process.
 
 Once a member holds every average of its group, and before it applies any, it asks each other
-reducer for the signed parts of one part of its span (`audit.audited_part`), checks the senders'
+reducer for the signed parts of some parts of its span (`audit.audited_parts`), checks the senders'
 signatures, recomputes the combination and compares it with the signed average it received.
 
 - A reducer whose average does not match, or that shows a part its sender did not sign, is
@@ -167,8 +167,16 @@ class Audits:
 
     async def _audit_one(self, runner: ConsistentAllReduceRunner, j: int, seed: bytes) -> tuple[bool, str] | None:
         """None if reducer `j` passes; (True, why) if it is convicted; (False, why) if it did not answer."""
+        container = runner.tensor_part_container
+        count = audit.parts_to_audit(container.part_size_bytes)
+        parts = audit.audited_parts(seed, str(runner.ordered_peer_ids[j]), container.num_parts_by_peer[j], count)
+        verdicts = await asyncio.gather(*(self._audit_part(runner, j, part) for part in parts))
+        failed = [v for v in verdicts if v is not None]
+        return next((v for v in failed if v[0]), failed[0] if failed else None)  # a conviction first
+
+    async def _audit_part(self, runner: ConsistentAllReduceRunner, j: int, part: int) -> tuple[bool, str] | None:
+        """The verdict on one part of reducer `j`'s span, as `_audit_one`'s."""
         peer = runner.ordered_peer_ids[j]
-        part = audit.audited_part(seed, str(peer), runner.tensor_part_container.num_parts_by_peer[j])
         try:
             shown = await self._ask(peer, runner.group_id, part, len(runner.ledger.senders), runner.sender_timeout)
         except Exception as e:  # a dead, slow or garbled reducer: the round fails, nobody is convicted

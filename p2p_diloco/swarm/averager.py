@@ -294,9 +294,10 @@ class DiLoCoAverager(Groups, DecentralizedAverager, LinkProbes, Audits, Evidence
         group_id = group_info.group_id if group_id is None else group_id
         entries = self.group_entries(group_info)  # parsed before, in _aggregate_with_group
         modes = [e.mode for e in entries]
-        kwargs["peer_fractions"] = tuple(
-            links.cap_shares(kwargs["peer_fractions"], [m != AveragingMode.CLIENT for m in modes], self._max_share)
-        )
+        reduces = [m != AveragingMode.CLIENT for m in modes]
+        kwargs["peer_fractions"] = tuple(links.cap_shares(kwargs["peer_fractions"], reduces, self._max_share))
+        vector = kwargs["compression"].encoded_bytes(tensors)
+        kwargs["part_size_bytes"] = links.part_bytes(vector, sum(reduces), kwargs["part_size_bytes"])
         runner = ConsistentAllReduceRunner(
             ledger=self._ledger(group_info, group_id, entries),
             p2p=self._p2p,

@@ -25,9 +25,12 @@ logger = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 1.0  # how often a peer publishes its progress and reads everyone's
 STALE_S = 10.0  # a peer whose progress report is older than this no longer counts in the round
-# An id first seen this long after this peer started is new to it for this long: it does not count
-# in the swarm's state (agreement.counted) until then. The peers a starting peer finds are known.
+# An id this peer first saw after it knew the swarm is new to it for FRESH_S: it does not count in
+# the swarm's state (agreement.counted) until then. The peers a starting peer finds are known: those
+# of its first read that showed anyone, and of its reads in the SETTLE_S after it (peers started
+# together, whose records reach the DHT a few seconds apart).
 FRESH_S = 120.0
+SETTLE_S = 10.0
 
 
 class Heartbeat:
@@ -56,6 +59,7 @@ class Heartbeat:
         self._started = time.time()
         self._read_at = self._started  # when the last beat read the swarm's records
         self._first_seen: dict[str, float] = {}
+        self._knew_swarm_at: float | None = None  # when a read first showed another peer
         self._sending: dict[str, Any] = {}  # the store in flight of each kind of this peer's records
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="swarm-heartbeat", daemon=True)
@@ -105,7 +109,10 @@ class Heartbeat:
         self._read_at = now
         with self._dht_lock:
             self.entries.tend(now, self._rounds_seen, self.peer_id)
-        for p in {r.peer for r in self._reports} | set(self._rounds_seen):
+        seen = {r.peer for r in self._reports} | set(self._rounds_seen)
+        if self._knew_swarm_at is None and seen - {self.peer_id}:
+            self._knew_swarm_at = now
+        for p in seen:
             self._first_seen.setdefault(p, now)
 
     def _sent(self, kind: str) -> bool:
@@ -146,9 +153,12 @@ class Heartbeat:
         return {r.peer for r in self._reports if now - r.time > STALE_S} | silent
 
     def fresh_peers(self) -> set[str]:
-        """Ids first seen less than FRESH_S ago, and more than FRESH_S after this peer started."""
+        """Ids first seen less than FRESH_S ago, and more than SETTLE_S after this peer's first read
+        that showed another peer. Before, every id seen in a peer's own first 120 s counted at once:
+        a flood of ids that arrived while a peer started counted in its votes (threat model)."""
         now = time.time()
-        return {p for p, t in self._first_seen.items() if t - self._started > FRESH_S and now - t < FRESH_S}
+        known_until = (now if self._knew_swarm_at is None else self._knew_swarm_at) + SETTLE_S
+        return {p for p, t in self._first_seen.items() if t > known_until and now - t < FRESH_S}
 
     def swarm_round(self) -> int | None:
         """The round of the swarm's backed state (agreement.backed), as of the last beat."""

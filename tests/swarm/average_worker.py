@@ -142,6 +142,7 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
                     "sha256": hashlib.sha256(values.numpy().tobytes()).hexdigest(),
                     "group": len(result.group),
                     "bytes_sent": result.bytes_sent,
+                    "bytes_received": result.bytes_received,
                     "residual": describe_residual(swarm, delta, codec),
                     **report,
                 }

@@ -69,8 +69,9 @@ def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
     weights = [1.0, 1.0, 2.0]  # tokens of each peer
     # fp32 averages twice: the first all-reduce starts a probe sweep of the links, the second
     # announces the measured figures (the averages must be the same). fp32 takes the plain mean,
-    # int4 the default robust `clip`.
-    flags = ["probe", "mean"] if codec == "fp32" else []
+    # int4 the default robust `clip`. fp32 averages 200,000 values (800 kB, under one 2 MiB part).
+    numel = 200_000 if codec == "fp32" else NUMEL
+    flags = [str(numel), "probe", "mean"] if codec == "fp32" else []
     workers = start_workers(swarm, weights, codec, flags, flags, flags)
     results = [json.loads(read_line(w, 60)) for w in workers]
     for w in workers:
@@ -80,19 +81,25 @@ def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
     # mean: (1·1 + 2·1 + 3·2) / 4 = 2.25. clip: the norms are 1, 2, 3 x the ramp's, so the third is
     # scaled down to the median, 2; the weights 1, 1, 2 are under the cap (2 x 1): (1 + 2 + 2·2) / 4 = 1.75.
     factor = 2.25 if codec == "fp32" else 1.75
-    expected = factor * (1 + torch.arange(NUMEL, dtype=torch.float32) / 1000)
+    expected = factor * (1 + torch.arange(numel, dtype=torch.float32) / 1000)
     expected_exact = factor * (torch.arange(EXACT, dtype=torch.float32) + 1) / 1000
     assert [r["group"] for r in results] == [3, 3, 3]
     assert len({r["sha256"] for r in results}) == 1, "every member must hold the same bytes"
     torch.testing.assert_close(torch.tensor(results[0]["values"]), expected, rtol=TOLERANCE[codec], atol=0)
     torch.testing.assert_close(torch.tensor(results[0]["exact"]), expected_exact, rtol=1e-6, atol=0)
     assert all(r["bytes_sent"] > 0 for r in results)
-    # 1000 values make one part, reduced by one peer. Every peer's part goes through the codec
+    # int4's 1000 values make one part, reduced by one peer. Every peer's part goes through the codec
     # (the reducer's own too, as the audit sees it), and each keeps exactly what the codec lost
     # of it for the next round.
     residuals = sorted(r["residual"] for r in results)
     if codec == "fp32":
         assert residuals == ["none"] * 3
+        # Every member reduced a share of the 800 kB (links.part_bytes). A member that reduces a
+        # fraction f of V bytes receives V (1 + f) with 3 members: the others' parts of its span,
+        # and the averages of the rest. Before, the vector was one part and two members got V each.
+        vector = numel * 4 + EXACT * 4
+        shares = [r["bytes_received"] / vector - 1 for r in results]
+        assert all(0.1 < f <= 0.51 for f in shares), shares  # none above swarm.max_reduce_share (0.5)
         # Every peer probed the two others, and announced a figure measured from probes.
         for r in results:
             assert len(r["probes"]) == 2 and all(rate > 0 for rate in r["probes"].values()), r["probes"]

@@ -40,7 +40,7 @@ def test_the_audited_part_depends_on_every_average_and_stays_in_range():
     assert seed == audit.seed(b"group", list(outputs))
     assert seed != audit.seed(b"group", outputs[:4] + [audit.digest(b"changed")])
     assert seed != audit.seed(b"other group", outputs)
-    picks = {audit.audited_part(audit.seed(b"g", [bytes([i])]), "reducer", 7) for i in range(200)}
+    picks = {audit.audited_parts(audit.seed(b"g", [bytes([i])]), "reducer", 7)[0] for i in range(200)}
     assert picks == set(range(7))  # every part can be picked, none outside
 
 
@@ -125,3 +125,15 @@ def test_left_out_names_convictions_and_benches_until_they_expire(monkeypatch):
     audits._bench("slow", "no answer again")
     now[0] += 121
     assert "left out for 119 s more" in audits.left_out("slow")  # the second period is 240 s
+
+
+def test_a_small_model_s_span_is_audited_whole_and_a_big_model_s_one_part_at_a_time():
+    mib = 2 * 1024 * 1024
+    assert audit.parts_to_audit(mib) == 1  # a big model: one 2 MiB part of each span
+    assert audit.parts_to_audit(78_606) == 26  # the tiny preset's parts: every one of a span
+    seed = audit.seed(b"g", [b"x"])
+    assert audit.audited_parts(seed, "r", 4, audit.parts_to_audit(78_606)) == [0, 1, 2, 3]
+    picked = audit.audited_parts(seed, "r", 10, 3)
+    assert len(set(picked)) == 3 and all(0 <= p < 10 for p in picked) and picked == sorted(picked)
+    assert audit.audited_parts(seed, "r", 10, 3) == picked  # every member picks the same
+    assert audit.audited_parts(seed, "r", 10, 0) == audit.audited_parts(seed, "r", 10, 1)  # at least one

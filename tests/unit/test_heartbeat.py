@@ -66,3 +66,30 @@ def test_a_peer_whose_own_reads_fail_judges_nobody_stale_on_what_it_could_not_re
     clock[0] += 1
     beat._beat()  # a read that shows the holder's last report 1,031 s old: it stopped
     assert beat.stale_peers() == {"holder"}
+
+
+def test_ids_that_arrive_after_a_starting_peer_knew_the_swarm_are_new_to_it(clock, monkeypatch):
+    # Before, every id a peer saw in its own first 120 s counted at once in its votes: a flood of
+    # ids that arrived while it started outvoted the peers it knew (the threat model said less).
+    present: list[str] = []
+    monkeypatch.setattr(heartbeat.records, "read_entries", lambda dht, key: [])
+    reports = lambda entries, admit: ([Progress(p, 3, 0, 0.0, clock[0]) for p in present], {})  # noqa: E731
+    monkeypatch.setattr(heartbeat.records, "progress_from", reports)
+    monkeypatch.setattr(heartbeat.records, "rounds_from", lambda entries, admit: {})
+    beat = Heartbeat(None, None, "run", "me", threading.Lock(), Gate(), Entries())
+    beat.convictions.refresh = lambda accusations: None
+    beat._beat()  # alone for a minute: nobody known yet, nobody new
+    clock[0] += 60
+    present[:] = ["me", "a"]
+    beat._beat()  # its first read that shows another peer: "a" is known
+    clock[0] += heartbeat.SETTLE_S
+    present.append("b")  # started with "a", its record a few seconds later: known too
+    beat._beat()
+    assert beat.fresh_peers() == set()
+    clock[0] += 20  # 90 s after this peer started
+    present.extend(["flood-1", "flood-2"])
+    beat._beat()
+    assert beat.fresh_peers() == {"flood-1", "flood-2"}
+    clock[0] += heartbeat.FRESH_S  # known for FRESH_S: they count
+    beat._beat()
+    assert beat.fresh_peers() == set()

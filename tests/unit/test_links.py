@@ -2,6 +2,8 @@
 
 import math
 
+import torch
+
 from p2p_diloco import links
 
 
@@ -91,3 +93,31 @@ def test_no_member_reduces_more_than_its_share_cap():
     # Water-filling over two steps: 0.7 -> 0.4 gives 0.1 each to the others; 0.45 -> 0.4 again.
     shares = links.cap_shares([0.7, 0.35, 0.05, 0.0], [True, True, True, True], 0.4)
     assert max(shares) <= 0.4 + 1e-12 and abs(sum(shares) - 1) < 1e-12, shares
+
+
+def test_a_small_vector_is_cut_so_that_every_reducer_gets_parts():
+    mib = 2 * 1024 * 1024
+    # The tiny preset at scaled-fp16 (943,267 bytes with the exact tensor) among 3 reducers: 12
+    # parts of ceil(943,267 / 12) bytes, about 4 per member.
+    assert links.part_bytes(943_267, 3, mib) == 78_606
+    assert links.part_bytes(943_267, 2, mib) == 117_909
+    # A big model keeps the measured 2 MiB; a very small vector is not cut below 64 KiB.
+    assert links.part_bytes(500_000_000, 8, mib) == mib
+    assert links.part_bytes(4_000, 3, mib) == links.MIN_PART_BYTES
+    # No reducer (all clients) and an empty vector still give a valid size.
+    assert links.part_bytes(943_267, 0, mib) == math.ceil(943_267 / 4)
+    assert links.part_bytes(0, 3, mib) == links.MIN_PART_BYTES
+    assert links.part_bytes(943_267, 3, 1024) == 1024  # never above the largest
+
+
+def test_the_part_size_spreads_a_small_vector_over_the_members_in_hivemind_s_layout():
+    """hivemind's own layout (TensorPartContainer), which gives each part whole to one member."""
+    from hivemind.averaging.partition import TensorPartContainer
+
+    tensors = [torch.zeros(235_000)]  # 940 kB in fp32
+    fractions = [1 / 3, 1 / 3, 1 / 3]
+    whole = TensorPartContainer(tensors, fractions, part_size_bytes=2 * 1024 * 1024)
+    assert sorted(whole.num_parts_by_peer) == [0, 0, 1]  # before: one member reduced everything
+    cut = TensorPartContainer(tensors, fractions, part_size_bytes=links.part_bytes(940_000, 3, 2 * 1024 * 1024))
+    # 78,334 bytes make parts of 19,583 values: 12 of them and a 13th of the 4 values left over.
+    assert cut.num_parts_by_peer == (4, 4, 5)
