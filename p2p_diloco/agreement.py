@@ -180,18 +180,3 @@ def still_finishing(records: Mapping[str, RoundRecord], stale: set[str], final: 
     downloading) publishes its start record and beats while it looks, so it counts too: otherwise
     the last holders could leave while it settles, and it would find nobody to download from."""
     return [p for p, r in records.items() if r.round <= final and r.digest != mine and p not in stale]
-
-
-def config_to_defer_to(mine: str, live: Mapping[str, int]) -> str | None:
-    """The config (fingerprint) a starting peer must defer to, refusing to start (I5), or None.
-
-    `live`: for this peer's config and every other config of the run id that counts (in certified
-    runs, only organiser-signed ones), how many other peers are live under it. A peer joins its own
-    config's run whenever anyone runs it. If nobody does and another config has live peers, that
-    is the run: the peer is refused, told which fields differ. A config that only a record and no
-    live peer speaks for counts for nothing, so one published record cannot lock a run out
-    (config squatting); several, the most peers win, then the smallest fingerprint."""
-    if live.get(mine, 0) > 0:
-        return None
-    rivals = [(-n, fp) for fp, n in live.items() if fp != mine and n > 0]
-    return min(rivals)[1] if rivals else None

@@ -182,6 +182,11 @@ class SwarmSection:
         "a round ends when the live peers together trained H x batch tokens each; "
         "off: every peer runs exactly H steps (the paper's setting)",
     )
+    claim_cap: float = shared(
+        2.0,
+        "speed-aware rounds: a peer's progress counts up to this x the round's lower median; higher lets a "
+        "much faster peer's rounds end on budget, and a liar shorten everyone's (docs/design.md §6)",
+    )
     matchmaking_time_s: float = shared(
         5.0,
         "the slack: how long peers that finished a round wait for the rest of "
@@ -690,7 +695,7 @@ def _validate_swarm(s: SwarmSection) -> None:
         f"must be one of {', '.join(robust.AGGREGATORS)}, got {s.aggregator!r}",
         "aligned-clip is the default",
     )
-    for name in ("clip", "weight_cap"):
+    for name in ("clip", "weight_cap", "claim_cap"):
         value = getattr(s, name)
         _require(math.isfinite(value) and value >= 1, f"swarm.{name}", f"must be >= 1, got {value}", "e.g. 2")
     _require(

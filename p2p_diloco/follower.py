@@ -5,19 +5,31 @@ It knows nothing of the swarm, writes nothing, and exits when rank 0 says so."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from p2p_diloco import checkpoint, data
 from p2p_diloco import model as model_mod
 from p2p_diloco.config import Config
-from p2p_diloco.inner import InnerTrainer
+from p2p_diloco.inner import InnerTrainer, RankGroup
 from p2p_diloco.prefetch import Prefetcher
-from p2p_diloco.ranks import Ranks
 
 logger = logging.getLogger(__name__)
+
+
+class Ranks(RankGroup, Protocol):
+    """The peer's processes as a follower sees them (ranks.Ranks): rank 0's words, and θ."""
+
+    def receive(self) -> dict[str, Any]:
+        """Rank 0's next word."""
+        ...
+
+    def share(self, model: torch.nn.Module, params: Mapping[str, torch.Tensor] | None = None) -> None:
+        """Rank 0's θ into this rank's model."""
+        ...
 
 
 class Follower:

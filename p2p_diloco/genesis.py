@@ -30,7 +30,6 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
 from p2p_diloco import wire
-from p2p_diloco.agreement import config_to_defer_to
 
 MAX_TEXT = 4096  # longest signature accepted; fingerprints and digests are far shorter
 _FINGERPRINT = re.compile(r"^[0-9a-f]{1,64}$")  # config.Config.fingerprint's hex
@@ -87,6 +86,21 @@ class Verdict:
     final: Genesis | None = None  # a claim that the run finished (any kind but "other" and "new")
     theta0: str = ""  # the θ(0) digest the run's genesis names ("" if none)
     nearby: tuple[str, ...] = ()  # other run ids seen in the swarm, the likeliest typo first
+
+
+def config_to_defer_to(mine: str, live: Mapping[str, int]) -> str | None:
+    """The config (fingerprint) a starting peer must defer to, refusing to start (I5), or None.
+
+    `live`: for this peer's config and every other config of the run id that counts (in certified
+    runs, only organiser-signed ones), how many other peers are live under it. A peer joins its own
+    config's run whenever anyone runs it. If nobody does and another config has live peers, that
+    is the run: the peer is refused, told which fields differ. A config that only a record and no
+    live peer speaks for counts for nothing, so one published record cannot lock a run out
+    (config squatting); several, the most peers win, then the smallest fingerprint."""
+    if live.get(mine, 0) > 0:
+        return None
+    rivals = [(-n, fp) for fp, n in live.items() if fp != mine and n > 0]
+    return min(rivals)[1] if rivals else None
 
 
 def judge(mine: str, live: Mapping[str, int], found: Mapping[str, Genesis], rounds: int) -> Verdict:

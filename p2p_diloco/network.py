@@ -21,16 +21,14 @@ import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Protocol
+from typing import Any, Protocol
 
 import torch
 
 from p2p_diloco import wire
 from p2p_diloco.errors import StateDownloadError, WriteError
+from p2p_diloco.genesis import Genesis, Verdict
 from p2p_diloco.rounds import SwarmProgress
-
-if TYPE_CHECKING:
-    from p2p_diloco.genesis import Genesis, Verdict
 
 logger = logging.getLogger(__name__)
 
@@ -384,8 +382,6 @@ class Solo:
         self.peer_id = path.read_text().strip()
 
     def check_config(self, theta0: str) -> Verdict:
-        from p2p_diloco.genesis import Verdict  # genesis.py imports this module
-
         return Verdict("new")
 
     def publish_final(self, round_: int, digest: str) -> None:
@@ -436,8 +432,6 @@ class Solo:
         return None
 
     def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
-        from p2p_diloco.errors import StateDownloadError
-
         raise StateDownloadError("a peer that trains alone has nobody to download a state from")
 
     def close(self) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-CLAIM_CAP = 2.0  # no peer's progress counts for more than this x the lower median of the round's
+CLAIM_CAP = 2.0  # no peer's progress counts for more than this x the lower median of the round's (default)
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,14 @@ def estimate(report: Progress, now: float) -> float:
 
 
 def swarm_progress(
-    me: str, round_: int, my_tokens: int, reports: Iterable[Progress], now: float, tokens_per_peer: int, stale_s: float
+    me: str,
+    round_: int,
+    my_tokens: int,
+    reports: Iterable[Progress],
+    now: float,
+    tokens_per_peer: int,
+    stale_s: float,
+    cap: float = CLAIM_CAP,
 ) -> SwarmProgress:
     """The round's progress from this peer's tokens and the other peers' reports.
 
@@ -61,13 +68,13 @@ def swarm_progress(
     """
     live = [r for r in reports if r.peer != me and r.round == round_ and now - r.time <= stale_s]
     estimates = [float(my_tokens)] + [estimate(r, now) for r in live]
-    return SwarmProgress(sum(capped_claims(estimates)), tokens_per_peer * (1 + len(live)), 1 + len(live))
+    return SwarmProgress(sum(capped_claims(estimates, cap)), tokens_per_peer * (1 + len(live)), 1 + len(live))
 
 
-def capped_claims(tokens: list[float]) -> list[float]:
-    """Each peer's tokens counted up to CLAIM_CAP x the lower median of all of them: a peer that
-    claims infinite (or merely huge) progress shortens a round of k peers by at most about
-    1/(k + 1), and a fast honest peer still counts twice a median one."""
+def capped_claims(tokens: list[float], cap: float = CLAIM_CAP) -> list[float]:
+    """Each peer's tokens counted up to `cap` x the lower median of all of them (swarm.claim_cap):
+    a peer that claims infinite (or merely huge) progress shortens a round of k peers by at most
+    about (cap - 1)/(k - 1 + cap), and a fast honest peer still counts `cap` times a median one."""
     ordered = sorted(tokens)
-    limit = CLAIM_CAP * ordered[(len(ordered) - 1) // 2]
+    limit = cap * ordered[(len(ordered) - 1) // 2]
     return [min(t, limit) for t in tokens]

@@ -162,7 +162,7 @@ class Swarm:
         self.heartbeat.report_progress(round_, tokens, tokens_per_s)
 
     def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int) -> SwarmProgress:
-        return self.heartbeat.round_progress(round_, my_tokens, tokens_per_peer)
+        return self.heartbeat.round_progress(round_, my_tokens, tokens_per_peer, self.config.swarm.claim_cap)
 
     def stale_peers(self) -> set[str]:
         return self.heartbeat.stale_peers()

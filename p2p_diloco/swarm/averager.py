@@ -42,7 +42,7 @@ from p2p_diloco.swarm.gathered import Entry, Groups, LedMatchmaking, fair
 from p2p_diloco.swarm.ledger import Ledger
 from p2p_diloco.swarm.probes import LinkProbes
 from p2p_diloco.swarm.processes import quiet_fork, wait_result, wait_started
-from p2p_diloco.swarm.state_client import read_served_state
+from p2p_diloco.swarm.served import read_served_state
 
 logger = get_logger(__name__)
 START_TIMEOUT_S = 30.0  # the averager's start deadline if its DHT has none of its own (swarm.join_timeout_s's default)

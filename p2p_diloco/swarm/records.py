@@ -284,7 +284,7 @@ def publish_config(dht: Any, validator: Any, run_id: str, config: PublishedConfi
 
 def read_configs(dht: Any, run_id: str) -> dict[str, PublishedConfig]:
     """Configs that nodes published under this run id, by fingerprint (unchecked: see
-    agreement.config_to_defer_to for which of them count)."""
+    genesis.config_to_defer_to for which of them count)."""
     out: dict[str, PublishedConfig] = {}
     for _, value in _read(dht, run_prefix(run_id, "configs")):
         config = wire.parse_or_none(_read_config, value, "published config")

@@ -5,11 +5,8 @@ A joiner asks through its own averager process; an observer has none. `StateClie
 thread of its own with an event loop, over a replica of the observer's DHT node's libp2p daemon
 (hivemind's `replicate_p2p`), so the state never passes through a pipe between processes.
 
-Both read the reply with `read_served_state`, which caps it at the size of this model's state:
-a server that streams without end must not exhaust the asker's memory; one that stops sending is
-given up after `stall_s` of silence (deadlines.py: the whole download's deadline follows the
-state's size, so a hung server must not hold it that long). What arrived is untrusted
-(I4): the caller verifies it against a digest the swarm published (`network.download_verified`).
+Both read the reply with `served.read_served_state`, which caps it at the size of this model's
+state and gives up on a silent server; what arrived is untrusted (I4).
 """
 
 from __future__ import annotations
@@ -19,55 +16,15 @@ import logging
 import threading
 from typing import Any
 
-import torch
-from hivemind.averaging.allreduce import AllreduceException
-from hivemind.compression import deserialize_torch_tensor
 from hivemind.p2p import PeerID
-from hivemind.proto import averaging_pb2, runtime_pb2
-from hivemind.utils.serializer import MSGPackSerializer
-from hivemind.utils.streaming import combine_from_streaming
+from hivemind.proto import averaging_pb2
 
 from p2p_diloco.deadlines import state_bytes
-from p2p_diloco.network import ServedState, served_metadata
+from p2p_diloco.network import ServedState
+from p2p_diloco.swarm.averager import DiLoCoAverager
+from p2p_diloco.swarm.served import read_served_state
 
 logger = logging.getLogger(__name__)
-
-
-async def read_served_state(stream: Any, limit: int, peer: Any, stall_s: float) -> ServedState | None:
-    """(metadata, tensors) from a `rpc_download_state` reply stream, or None if it held no metadata
-    (a peer with nothing to serve, or one that refuses the asker). Raises past `limit` bytes, when
-    nothing arrived for `stall_s`, or (WireError) when the metadata is malformed."""
-    metadata: Any = None
-    tensors: list[torch.Tensor] = []
-    parts: list[runtime_pb2.Tensor] = []
-    received = 0
-    async for message in _until_silent(stream, stall_s, peer):
-        received += len(message.tensor_part.buffer) + len(message.metadata)
-        if received > limit:
-            raise AllreduceException(f"{peer} sent more than the {limit:,} bytes a state of this model takes")
-        if message.metadata:
-            metadata = MSGPackSerializer.loads(message.metadata)
-        if message.tensor_part.dtype and parts:  # a dtype marks the first part of the next tensor
-            tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-            parts = []
-        parts.append(message.tensor_part)
-    if parts:
-        tensors.append(deserialize_torch_tensor(combine_from_streaming(parts)))
-    if metadata is None:
-        return None
-    return served_metadata(metadata), tensors  # untrusted: WireError if malformed (the caller's problem line)
-
-
-async def _until_silent(stream: Any, stall_s: float, peer: Any) -> Any:
-    """The stream's messages; AllreduceException once none came for `stall_s`."""
-    messages = stream.__aiter__()
-    while True:
-        try:
-            yield await asyncio.wait_for(messages.__anext__(), stall_s)
-        except StopAsyncIteration:
-            return
-        except asyncio.TimeoutError:
-            raise AllreduceException(f"{peer} sent nothing for {stall_s:g} s") from None
 
 
 class StateClient:
@@ -86,8 +43,6 @@ class StateClient:
         return self._run(asyncio.wait_for(self._fetch(PeerID.from_base58(peer)), timeout), timeout + 5.0)
 
     async def _fetch(self, peer: PeerID) -> ServedState | None:
-        from p2p_diloco.swarm.averager import DiLoCoAverager  # which imports this module
-
         # The handler's name is the serving class's: DiLoCoAverager's, not hivemind's base class.
         stub = DiLoCoAverager.get_stub(self._p2p, peer, namespace=self.prefix)
         stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())

@@ -154,9 +154,9 @@ def lie_about_progress() -> None:
 def lie_about_progress_without_bounds() -> None:
     original = records.publish_progress
 
-    def publish_progress(dht, validator, prefix, report, convicted=()):
+    def publish_progress(dht, validator, prefix, report, convicted=(), **kwargs):
         infinite = replace(report, tokens=float("inf"), tokens_per_s=float("inf"))
-        return original(dht, validator, prefix, infinite, convicted)
+        return original(dht, validator, prefix, infinite, convicted, **kwargs)
 
     records.publish_progress = publish_progress
 

@@ -312,19 +312,6 @@ def test_still_finishing_lists_live_peers_at_any_round_without_my_final_state():
     assert agreement.still_finishing(rs, {"p6"}, 10, A) == ["p2", "p4", "p5", "p7"]
 
 
-def test_a_peer_defers_to_another_config_only_when_nobody_runs_its_own():
-    # 3 peers live under "aaaa"; a newcomer with "bbbb" is refused, one with "aaaa" joins.
-    assert agreement.config_to_defer_to("bbbb", {"bbbb": 0, "aaaa": 3}) == "aaaa"
-    assert agreement.config_to_defer_to("aaaa", {"aaaa": 3, "bbbb": 0}) is None
-    # A config record that no live peer speaks for (squatting) counts for nothing.
-    assert agreement.config_to_defer_to("aaaa", {"aaaa": 0, "bbbb": 0}) is None
-    # Whoever runs this peer's config, it joins them, even if another config has more peers.
-    assert agreement.config_to_defer_to("aaaa", {"aaaa": 1, "bbbb": 5}) is None
-    # Several others: the most live peers, then the smallest fingerprint.
-    assert agreement.config_to_defer_to("cccc", {"aaaa": 2, "bbbb": 4, "dddd": 4}) == "bbbb"
-    assert agreement.config_to_defer_to("cccc", {}) is None
-
-
 def test_a_state_an_honest_peer_copied_is_not_a_second_vote_for_it():
     # a caught up to the attacker's state in the seconds after the start, when it saw only m: the
     # state has one peer that made it (m) of four voters, so c does not follow, and a is ahead alone

@@ -3,6 +3,7 @@
 import re
 from pathlib import Path
 
+from p2p_diloco import config
 from p2p_diloco.cli import reference_markdown
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -59,3 +60,28 @@ def test_the_readme_status_the_package_and_version_agree():
     assert status, "README lost its status line"
     assert declared.startswith(status.group(1) + "."), (declared, status.group(1))
     assert __version__ in (declared, "unknown"), "reinstall: pip install -e ."
+
+
+def test_every_name_design_md_cites_in_the_package_exists():
+    """`module.name` and `Class.name` in docs/design.md name something in that module or class's
+    file (config keys such as `swarm.clip` and file names aside): a renamed function shows here."""
+    package = ROOT / "p2p_diloco"
+    modules = {}
+    for path in package.rglob("*.py"):
+        parts = path.relative_to(package).with_suffix("").parts
+        modules[".".join(parts[:-1] if parts[-1] == "__init__" else parts)] = path.read_text()
+    classes: dict[str, list[str]] = {}
+    for source in modules.values():
+        for found in re.finditer(r"^class\s+(\w+)", source, re.M):
+            classes.setdefault(found.group(1), []).append(source)
+    keys = {f"{section}.{key}" for section, fields in config.load().to_dict().items() for key in fields}
+    design = (ROOT / "docs" / "design.md").read_text()
+    missing = []
+    for cite in re.finditer(r"`([A-Za-z_][\w.]*)\.([A-Za-z_]\w*)(?:\([^`]*\))?`", design):
+        owner, name = cite.groups()
+        sources = [modules[owner]] if owner in modules else classes.get(owner, [])
+        if f"{owner}.{name}" in modules or f"{owner}.{name}" in keys or name in ("py", "md", "toml", "json"):
+            continue
+        if sources and not any(re.search(rf"\b{name}\b", source) for source in sources):
+            missing.append(f"{owner}.{name}")
+    assert not missing, missing

@@ -224,3 +224,16 @@ def test_a_peer_that_finishes_the_run_publishes_its_end(tmp_path):
     fake = FakeSwarm()
     peer = run(make_peer(tmp_path, fake, **{"run.rounds": "2"}))
     assert fake.finals == [(2, peer.state.digest())]
+
+
+def test_a_peer_defers_to_another_config_only_when_nobody_runs_its_own():
+    # 3 peers live under "aaaa"; a newcomer with "bbbb" is refused, one with "aaaa" joins.
+    assert genesis.config_to_defer_to("bbbb", {"bbbb": 0, "aaaa": 3}) == "aaaa"
+    assert genesis.config_to_defer_to("aaaa", {"aaaa": 3, "bbbb": 0}) is None
+    # A config record that no live peer speaks for (squatting) counts for nothing.
+    assert genesis.config_to_defer_to("aaaa", {"aaaa": 0, "bbbb": 0}) is None
+    # Whoever runs this peer's config, it joins them, even if another config has more peers.
+    assert genesis.config_to_defer_to("aaaa", {"aaaa": 1, "bbbb": 5}) is None
+    # Several others: the most live peers, then the smallest fingerprint.
+    assert genesis.config_to_defer_to("cccc", {"aaaa": 2, "bbbb": 4, "dddd": 4}) == "bbbb"
+    assert genesis.config_to_defer_to("cccc", {}) is None

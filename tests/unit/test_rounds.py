@@ -1,5 +1,7 @@
 """Speed-aware rounds: the round's budget and the swarm's tokens, by hand numbers."""
 
+import pytest
+
 from p2p_diloco.rounds import Progress, estimate, swarm_progress
 from p2p_diloco.swarm.records import parse_progress
 
@@ -70,3 +72,28 @@ def test_one_peer_claiming_huge_progress_cannot_end_the_round_by_itself():
     # A fast honest peer still counts up to twice a median one.
     fast = swarm_progress("me", 3, 100, [Progress("f", 3, 300, 0.0, 100.0), *honest[:1]], 100.0, 400, 10.0)
     assert fast.tokens == 100 + 300 + 320
+
+
+def end_of_round(speeds: list[float], cap: float, tokens_per_peer: int = 1000) -> float:
+    """When (s) peer 0 sees the round done, peer i claiming speeds[i] tokens/s from t = 0; every
+    other peer reports each 0.01 s, so nothing is extrapolated."""
+    for tick in range(1, 100_000):
+        t = tick / 100
+        reports = [Progress(f"p{i}", 3, int(s * t), 0.0, t) for i, s in enumerate(speeds) if i]
+        if swarm_progress("p0", 3, int(speeds[0] * t), reports, t, tokens_per_peer, 10.0, cap).done:
+            return t
+    raise AssertionError("the round never ended")
+
+
+def test_the_claim_cap_trades_a_fast_peer_s_overshoot_against_a_liar_s_reach():
+    # Speeds 1, 1, 4.5 (x 100 tokens/s), budget 3 x 1000. Counted at time t: 100 t + 100 t +
+    # min(450 t, cap x 100 t). cap 2: 400 t = 3000 at t = 7.5, when they trained 650 x 7.5 = 4875,
+    # 1.625 x the budget. cap 4.5: 650 t = 3000, 1.0 x.
+    assert 650 * end_of_round([100, 100, 450], 2.0) / 3000 == pytest.approx(1.625, abs=0.01)
+    assert 650 * end_of_round([100, 100, 450], 4.5) / 3000 == pytest.approx(1.0, abs=0.01)
+    # Three honest peers at 100 and a liar claiming 10**9 tokens/s, budget 4 x 1000. Without it the
+    # round ends at t = 10 (400 t = 4000). cap 2: 300 t + 200 t = 4000 at t = 8, 20 % shorter;
+    # cap 4.5: 750 t = 4000 at t = 5.33, 47 % shorter.
+    assert end_of_round([100, 100, 100, 100], 2.0) == pytest.approx(10.0, abs=0.02)
+    assert end_of_round([100, 100, 100, 1e9], 2.0) == pytest.approx(8.0, abs=0.02)
+    assert end_of_round([100, 100, 100, 1e9], 4.5) == pytest.approx(16 / 3, abs=0.02)

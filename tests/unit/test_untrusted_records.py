@@ -337,7 +337,7 @@ def test_a_served_state_with_malformed_metadata_is_one_problem_line_and_the_next
 
     from p2p_diloco import outer
     from p2p_diloco.network import download_verified
-    from p2p_diloco.swarm.state_client import read_served_state
+    from p2p_diloco.swarm.served import read_served_state
     from tests.unit.test_deadlines import served
 
     like = {"w": torch.zeros(4)}

@@ -1,0 +1,112 @@
+"""The progress-claim cap (`swarm.claim_cap`), measured in real swarms: what it costs honest peers
+of different speeds, and how far it lets a liar shorten everyone's rounds (docs/design.md §6).
+
+- **fast**: three peers, two throttled to 1/4.5 of the time (SIGSTOP/SIGCONT duty cycle on their
+  trainer processes), speed-aware rounds. Per round: the tokens the three trained over the round's
+  budget (H x batch x seq_len for each of them).
+- **liar**: four peers, one of them `attacker_peer progress:1000` (1000 x the tokens it trained, at
+  1000 x its rate, in every progress record), against four honest ones. Per round: the tokens each honest peer
+  trained over its share of the budget (H x batch x seq_len); 1.0 without the liar.
+
+Each at claim_cap 2 (the default) and 4.5. Writes bench/results/claims.json.
+
+    python bench/claims.py          # about 10 minutes on 2 cores
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+from lab import LocalSwarm
+
+HERE = Path(__file__).resolve().parent
+BASE = {
+    "run.run_id": "claims",
+    "run.eval_sequences": "16",
+    "run.eval_every_rounds": "100",
+    "model.preset": "tiny",
+    "model.seq_len": "128",
+    "data.num_shards": "16",
+    "inner.steps": "40",
+    "inner.batch_size": "16",
+    "inner.micro_batch_size": "16",
+    "inner.lr": "3e-3",
+    "inner.warmup_steps": "40",
+    "swarm.speed_aware": "true",
+    "swarm.matchmaking_time_s": "3",
+    "swarm.averaging_timeout_s": "30",
+    "swarm.agreement_timeout_s": "15",
+}
+SHARE = int(BASE["inner.steps"]) * int(BASE["inner.batch_size"]) * int(BASE["model.seq_len"])  # tokens per peer
+SCENARIOS = {  # name: (peers, throttled shares, attacker)
+    "fast": (("a", "b", "fast"), {"a": 1 / 4.5, "b": 1 / 4.5}, None),
+    "clean": (("a", "b", "c", "d"), {}, None),
+    "liar": (("a", "b", "c", "liar"), {}, "liar"),
+}
+
+
+def run(scenario: str, cap: float, rounds: int, folder: Path) -> dict:
+    peers, shares, attacker = SCENARIOS[scenario]
+    overrides = {**BASE, "run.rounds": str(rounds), "swarm.claim_cap": str(cap)}
+    started = time.perf_counter()
+    with LocalSwarm(folder, overrides) as lab:
+        for i, peer in enumerate(peers):
+            lab.start(peer, {"data.shard": str(i)}, attack="progress:1000" if peer == attacker else None)
+        lab.wait(lambda: all(0 in lab.records(p) for p in peers), 120, "peers up")
+        for peer, share in shares.items():
+            lab.throttle(peer, share)
+        lab.wait(lambda: not any(lab.running(p) for p in peers), 60 * rounds, f"{scenario}: every peer finishes")
+        records = {p: lab.records(p) for p in peers}
+    honest = [p for p in peers if p != attacker]
+    per_round = []
+    for r in range(2, rounds + 1):  # round 1 ran before the throttles were on
+        recs = {p: records[p][r] for p in honest if "inner_steps" in records[p].get(r, {})}
+        per_round.append(
+            {
+                "round": r,
+                "tokens": {p: rec["tokens"] for p, rec in recs.items()},
+                "group_size": max((rec["group_size"] for rec in recs.values()), default=0),
+                "over_budget": round(sum(rec["tokens"] for rec in recs.values()) / (SHARE * len(peers)), 3),
+                "honest_share": round(statistics.mean(rec["tokens"] for rec in recs.values()) / SHARE, 3),
+                "digests_equal": len({rec["digest"] for rec in recs.values()}) == 1,
+            }
+        )
+    return {
+        "scenario": scenario,
+        "claim_cap": cap,
+        "wall_s": round(time.perf_counter() - started, 1),
+        "tokens_per_s": {
+            p: round(statistics.mean(records[p][r["round"]]["tokens_per_s"] for r in per_round)) for p in honest
+        },
+        "mean_over_budget": round(statistics.mean(r["over_budget"] for r in per_round), 3),
+        "mean_honest_share": round(statistics.mean(r["honest_share"] for r in per_round), 3),
+        "all_digests_equal": all(r["digests_equal"] for r in per_round),
+        "per_round": per_round,
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=6)
+    parser.add_argument("--caps", default="2,4.5", help="claim caps to compare")
+    args = parser.parse_args()
+    results = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for scenario in SCENARIOS:
+            for cap in [float(c) for c in args.caps.split(",")] if scenario != "clean" else [2.0]:
+                results.append(run(scenario, cap, args.rounds, Path(tmp) / f"{scenario}-{cap}"))
+                print(json.dumps({k: v for k, v in results[-1].items() if k != "per_round"}), flush=True)
+    out = HERE / "results" / "claims.json"
+    machine = f"{platform.machine()}, {platform.system()}, 2 cores"
+    out.write_text(json.dumps({"machine": machine, "config": BASE, "runs": results}, indent=1) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
