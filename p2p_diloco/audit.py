@@ -1,4 +1,4 @@
-"""Pure: reducer accountability, the checks behind the audit after every all-reduce (issue 14).
+"""Pure: reducer accountability, the checks behind the audit after every all-reduce.
 
 A reducer answers every sender with one combination of the group's parts of its span
 (robust.aggregate). A lying reducer (its span's average × 100, or random values) would otherwise

@@ -86,6 +86,23 @@ class Overtaken:
 Outcome = Averaged | Alone | Failed | Overtaken
 
 
+@dataclass(frozen=True)
+class NobodyCame:
+    """No other peer reached the round within the matchmaking window."""
+
+
+@dataclass(frozen=True)
+class GroupFailed:
+    """Every attempt at the group's all-reduce failed (the last one's reason), or (`vetoed`) its
+    average pointed against this peer's own Δ: nothing applied (I2)."""
+
+    reason: str
+    vetoed: bool = False
+
+
+Attempt = AllReduced | NobodyCame | GroupFailed | Overtaken  # what the group's all-reduce came to
+
+
 def outcome_kind(outcome: Applied) -> str:
     """The round's outcome as a round record says it (network.OUTCOMES)."""
     if isinstance(outcome, Failed):
@@ -127,17 +144,18 @@ def average(
         expected,
         log,
     )
-    if isinstance(result, Overtaken):
-        return result
-    if isinstance(result, AgainstOwn):  # the group's own state is not caught up to either
-        return Failed(own, (swarm.peer_id,), alone)
-    if not isinstance(result, AllReduced) and swarm.wait_for_round(round_ + 1, 0.0):
+    match result:
+        case Overtaken():
+            return result
+        case AllReduced():
+            return Averaged(_unflatten(result, delta, lossy, exact), result.group, _group_stats(result, dropped))
+        case GroupFailed(vetoed=True):  # the group's own state is not caught up to either
+            return Failed(own, (swarm.peer_id,), alone)
+    if swarm.wait_for_round(round_ + 1, 0.0):
         # Averaging alone now would only make a state nobody else holds: catch up instead.
         log.info("the swarm is already past round %d: catching up instead of averaging alone", round_)
         return Overtaken(round_)
-    if isinstance(result, AllReduced):
-        return Averaged(_unflatten(result, delta, lossy, exact), result.group, _group_stats(result, dropped))
-    if isinstance(result, AveragingError):
+    if isinstance(result, GroupFailed):
         return Failed(own, (swarm.peer_id,), alone)
     log.info("no other peer reached round %d within the matchmaking window: averaging alone", round_)
     return Alone(own, (swarm.peer_id,), alone)
@@ -152,15 +170,16 @@ def _with_retries(
     tokens: int,
     expected: int,
     log: logging.LoggerAdapter,
-) -> AllReduced | AveragingError | Overtaken | None:
-    """The group's all-reduce; None if nobody else came; the last AveragingError if every attempt
-    failed, or AgainstOwn at once if the average points against this peer's own Δ.
+) -> Attempt:
+    """What the group's all-reduce came to: its average; nobody came; every attempt failed (the
+    last one's reason), or at once, vetoed, if the average points against this peer's own Δ; or
+    the swarm finished the round meanwhile.
 
     A failed all-reduce applied nothing and left `flat` as it was (I2), so the survivors, who all
     saw the failure, match again for the same round and retry with the same Δ.
     """
     attempts = 1 + config.swarm.averaging_retries
-    error = AveragingError(f"round {round_}: no attempt")
+    failed = GroupFailed(f"round {round_}: no attempt")
     for attempt in range(1, attempts + 1):
         try:
             got = swarm.average(
@@ -171,16 +190,16 @@ def _with_retries(
                 expected_group=expected if attempt == 1 else 0,
                 exact=flat_exact,
             )
-            return got if got is None else _not_against_own(got, flat, flat_exact, round_)
+            return NobodyCame() if got is None else _not_against_own(got, flat, flat_exact, round_)
         except AgainstOwn as e:
             # INFO: honest averages late in a run do this too (cosine -0.12 in a healthy hog run); agreement heals it
             log.info("%s: using this peer's own pseudo-gradient", e)
-            return e  # not retried, and no state of that group is adopted (sync.StateSync._against_own)
+            return GroupFailed(str(e), vetoed=True)  # not retried; no state of that group is adopted (sync.py)
         except SwarmMovedOn as e:  # a slow peer, or one whose group failed for it alone: it heals
             log.info("%s: catching up with its result", e)
             return Overtaken(round_)
         except AveragingError as e:
-            error = e
+            failed = GroupFailed(str(e))
             # A member whose all-reduce completed publishes the round's result within moments
             # (a reducer may answer one member and fail before the next): adopt it rather than
             # retry, so that both end the round with the same state.
@@ -189,19 +208,18 @@ def _with_retries(
                 return Overtaken(round_)
             more = "retrying among the survivors" if attempt < attempts else "using this peer's own pseudo-gradient"
             log.warning("%s (attempt %d of %d); %s", e, attempt, attempts, more)
-    return error
+    return failed
 
 
 def _not_against_own(got: AllReduced, flat: torch.Tensor, flat_exact: torch.Tensor | None, round_: int) -> AllReduced:
-    """The group's average, unless it points against this peer's own Δ (`outer.points_against`:
+    """The group's average, unless it points against this peer's own Δ (`outer.against_own`:
     cosine ≤ -0.1): honest pseudo-gradients point the same way, or are nearly orthogonal late in a
     run, so such an average comes from a group whose majority pulls back (attackers that met fewer
     honest members than themselves). It is not applied (I2): the round goes on as a failed all-reduce."""
     mine, theirs = {"lossy": flat}, {"lossy": got.delta}
     if flat_exact is not None and got.exact is not None:
         mine["exact"], theirs["exact"] = flat_exact, got.exact
-    cosine = outer.cosine(theirs, mine)
-    if outer.points_against(cosine) and outer.norm(mine) > 0:
+    if (cosine := outer.against_own(theirs, mine)) is not None:
         raise AgainstOwn(
             f"round {round_}: the group's average points against this peer's own pseudo-gradient "
             f"(cosine {cosine:.2f}); nothing applied"

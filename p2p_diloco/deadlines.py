@@ -7,11 +7,19 @@ follows the state's size at the slowest link the run accepts (`swarm.min_downloa
 under `join_timeout_s`, and a server that stops sending is given up after `join_timeout_s` of
 silence (`stall_s`), however long the whole download may take: a hung peer still costs one short
 deadline, and a slow link is not mistaken for one.
+
+Every wait on the swarm's records goes through `poll_until`: none without a deadline.
 """
 
 from __future__ import annotations
 
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TypeVar
+
+T = TypeVar("T")
 
 STATE_BYTES_PER_VALUE = 2 * 4  # a served state is θ and the outer momentum, fp32
 STATE_SLACK_BYTES = 1 << 20  # metadata and serialization headers
@@ -35,3 +43,24 @@ def state_download(numel: int, join_timeout_s: float, min_download_mbps: float) 
     `join_timeout_s` ends it."""
     at_the_slowest = state_bytes(numel) * 8 / (min_download_mbps * 1e6)
     return Download(total_s=max(join_timeout_s, at_the_slowest), stall_s=join_timeout_s)
+
+
+def poll_until(
+    probe: Callable[[], T],
+    done: Callable[[T], bool],
+    deadline: float,
+    interval_s: float,
+    stop: threading.Event | None = None,
+) -> T:
+    """`probe()` every `interval_s` until `done` holds for its value, the monotonic `deadline`
+    passes, or `stop` is set; the last value. It probes at least once (I3: no wait without a
+    deadline, and a deadline already past still reads once)."""
+    value = probe()
+    while not done(value) and time.monotonic() < deadline:
+        pause = min(interval_s, max(0.0, deadline - time.monotonic()))
+        if stop is not None and stop.wait(pause):
+            return value
+        if stop is None:
+            time.sleep(pause)  # the poll interval, bounded by the deadline
+        value = probe()
+    return value

@@ -38,9 +38,8 @@ ServedState = tuple[dict[str, Any], list[torch.Tensor]]
 
 def served_metadata(value: Any) -> dict[str, Any]:
     """A served state's metadata as another peer sent it, read through wire.py (raises WireError):
-    its round (an int of 64 bits: the state's digest packs it so) and the digest it claims. A
-    round beyond 64 bits killed every downloader (issue 27): the digest's struct.pack raised
-    outside the download's error handling."""
+    its round (an int of 64 bits: the state's digest packs it so, and raises on more) and the
+    digest it claims."""
     meta = wire.mapping(value, "state metadata")
     return {"round": wire.field(meta, "round", wire.integer), "digest": wire.field(meta, "digest", wire.digest)}
 

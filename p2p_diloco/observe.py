@@ -201,12 +201,10 @@ def settled(agreed: Callable[[], str], lock: threading.Lock, poll: Callable[[], 
 def gather(config: Config, poll: Callable[[], Poll], seconds: float, poll_s: float = 1.0) -> dict[str, Any]:
     """The run's view after polling for `seconds` (at least one poll)."""
     log = run_log(config)
-    deadline = time.monotonic() + seconds
-    while True:
-        log.ingest(*poll(), now=time.time())
-        if time.monotonic() >= deadline:
-            return log.view(time.time())
-        time.sleep(poll_s)  # a DHT poll interval, bounded by the deadline above
+    deadlines.poll_until(
+        lambda: log.ingest(*poll(), now=time.time()), lambda _: False, time.monotonic() + seconds, poll_s
+    )
+    return log.view(time.time())
 
 
 def download_s(config: Config, numel: int) -> float:

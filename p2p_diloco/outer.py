@@ -93,6 +93,14 @@ def points_against(cosine_: float) -> bool:
     return cosine_ <= AGAINST_COSINE
 
 
+def against_own(average: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> float | None:
+    """The cosine of `average` with this peer's own Δ if it points against it (a Δ of zero has no
+    direction: nothing points against it), else None. The one rule behind both vetoes: an
+    average not applied (averaging.py) and a state not adopted (sync.py)."""
+    cosine_ = cosine(average, own)
+    return cosine_ if points_against(cosine_) and norm(own) > 0 else None
+
+
 def cosine(a: Mapping[str, torch.Tensor], b: Mapping[str, torch.Tensor]) -> float:
     """The cosine of two updates over all their tensors (float64); 0 if either is zero."""
     dot = sum(float((a[name].double() * b[name].double()).sum()) for name in a)

@@ -305,13 +305,14 @@ class Peer:
                 "serving the final state for %g s (swarm.linger_s) for late peers and exports; Ctrl+C leaves now",
                 swarm.linger_s,
             )
-        while not stop.is_set() and time.monotonic() < deadline:
-            if time.monotonic() >= floor and not still_finishing(
-                self.swarm.peers(), self.swarm.stale_peers(), final, mine
-            ):
-                return
-            stop.wait(0.5)  # a DHT poll interval, bounded by the deadline
-        if not stop.is_set() and still_finishing(self.swarm.peers(), self.swarm.stale_peers(), final, mine):
+
+        def finishing() -> bool:
+            return bool(still_finishing(self.swarm.peers(), self.swarm.stale_peers(), final, mine))
+
+        waiting = deadlines.poll_until(
+            lambda: time.monotonic() < floor or finishing(), lambda w: not w, deadline, 0.5, stop
+        )
+        if waiting and not stop.is_set() and finishing():
             self.log.info("left with peers still finishing the last round: they keep their own state")
 
     def catch_up(self) -> bool:

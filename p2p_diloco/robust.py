@@ -1,4 +1,4 @@
-"""Pure: how a reducer combines its group's parts of one span (issue 14, Byzantine robustness).
+"""Pure: how a reducer combines its group's parts of one span (Byzantine robustness).
 
 Every member of a group reduces a span of the vector: it receives each sender's part of that
 span, with the sender's weight (its tokens), and answers every sender with one combination of

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from p2p_diloco import agreement, outer
+from p2p_diloco.deadlines import poll_until
 from p2p_diloco.errors import CatchUpFailed, StateDownloadError
 from p2p_diloco.inner import PhaseResult
 from p2p_diloco.network import COPIED, Made, RoundRecord
@@ -267,9 +268,8 @@ class StateSync:
                 peer.state.round,
                 wait,
             )
-        while ahead and time.monotonic() < deadline:
-            time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
-            target, ahead = self._look(mine)
+        if ahead:
+            target, ahead = poll_until(lambda: self._look(mine), lambda looked: not looked[1], deadline, POLL_S)
         if ahead:
             peer.log.info("nobody else reached round %d within %g s: going on", peer.state.round, wait)
         return target
@@ -286,10 +286,7 @@ class StateSync:
                 target.round,
                 SETTLE_S,
             )
-        while target is not None and target.backers < 2 and time.monotonic() < deadline:
-            time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
-            target = self._target(mine)
-        return target
+        return poll_until(lambda: self._target(mine), lambda t: t is None or t.backers >= 2, deadline, POLL_S)
 
     def _mine(self) -> RoundRecord:
         """This peer's state as one vote among the others' records."""
@@ -334,7 +331,7 @@ class StateSync:
 
     def _against_own(self, offered: outer.GlobalState) -> float | None:
         """The cosine of the average that made `offered` with this peer's own Δ of that round, if it
-        points against it (`outer.points_against`). Checked only where the peer holds a state of
+        points against it (`outer.against_own`). Checked only where the peer holds a state of
         that round of its own (agreement): a peer that was overtaken has none, and refusing the
         swarm's state would only make it adopt the next one, built on it (the joiners test: 37
         refusals in 4 s, each followed by an abandoned phase). A state of a later round than this
@@ -345,8 +342,7 @@ class StateSync:
         implied = outer.implied_average(offered, mine, self.peer.config.outer.momentum, noted.applied)
         if implied is None:
             return None
-        cosine = outer.cosine(implied, noted.own)
-        return cosine if outer.points_against(cosine) and outer.norm(noted.own) > 0 else None
+        return outer.against_own(implied, noted.own)
 
     def verify_state(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:
         """The digest of a downloaded state, or "malformed" if it does not even have this model's shape."""

@@ -26,6 +26,7 @@ import torch
 
 from p2p_diloco import agreement, codecs, deadlines
 from p2p_diloco.config import Config
+from p2p_diloco.deadlines import poll_until
 from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.genesis import Genesis, Verdict
 from p2p_diloco.network import (
@@ -216,42 +217,40 @@ class Swarm:
     def wait_for_round(self, round_: int, timeout: float) -> bool:
         """Whether the swarm's backed state (agreement.backed) reaches round `round_` (or later)
         within `timeout` s, with a peer that serves it."""
-        deadline = time.monotonic() + timeout
-        while True:
+
+        def backed() -> agreement.Reference | None:
             seen = self.peers()
-            counted = agreement.counted(seen, self.stale_peers(), self.fresh_peers())
-            latest = agreement.backed(seen, counted, self.peer_id)
-            if latest is not None and latest.holders and latest.round >= round_:
-                return True
-            if time.monotonic() > deadline:
-                return False
-            time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
+            return agreement.backed(seen, agreement.counted(seen, self.stale_peers(), self.fresh_peers()), self.peer_id)
+
+        def reached(state: agreement.Reference | None) -> bool:
+            return state is not None and bool(state.holders) and state.round >= round_
+
+        return reached(poll_until(backed, reached, time.monotonic() + timeout, POLL_S))
 
     def wait_for_digests(self, round_: int, expected: tuple[str, ...]) -> dict[str, str]:
         """Digests of round `round_` published by `expected`, waiting until all are in (a peer whose
         heartbeat stopped is not waited for) or swarm.agreement_timeout_s."""
-        deadline = time.monotonic() + self.config.swarm.agreement_timeout_s
-        while True:
+
+        def read() -> tuple[dict[str, str], bool]:
             seen = self.peers()
             found = {p: r.digest for p, r in seen.items() if p in expected and r.round == round_}
             # One record per peer: one already past the round will never show its digest of it.
             past = {p for p, r in seen.items() if r.round > round_}
-            if not agreement.still_waiting(expected, found, self.stale_peers() | past) or time.monotonic() > deadline:
-                return found
-            time.sleep(POLL_S)  # a DHT poll interval, bounded by the deadline above
+            return found, not agreement.still_waiting(expected, found, self.stale_peers() | past)
+
+        deadline = time.monotonic() + self.config.swarm.agreement_timeout_s
+        return poll_until(read, lambda got: got[1], deadline, POLL_S)[0]
 
     def wait_for_reachable_peer(self) -> None:
         """A client-mode peer cannot reduce or serve: it needs a reachable peer of the run to train with."""
         deadline = time.monotonic() + self.config.swarm.join_timeout_s
-        while not any(r.serves for r in self.peers().values()):
-            if time.monotonic() > deadline:
-                raise SwarmError(
-                    f"no reachable peer of run {self.config.run.run_id!r} within "
-                    f"{self.config.swarm.join_timeout_s:g} s: "
-                    f"a client-mode peer needs at least one peer that others can connect to; start one, or turn "
-                    f"swarm.client_mode off if this peer is reachable"
-                )
-            time.sleep(0.5)  # a DHT poll interval, bounded by the deadline above
+        if not poll_until(lambda: any(r.serves for r in self.peers().values()), bool, deadline, POLL_S):
+            raise SwarmError(
+                f"no reachable peer of run {self.config.run.run_id!r} within "
+                f"{self.config.swarm.join_timeout_s:g} s: "
+                f"a client-mode peer needs at least one peer that others can connect to; start one, or turn "
+                f"swarm.client_mode off if this peer is reachable"
+            )
 
     # --- averaging and state download ---------------------------------------------------------
 

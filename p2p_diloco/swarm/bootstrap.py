@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import Config
+from p2p_diloco.deadlines import poll_until
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress
 from p2p_diloco.swarm import entry, records
@@ -125,13 +126,8 @@ def publish_revocation(config: Config, revocation: str, timeout_s: float) -> set
         dht = start_dht(config.swarm, identity, config.swarm.initial_peers, True, [validator])
         try:
             records.publish_revocations(dht, validator, prefix, [revocation])
-            deadline = time.monotonic() + timeout_s
-            while time.monotonic() < deadline:
-                holders = records.revocation_holders(dht, prefix, revocation) - {str(dht.peer_id)}
-                if holders:
-                    return holders
-                time.sleep(1.0)  # a DHT poll interval, bounded by the deadline above
-            return set()
+            holders = lambda: records.revocation_holders(dht, prefix, revocation) - {str(dht.peer_id)}  # noqa: E731
+            return poll_until(holders, bool, time.monotonic() + timeout_s, 1.0)
         finally:
             stop_process(dht, "DHT process")
 

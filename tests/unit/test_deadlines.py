@@ -2,6 +2,7 @@
 and a serving peer's silence, not the whole download, bounded by swarm.join_timeout_s."""
 
 import asyncio
+import threading
 import time
 
 import pytest
@@ -14,7 +15,7 @@ from hivemind.utils.streaming import split_for_streaming
 
 from p2p_diloco import config, deadlines
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.swarm.state_client import read_served_state
+from p2p_diloco.swarm.served import read_served_state
 
 
 def test_a_state_download_is_given_the_time_its_size_takes_at_the_slowest_link_the_run_accepts():
@@ -70,3 +71,23 @@ def test_a_server_that_stops_sending_is_given_up_after_the_silence_deadline():
     with pytest.raises(AllreduceException, match="p1 sent nothing for 0.2 s"):
         asyncio.run(read_served_state(served([torch.ones(1000)], 0.0, silent_after=2), 1 << 20, "p1", stall_s=0.2))
     assert time.monotonic() - started < 5.0
+
+
+def test_poll_until_returns_what_it_waited_for_and_never_waits_past_its_deadline():
+    calls = []
+
+    def probe():
+        calls.append(time.monotonic())
+        return len(calls)
+
+    assert deadlines.poll_until(probe, lambda n: n == 3, time.monotonic() + 10, 0.01) == 3  # at the third
+    calls.clear()
+    started = time.monotonic()
+    assert deadlines.poll_until(probe, lambda n: False, started + 0.2, 0.05) >= 2  # the last value
+    assert calls[-1] - started < 0.2 + 0.05  # the last probe at the deadline, not a whole interval past it
+    calls.clear()
+    assert deadlines.poll_until(probe, lambda n: False, time.monotonic() - 1, 5.0) == 1  # past: one read
+    stop = threading.Event()
+    stop.set()
+    calls.clear()
+    assert deadlines.poll_until(probe, lambda n: False, time.monotonic() + 60, 5.0, stop) == 1  # stopped

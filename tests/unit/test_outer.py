@@ -139,3 +139,15 @@ def test_the_average_another_group_applied_is_recovered_from_the_momentum_buffer
     # cosine by hand: (0.5·-3 + 0.5·1) / (|(0.5, 0.5)|·|(-3, 1)|) = -1 / (0.7071·3.1623) = -0.4472
     assert abs(outer.cosine({"w": delta_a}, {"w": delta_b}) - (-1 / (0.5**0.5 * 10**0.5))) < 1e-9
     assert outer.cosine({"w": delta_a}, {"w": torch.zeros(2)}) == 0.0
+
+
+def test_one_rule_says_when_an_average_points_against_a_peer_s_own_delta():
+    own = {"w": torch.tensor([1.0, 0.0]), "b": torch.tensor([0.0])}
+    assert outer.against_own({"w": torch.tensor([-2.0, 0.0]), "b": torch.tensor([0.0])}, own) == pytest.approx(-1.0)
+    # cos = -0.1 / sqrt(1.01): -0.0995, just above AGAINST_COSINE (-0.1): not against
+    assert outer.against_own({"w": torch.tensor([-0.1, 1.0]), "b": torch.tensor([0.0])}, own) is None
+    assert outer.against_own({"w": torch.tensor([-0.2, 1.0]), "b": torch.tensor([0.0])}, own) == pytest.approx(
+        -0.2 / 1.04**0.5
+    )
+    zero = {"w": torch.zeros(2), "b": torch.zeros(1)}
+    assert outer.against_own({"w": torch.tensor([-1.0, 0.0]), "b": torch.tensor([0.0])}, zero) is None
