@@ -46,11 +46,11 @@ PLAN = [
     # peer c joins after round 2 and catches up; the attacker's id sorts first among the holders,
     # so c asks it first (a malformed state, a state 20 x the model's size, a tampered one)
     ("aligned-clip, a late joiner and bad state servers", {}, ["clean", *STATE_ATTACKS]),
-    # the default: every attack by 1 of 4
+    # the default: every attack by 1 of 4; an attacker convicted in round 1 leaves the 3 honest alone
     (
         "aligned-clip",
         {"swarm.aggregator": "aligned-clip"},
-        ["clean", *SENDER_ATTACKS, *REDUCER_ATTACKS, "garbage:0"],
+        ["clean", "clean, 3 honest alone", *SENDER_ATTACKS, *REDUCER_ATTACKS, "garbage:0"],
     ),
     (
         "aligned-clip, speed-aware rounds",
@@ -65,7 +65,11 @@ PLAN = [
     ("clip, malformed parts", {"swarm.aggregator": "clip"}, ["clean", "garbage:0"]),
     # signed parts with a malformed weight (convicted on its own signature) or of another size than
     # the group's layout (refused by each reducer it sends one to), issue 27
-    ("aligned-clip, malformed parts", {}, ["clean", "part-weight:nan", "part-weight:-1", "part-shape:0"]),
+    (
+        "aligned-clip, malformed parts",
+        {},
+        ["clean", "clean, 3 honest alone", "part-weight:nan", "part-weight:-1", "part-shape:0"],
+    ),
     # all-gather data that does not parse (vouches that are not a mapping): refused at every honest
     # leader's door; followers of a group it leads leave it out (swarm/gathered.py), issue 27
     ("aligned-clip, malformed group data", {}, ["clean", "gather:0"]),

@@ -18,7 +18,21 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-CLAIM_CAP = 2.0  # no peer's progress counts for more than this x the lower median of the round's (default)
+CLAIM_CAP = 2.0  # no peer's progress counts for more than this x the lower median of the round's
+# swarm.claim_cap = 0 picks one by the run's admission (docs/design.md §6): with k peers a liar's
+# claims end the others' rounds at k / (k - 1 + c) of their length, and with speeds 1, 1 and 4.5 the
+# rounds run 6.5 / (2 + min(c, 4.5)) x their budget. Open (anyone may lie, ids are free): 1.4, a
+# liar among four costs 9 %. Certified (members known, a liar named on the dashboard, revocable):
+# 4.5, that fast peer ends on budget.
+OPEN_CLAIM_CAP = 1.4
+CERTIFIED_CLAIM_CAP = 4.5
+
+
+def claim_cap(configured: float, certified: bool) -> float:
+    """The cap in force: `configured` (swarm.claim_cap), or for 0 the admission mode's."""
+    if configured > 0:
+        return configured
+    return CERTIFIED_CLAIM_CAP if certified else OPEN_CLAIM_CAP
 
 
 @dataclass(frozen=True)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from p2p_diloco import agreement, codecs, deadlines
+from p2p_diloco import agreement, codecs, deadlines, rounds
 from p2p_diloco.config import Config
 from p2p_diloco.deadlines import poll_until
 from p2p_diloco.errors import AveragingError, SwarmError
@@ -163,7 +163,8 @@ class Swarm:
         self.heartbeat.report_progress(round_, tokens, tokens_per_s)
 
     def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int) -> SwarmProgress:
-        return self.heartbeat.round_progress(round_, my_tokens, tokens_per_peer, self.config.swarm.claim_cap)
+        cap = rounds.claim_cap(self.config.swarm.claim_cap, self.config.admission.mode == "certified")
+        return self.heartbeat.round_progress(round_, my_tokens, tokens_per_peer, cap)
 
     def stale_peers(self) -> set[str]:
         return self.heartbeat.stale_peers()

@@ -59,8 +59,8 @@ def test_saved_config_loads_back_equal(tmp_path):
         ({"outer.nesterov": "maybe"}, "--outer.nesterov must be true or false"),
         ({"outer.drop_rate": "1"}, "outer.drop_rate must be in [0, 1), got 1.0"),
         ({"data.shard_by": "file"}, "data.shard_by must be one of document, folder, got 'file'"),
-        ({"swarm.claim_cap": "0.5"}, "swarm.claim_cap must be >= 1, got 0.5"),
-        ({"swarm.claim_cap": "inf"}, "swarm.claim_cap must be >= 1, got inf"),
+        ({"swarm.claim_cap": "0.5"}, "swarm.claim_cap must be 0 (by admission.mode) or >= 1, got 0.5"),
+        ({"swarm.claim_cap": "inf"}, "swarm.claim_cap must be 0 (by admission.mode) or >= 1, got inf"),
         (
             {"data.shard_by": "folder", "data.source": "hub", "data.name": "c4"},
             "data.shard_by = folder needs a corpus with folders",

@@ -97,3 +97,14 @@ def test_the_claim_cap_trades_a_fast_peer_s_overshoot_against_a_liar_s_reach():
     assert end_of_round([100, 100, 100, 100], 2.0) == pytest.approx(10.0, abs=0.02)
     assert end_of_round([100, 100, 100, 1e9], 2.0) == pytest.approx(8.0, abs=0.02)
     assert end_of_round([100, 100, 100, 1e9], 4.5) == pytest.approx(16 / 3, abs=0.02)
+
+
+def test_the_default_cap_follows_the_run_s_admission():
+    from p2p_diloco.rounds import claim_cap
+
+    assert claim_cap(0.0, certified=False) == 1.4 and claim_cap(0.0, certified=True) == 4.5
+    assert claim_cap(2.0, certified=False) == claim_cap(2.0, certified=True) == 2.0  # as configured
+    # Open: a liar among four ends the honest rounds at 4 / 4.4 of their length, 9 % shorter (target
+    # 10 %); certified: the speeds 1, 1, 4.5 end on budget (target 1.1 x).
+    assert end_of_round([100, 100, 100, 1e9], claim_cap(0.0, False)) == pytest.approx(10 * 4 / 4.4, abs=0.02)
+    assert 650 * end_of_round([100, 100, 450], claim_cap(0.0, True)) / 3000 == pytest.approx(1.0, abs=0.01)
