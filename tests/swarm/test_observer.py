@@ -107,7 +107,11 @@ def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_c
         export = start_export(swarm, extra, tmp_path / "model")  # a and b serve the agreed state
         status = run_status(swarm, extra, "--run-dir", str(swarm.folder / "c"))  # meanwhile
         exported = finish_export(export, tmp_path / "model")
-        wait_until(lambda: api(url)["run"]["eval_loss"] is not None, [peers["a"]], 60, "the observer's own loss")
+        # Two of the observer's own losses, as check_own_evaluations asserts: waiting for one left the
+        # second to the time the browser took before a and b leave (a fresh-clone run: the first came
+        # at 20:55:59, a and b left at 20:56:02-06, and the next was due about 4 s after the first).
+        evaluated = lambda: sum(r["eval_loss"] is not None for r in api(url)["rounds"])  # noqa: E731
+        wait_until(lambda: evaluated() >= 2, [peers["a"]], 60, "two of the observer's own losses")
         dom = browser_dom(url)
         (tmp_path / "dashboard.html").write_text(dom)  # what the browser drew, kept for a failed run
         for name in ("a", "b"):  # they leave; the observer's figures then stop changing (c stays asleep)
