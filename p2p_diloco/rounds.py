@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
-CLAIM_CAP = 2.0  # no peer's progress counts for more than this x the lower median of the round's
+CLAIM_CAP = 2.0  # the pure functions' default cap (the tests' by-hand figures); a peer's: claim_cap()
 # swarm.claim_cap = 0 picks one by the run's admission (docs/design.md §6): with k peers a liar's
 # claims end the others' rounds at k / (k - 1 + c) of their length, and with speeds 1, 1 and 4.5 the
 # rounds run 6.5 / (2 + min(c, 4.5)) x their budget. Open (anyone may lie, ids are free): 1.4, a

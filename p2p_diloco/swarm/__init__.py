@@ -26,7 +26,6 @@ import torch
 
 from p2p_diloco import agreement, codecs, deadlines, rounds
 from p2p_diloco.config import Config
-from p2p_diloco.deadlines import poll_until
 from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.genesis import Genesis, Verdict
 from p2p_diloco.network import (
@@ -226,7 +225,7 @@ class Swarm:
         def reached(state: agreement.Reference | None) -> bool:
             return state is not None and bool(state.holders) and state.round >= round_
 
-        return reached(poll_until(backed, reached, time.monotonic() + timeout, POLL_S))
+        return reached(deadlines.poll_until(backed, reached, time.monotonic() + timeout, POLL_S))
 
     def wait_for_digests(self, round_: int, expected: tuple[str, ...]) -> dict[str, str]:
         """Digests of round `round_` published by `expected`, waiting until all are in (a peer whose
@@ -240,12 +239,12 @@ class Swarm:
             return found, not agreement.still_waiting(expected, found, self.stale_peers() | past)
 
         deadline = time.monotonic() + self.config.swarm.agreement_timeout_s
-        return poll_until(read, lambda got: got[1], deadline, POLL_S)[0]
+        return deadlines.poll_until(read, lambda got: got[1], deadline, POLL_S)[0]
 
     def wait_for_reachable_peer(self) -> None:
         """A client-mode peer cannot reduce or serve: it needs a reachable peer of the run to train with."""
         deadline = time.monotonic() + self.config.swarm.join_timeout_s
-        if not poll_until(lambda: any(r.serves for r in self.peers().values()), bool, deadline, POLL_S):
+        if not deadlines.poll_until(lambda: any(r.serves for r in self.peers().values()), bool, deadline, POLL_S):
             raise SwarmError(
                 f"no reachable peer of run {self.config.run.run_id!r} within "
                 f"{self.config.swarm.join_timeout_s:g} s: "

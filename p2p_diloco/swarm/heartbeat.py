@@ -16,7 +16,7 @@ from typing import Any
 
 from p2p_diloco import agreement
 from p2p_diloco.network import RoundRecord
-from p2p_diloco.rounds import CLAIM_CAP, Progress, SwarmProgress, swarm_progress
+from p2p_diloco.rounds import Progress, SwarmProgress, swarm_progress
 from p2p_diloco.swarm import entry, records
 from p2p_diloco.swarm.convictions import Convictions
 from p2p_diloco.swarm.gate import Gate
@@ -132,10 +132,9 @@ class Heartbeat:
         phase ended, so nobody extrapolates tokens that will never come)."""
         self._my_progress = Progress(self.peer_id, round_, tokens, tokens_per_s, time.time())
 
-    def round_progress(
-        self, round_: int, my_tokens: int, tokens_per_peer: int, cap: float = CLAIM_CAP
-    ) -> SwarmProgress:
-        """The swarm's progress in `round_` as of the last beat; reads memory only."""
+    def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int, cap: float) -> SwarmProgress:
+        """The swarm's progress in `round_` as of the last beat, claims counted up to `cap` x the
+        lower median (rounds.claim_cap); reads memory only."""
         reports = [r for r in self._reports if r.peer not in self.gate.convicted]  # convicted since the last beat
         return swarm_progress(self.peer_id, round_, my_tokens, reports, time.time(), tokens_per_peer, STALE_S, cap)
 

@@ -212,7 +212,7 @@ def test_the_round_wait_catch_up_and_heartbeat_survive_any_round_or_progress_rec
     entry.addresses_of(found, ia)
     beat = Heartbeat(dht, world.keys[0], world.prefix, ia, threading.Lock(), Gate(world.config, ia), _NoEntries())
     beat._beat()
-    progress = beat.round_progress(4, 10, 1000)
+    progress = beat.round_progress(4, 10, 1000, 2.0)
     assert 10 <= progress.tokens < float("inf") and progress.peers in (1, 2, 3)
     beat.stale_peers(), beat.fresh_peers(), beat.swarm_round()
     assert "run" not in rounds_seen(found, beat._reports, time.time())  # one line, of rounds and peers
