@@ -94,12 +94,15 @@ def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
     residuals = sorted(r["residual"] for r in results)
     if codec == "fp32":
         assert residuals == ["none"] * 3
-        # Every member reduced a share of the 800 kB (links.part_bytes). A member that reduces a
-        # fraction f of V bytes receives V (1 + f) with 3 members: the others' parts of its span,
-        # and the averages of the rest. Before, the vector was one part and two members got V each.
+        # The 800 kB are reduced in the balancer's shares (links.part_bytes), none above
+        # swarm.max_reduce_share (0.5). A member that reduces a fraction f of V bytes receives
+        # V (1 + f) with 3 members: the others' parts of its span, and the averages of the rest.
+        # Before, the vector was one part: one member reduced 0.99995 of it. (The second average
+        # follows the probed links, and the balancer may give the slowest member nothing: a
+        # fresh clone measured [0.0, 0.50, 0.50].)
         vector = numel * 4 + EXACT * 4
         shares = [r["bytes_received"] / vector - 1 for r in results]
-        assert all(0.1 < f <= 0.51 for f in shares), shares  # none above swarm.max_reduce_share (0.5)
+        assert max(shares) <= 0.51 and sum(shares) == pytest.approx(1.0, abs=0.01), shares
         # Every peer probed the two others, and announced a figure measured from probes.
         for r in results:
             assert len(r["probes"]) == 2 and all(rate > 0 for rate in r["probes"].values()), r["probes"]
