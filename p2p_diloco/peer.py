@@ -2,18 +2,18 @@
 
 Alone (no initial peers) the peer's swarm is `Solo`, a swarm of one: the average of one
 pseudo-gradient is itself, which is DiLoCo with k = 1. With initial peers it is the real swarm;
-nothing else in a round changes. The round itself is round.py; agreement and catch-up sync.py.
+nothing else in a round changes. The peer builds the parts and runs the loop: its replica of the
+run (replica.py), the round (round.py), agreement and catch-up (sync.py), and the joining checks
+(joining.py), each handed the replica, the swarm and the config, never the peer.
 """
 
 from __future__ import annotations
 
 import fcntl
 import logging
-import math
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
 
@@ -30,7 +30,8 @@ from p2p_diloco.inner import InnerTrainer
 from p2p_diloco.metrics import MetricsLog, PeerLogger, Phase, Progress
 from p2p_diloco.network import COPIED, ServedState, Solo, Swarm
 from p2p_diloco.prefetch import Prefetcher
-from p2p_diloco.round import RoundDriver
+from p2p_diloco.replica import Display, Replica
+from p2p_diloco.round import RoundDriver, RoundEnd
 from p2p_diloco.sync import StateSync
 
 logger = logging.getLogger(__name__)
@@ -64,15 +65,6 @@ def auto_device(cuda: bool, parameters: int, torch_version: str) -> str:
             f"build of torch (README: GPU peers), or pass --run.device=cpu to train on the CPU anyway (slow)"
         )
     return "cpu"
-
-
-@dataclass
-class Totals:
-    """Counters over the whole run, carried through checkpoints."""
-
-    tokens: int = 0
-    inner_steps: int = 0
-    compute_s: float = 0.0
 
 
 def claim_run_dir(run_dir: Path, resume: bool) -> IO[str]:
@@ -158,33 +150,43 @@ class Peer:
         config = self.config
         self.ranks = ranks.start(config, self.devices)  # the other ranks build while this one joins
         self.model = model_mod.init_model(self.model_config, config.run.seed).to(self.device)
-        self.state = outer.initial_state(dict(self.model.named_parameters()))
-        self.theta0 = self.state.digest()  # the run's genesis names it (genesis.py)
-        self.swarm = self._swarm = self._join(config, self.run_dir, self.state, self.serve_state)
+        state = outer.initial_state(dict(self.model.named_parameters()))
+        self.theta0 = state.digest()  # the run's genesis names it (genesis.py)
+        self._served: Callable[[], outer.GlobalState] = lambda: state  # until the replica is built
+        self.swarm = self._swarm = self._join(config, self.run_dir, state, self.serve_state)
         self.peer_id = self.swarm.peer_id
         self.log = PeerLogger(logger, self.peer_id[-4:])
-        self.total_steps = config.run.rounds * config.inner.steps
-        self.trainer = InnerTrainer(self.model, config.inner, self.total_steps, self.device, self.ranks.meet())
+        total_steps = config.run.rounds * config.inner.steps
+        self.trainer = InnerTrainer(self.model, config.inner, total_steps, self.device, self.ranks.meet())
         d = config.data
         shard = d.shard if d.shard >= 0 else data.pick_shard(self.peer_id, config.run.seed, d.num_shards)
         stream = data.shard_stream(self.corpus, self.tokenizer, d, config.model.seq_len, config.run.seed, shard)
         # Batches made ahead by a thread; its state (what a checkpoint saves) is the last batch trained on.
         pin = self.device.type == "cuda"
         self.stream = self._prefetcher = Prefetcher(stream, config.inner.batch_size, pin_memory=pin)
-        self.heldout = None
+        heldout = None
         if config.run.eval_every_rounds > 0:
-            self.heldout = data.heldout_batch(
+            heldout = data.heldout_batch(
                 self.corpus, self.tokenizer, config.model.seq_len, config.run.eval_sequences, d.heldout_fraction
             )
-        self.totals = Totals()
         self.sinks = sinks.open_sinks(config, self.run_dir, self.peer_id)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.sinks)
         self._serve_metrics()
         self.progress = Progress(config.log.progress, self.peer_id[-4:])
-        self.sync = StateSync(self)
-        self.rounds = RoundDriver(self)
+        display = Display(self.log, self.phase, self.progress)
+        self.replica = Replica(
+            state, self.trainer, self.stream, self.ranks, self.metrics, config, self.peer_id, display, heldout
+        )
+        self._served = lambda: self.replica.served
+        self.sync = StateSync(self.replica, self.swarm, config.swarm, config.outer)
+        self.rounds = RoundDriver(self.replica, self.swarm, self.sync, config)
         self._start(resume, shard)
         config_mod.save(config, self.run_dir / "config.toml", checkpoint.resume_line(self.run_dir))
+
+    @property
+    def state(self) -> outer.GlobalState:
+        """This peer's global state θ(r) (its replica's)."""
+        return self.replica.state
 
     # --- start -------------------------------------------------------------------------------
 
@@ -204,31 +206,37 @@ class Peer:
         payload = checkpoint.load(path, self.config.shared_dict()) if path is not None else None
         self.ranks.set_up(shard, path)  # a checkpoint is checked before the other ranks load it too
         if payload is not None:
-            self._restore(payload)
+            self.replica.restore(payload)
             self.log.info("resumed from %s (digest %s)", path, self.state.digest())
         elif resume:
             self.log.info("no checkpoint in %s: starting at round 0", checkpoint.checkpoint_dir(self.run_dir))
         faults.reached(faults.FaultPoint.START)
         self.verdict = self.swarm.check_config(self.theta0)
-        if self.verdict.kind != "join":
-            joining.refuse_a_finished_run(self)  # nobody is live to download its end from
-        # Announce first, and beat while settling and downloading: peers that finished the run linger
-        # for a live peer without their final state, and reachable peers wait for a client at matchmaking.
-        self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
+        if self.verdict.kind != "join":  # nobody is live to download its end from
+            joining.refuse_a_finished_run(self.replica, self.state, self.swarm, self.config.run.run_id)
+        self._look_at_the_swarm(fresh=path is None)
+        joining.say_whom_it_joined(self.replica, self.swarm, self.verdict, self.theta0, self.config.run.run_id)
+
+    def _look_at_the_swarm(self, fresh: bool) -> None:
+        """Announce this peer, and beat while settling and downloading: peers that finished the run
+        linger for a live peer without their final state, and reachable peers wait for a client at
+        matchmaking. Then catch up with the swarm, or record the state this peer starts from
+        (`fresh`: θ(0), no checkpoint)."""
+        replica, swarm = self.replica, self.swarm
+        swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
         if self.config.swarm.client_mode:
-            self.swarm.wait_for_reachable_peer()
+            swarm.wait_for_reachable_peer()
         faults.reached(faults.FaultPoint.LOOK)
         caught_up = self.sync.catch_up(starting=True)
-        if not caught_up:
-            self.refuse_a_finished_run()  # the run may have ended meanwhile
-        if path is None:
+        if caught_up is None:
+            self.rounds.refuse_a_finished_run(self.state)  # the run may have ended meanwhile
+        if fresh:
             self.metrics.truncate_after(-1)
-        if path is None or caught_up:
-            self.record_start()
-            self.save()
-        if caught_up:
-            self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), COPIED)
-        joining.say_whom_it_joined(self)
+        if caught_up is not None:
+            replica.adopt(caught_up, replica.start_record(caught_up))
+            swarm.publish_round(caught_up.round, caught_up.digest(), 0, float("nan"), COPIED)
+        elif fresh:
+            replica.commit(self.state, replica.start_record(self.state))
 
     def _serve_metrics(self) -> None:
         """log.metrics_port: this peer's Prometheus /metrics (its latest round record)."""
@@ -238,25 +246,6 @@ class Peer:
 
         self._metrics_server = serve_peer_metrics(self.config, self.peer_id, lambda: self.metrics.latest, self.phase)
         self.log.info("Prometheus metrics of this peer: %smetrics", self._metrics_server.url)
-
-    def record_start(self) -> None:
-        """The metrics record of the state this peer starts from: θ(0), or the round it caught up to."""
-        record: dict[str, Any] = {"round": self.state.round, "tokens": 0, "digest": self.state.digest()}
-        record["time"] = time.time()  # when this peer came to hold the state (unix s)
-        if self.heldout is not None:
-            record.update(self.eval_record())
-            self.log.info("held-out loss of theta(%d): %.4f", self.state.round, record["eval_loss"])
-        self.metrics.append(record)
-
-    def _restore(self, payload: dict[str, Any]) -> None:
-        self.state = outer.GlobalState(payload["round"], payload["params"], payload["momentum"])
-        self.load_theta()
-        self.trainer.load_state_dict(payload["trainer"])
-        self.stream.load_state_dict(payload["data"])
-        self.totals = Totals(**payload["totals"])
-        torch.set_rng_state(payload["rng"]["torch"])
-        self.log.round = self.state.round
-        self.metrics.truncate_after(self.state.round)
 
     # --- rounds ------------------------------------------------------------------------------
 
@@ -275,7 +264,7 @@ class Peer:
 
     def _run(self, stop: threading.Event) -> None:
         while self.state.round < self.config.run.rounds:
-            if stop.is_set() or not self.rounds.run_round(stop):
+            if stop.is_set() or self.rounds.run_round(stop) is RoundEnd.STOPPED:
                 self.phase.set("idle")
                 self.log.info(
                     "stopped: the partial round was discarded; the checkpoint of round %d is on disk, "
@@ -299,7 +288,7 @@ class Peer:
             return
         final, mine, now = self.state.round, self.state.digest(), time.monotonic()
         floor = now + swarm.linger_s
-        deadline = now + max(swarm.linger_s, swarm.agreement_timeout_s + self.download_s())
+        deadline = now + max(swarm.linger_s, swarm.agreement_timeout_s + self.sync.download_s())
         if swarm.linger_s > 0:
             self.log.info(
                 "serving the final state for %g s (swarm.linger_s) for late peers and exports; Ctrl+C leaves now",
@@ -315,79 +304,15 @@ class Peer:
         if waiting and not stop.is_set() and finishing():
             self.log.info("left with peers still finishing the last round: they keep their own state")
 
-    def catch_up(self) -> bool:
-        """Between rounds: if the swarm is ahead, adopt its state. The caught-up state is this
-        peer's round now: published at once (peers of the round may be waiting for this peer's
-        digest), recorded and checkpointed like any."""
-        if not self.sync.catch_up():
-            self.refuse_a_finished_run()
-            return False
-        self.swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"), COPIED)
-        self.record_start()
-        self.save()
-        return True
-
-    def download_s(self) -> float:
-        """The deadline of one whole-state download of this model (deadlines.py)."""
-        swarm, numel = self.config.swarm, sum(t.numel() for t in self.state.params.values())
-        return deadlines.state_download(numel, swarm.join_timeout_s, swarm.min_download_mbps).total_s
-
-    def refuse_a_finished_run(self) -> None:
-        """After a download that found nobody to serve it: RunFinished if the run ended meanwhile."""
-        joining.refuse_a_finished_run(self, self.sync.gone)
-
-    def adopt(self, state: outer.GlobalState) -> None:
-        """Replace the global state whole (a verified download): θ goes into the inner model."""
-        self.state = state
-        self.load_theta()
-        self.log.round = state.round
-
     def serve_state(self) -> ServedState:
         """(round, digest) and [θ, momentum] for a peer that downloads our state; runs in a background thread.
-        GlobalState is immutable and replaced whole, so one read of self.state is a consistent snapshot."""
+        GlobalState is immutable and replaced whole, so one read of it is a consistent snapshot."""
         faults.reached(faults.FaultPoint.SERVE)
-        state = self.state
+        state = self._served()
         return {"round": state.round, "digest": state.digest()}, [
             outer.flatten(state.params),
             outer.flatten(state.momentum),
         ]
-
-    def next_batch(self) -> torch.Tensor:
-        return self.stream.next_batch()
-
-    def load_theta(self) -> None:
-        """Copy θ(r) into the inner model: the start of an inner phase, and what is evaluated."""
-        self.load(self.state.params)
-
-    def load(self, params: outer.Tensors) -> None:
-        self.trainer.ranks.load(self.model, params)  # sharded (run.fsdp): this rank's rows
-
-    # --- records and checkpoints --------------------------------------------------------------
-
-    def eval_record(self) -> dict[str, float]:
-        """The held-out loss of θ as it is in the model now."""
-        assert self.heldout is not None
-        self.ranks.evaluating(self.model, self.state.params)  # sharded (run.fsdp): every rank evaluates
-        loss = self.trainer.evaluate(self.heldout)
-        return {"eval_loss": loss, "eval_ppl": math.exp(min(loss, 50.0))}
-
-    def save(self) -> None:
-        self.ranks.saving()  # sharded (run.fsdp): every rank gathers AdamW's state
-        payload = {
-            "round": self.state.round,
-            "params": self.state.params,
-            "momentum": self.state.momentum,
-            "digest": self.state.digest(),
-            "shared_config": self.config.shared_dict(),
-            "config": self.config.to_dict(),
-            "fingerprint": self.config.fingerprint(),
-            "peer_id": self.peer_id,
-            "trainer": self.trainer.state_dict(),
-            "data": self.stream.state_dict(),
-            "totals": vars(self.totals).copy(),
-            "rng": {"torch": torch.get_rng_state()},
-        }
-        checkpoint.save(self.run_dir, payload, self.config.checkpoint.keep)
 
     def close(self) -> None:
         """Leave the swarm and release the run dir; safe to call on a half-built peer."""

@@ -14,26 +14,36 @@ next is named: `InFlight`, `LastRound`, `sync.Unsettled`.
 
 from __future__ import annotations
 
+import enum
 import threading
 import time
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any, SupportsFloat
+from typing import Any, SupportsFloat
 
-from p2p_diloco import agreement, averaging, faults, outer
+from p2p_diloco import agreement, averaging, faults, joining, outer
 from p2p_diloco.averaging import Applied, Outcome, Overtaken
-from p2p_diloco.inner import PhaseResult, lr_at
-from p2p_diloco.network import Made
+from p2p_diloco.config import Config
+from p2p_diloco.inner import PhaseResult
+from p2p_diloco.network import COPIED, Made, Swarm
 from p2p_diloco.pending import Pending
+from p2p_diloco.replica import Replica
 from p2p_diloco.rounds import SwarmProgress
-from p2p_diloco.sync import Unsettled
-
-if TYPE_CHECKING:
-    from p2p_diloco.peer import Peer
+from p2p_diloco.sync import StateSync, Unsettled
 
 # A speed-aware peer runs at most this many times H steps in one round: the share of a fast peer in
 # a swarm of slow ones (which the round's token budget already bounds) and a guard against a bug.
 MAX_ROUND_SHARE = 16
 ALONE_WARN = 3  # a swarm peer that averaged alone this many rounds in a row says so, every round
+
+
+class RoundEnd(enum.Enum):
+    """How a call of `RoundDriver.run_round` ended."""
+
+    COMMITTED = "committed"  # θ(r+1) by this peer's own outer step, recorded and checkpointed
+    ADOPTED = "adopted"  # the group's majority held another θ(r+1): this peer adopted it instead
+    CAUGHT_UP = "caught up"  # it adopted the swarm's later state, which ends the run: nothing to train
+    ABANDONED = "abandoned"  # the swarm finished the round without this peer: the next starts by catching up
+    STOPPED = "stopped"  # `stop` was set: the partial round is discarded, the replica is unchanged
 
 
 @dataclass(frozen=True)
@@ -63,39 +73,53 @@ class LastRound:
 
 
 class RoundDriver:
-    """Runs one peer's rounds. A round commits a whole new state with its metrics record and
-    checkpoint, or changes nothing."""
+    """Runs one peer's rounds on its replica. A round commits a whole new state with its metrics
+    record and checkpoint (`Replica.commit`, `Replica.adopt`), or changes nothing."""
 
-    def __init__(self, peer: Peer):
-        self.peer = peer
-        cfg = peer.config
-        self.rounds = cfg.run.rounds
-        self.overlap = cfg.swarm.overlap if not peer.swarm.solo else "off"  # alone there is nothing to wait for
-        self.phases = PhaseRunner(peer)
+    def __init__(self, replica: Replica, swarm: Swarm, sync: StateSync, config: Config):
+        self.replica, self.swarm, self.sync, self.config = replica, swarm, sync, config
+        self.rounds = config.run.rounds
+        self.overlap = config.swarm.overlap if not swarm.solo else "off"  # alone there is nothing to wait for
+        self.phases = PhaseRunner(replica, swarm, sync, config)
         self.in_flight: InFlight | None = None  # the all-reduce in flight (overlapped rounds)
         self.last: LastRound | None = None
         self.unsettled: Unsettled | None = None  # an agreement settled one phase late
         self.alone = 0  # rounds in a row this swarm peer averaged alone and kept its own state
 
-    def run_round(self, stop: threading.Event) -> bool:
-        """One round: commits a new state, metrics record and checkpoint, or (if stopped) changes nothing durable.
+    def run_round(self, stop: threading.Event) -> RoundEnd:
+        """One round: commits a new state, metrics record and checkpoint, or changes nothing durable.
 
-        Returns False if `stop` ended it. A round the swarm finished without this peer (it hung, or
-        slept) is abandoned too, but returns True: the next round starts by catching up.
+        STOPPED if `stop` ended it. A round the swarm finished without this peer (it hung, or
+        slept) is ABANDONED: the next round starts by catching up.
         """
         started = time.perf_counter()
-        if self.in_flight is None and self.peer.catch_up():
-            if self.peer.state.round >= self.rounds:
-                return True
+        if self.in_flight is None and self.catch_up():
+            if self.replica.state.round >= self.rounds:
+                return RoundEnd.CAUGHT_UP
         if self.overlap != "off":
             return self._run_overlapped(stop, started)
-        trained = self.phases.run(self.peer.state.params, stop)
+        trained = self.phases.run(self.replica.state.params, stop)
         if trained is None:
             return self._abandon(stop)
-        self.finish_round(self.start_averaging(trained, in_background=False), started)
+        return self.finish_round(self.start_averaging(trained, in_background=False), started)
+
+    def catch_up(self) -> bool:
+        """Between rounds: if the swarm is ahead, adopt its state. The caught-up state is this
+        peer's round now: published at once (peers of the round may be waiting for this peer's
+        digest), recorded and checkpointed like any. Returns whether it adopted one."""
+        state = self.sync.catch_up()
+        if state is None:
+            self.refuse_a_finished_run(self.replica.state)
+            return False
+        self.swarm.publish_round(state.round, state.digest(), 0, float("nan"), COPIED)
+        self.replica.adopt(state, self.replica.start_record(state))
         return True
 
-    def _run_overlapped(self, stop: threading.Event, started: float) -> bool:
+    def refuse_a_finished_run(self, held: outer.GlobalState) -> None:
+        """After a download that found nobody to serve it: RunFinished if the run ended meanwhile."""
+        joining.refuse_a_finished_run(self.replica, held, self.swarm, self.config.run.run_id, self.sync.gone)
+
+    def _run_overlapped(self, stop: threading.Event, started: float) -> RoundEnd:
         """One round whose all-reduce runs while the next inner phase trains.
 
         In flight on entry: the all-reduce of this round's Δ (started by the previous call, or by a
@@ -104,267 +128,277 @@ class RoundDriver:
         still holds the same bytes, I1), and starts averaging the next.
         """
         if self.in_flight is None:  # nothing in flight: the first round, after a resume or a catch-up
-            trained = self.phases.run(self.peer.state.params, stop)
+            trained = self.phases.run(self.replica.state.params, stop)
             if trained is None:
                 return self._abandon(stop)
             self.in_flight = self.start_averaging(trained, in_background=True)
         following = None
-        if self.peer.state.round + 1 < self.rounds:
+        if self.replica.state.round + 1 < self.rounds:
             following = self.phases.run(self._start_point(self.in_flight), stop, lead=1)
             if following is None:
                 return self._abandon(stop)
         in_flight, self.in_flight = self.in_flight, None
-        if self.finish_round(in_flight, started, defer=following is not None) and following is not None:
+        ended = self.finish_round(in_flight, started, defer=following is not None)
+        if ended is not RoundEnd.ABANDONED and following is not None:
             self.in_flight = self.start_averaging(following, in_background=True)
-        return True
+        return ended
 
     def start_averaging(self, trained: Trained, in_background: bool) -> InFlight:
         """Step 1: average this round's Δ with the peers at the same round (averaging.py)."""
-        peer = self.peer
-        peer.phase.set("averaging")
-        round_, expected = peer.state.round, self._expected_group()
+        self.replica.phase.set("averaging")
+        round_, expected = self.replica.state.round, self._expected_group()
+        swarm, config, log = self.swarm, self.config, self.replica.log
 
         def work() -> Outcome:
             tokens = trained.phase.tokens
-            return averaging.average(peer.swarm, peer.config, round_, trained.delta, tokens, expected, peer.log)
+            return averaging.average(swarm, config, round_, trained.delta, tokens, expected, log)
 
         return InFlight(trained, Pending(work, in_background))
 
-    def finish_round(self, in_flight: InFlight, started: float, defer: bool = False) -> bool:
-        """Step 2: wait for the round's average and commit θ(r+1). Returns False if the swarm
+    def finish_round(self, in_flight: InFlight, started: float, defer: bool = False) -> RoundEnd:
+        """Step 2: wait for the round's average and commit θ(r+1). ABANDONED if the swarm
         finished the round without this peer: the next round starts by catching up."""
         pending = in_flight.outcome
-        self.peer.phase.set("averaging")  # overlapped rounds: waiting for the all-reduce that ran meanwhile
+        self.replica.phase.set("averaging")  # overlapped rounds: waiting for the all-reduce that ran meanwhile
         blocked_from = time.perf_counter() if pending.in_background else pending.started
         outcome = pending.join()
         if isinstance(outcome, Overtaken):
-            self.peer.sync.note_round(self.peer.state.round, in_flight.trained.delta)
-            self.peer.load_theta()  # the next round starts by catching up with the round's result
-            return False
+            self.sync.note_round(self.replica.state.round, in_flight.trained.delta)
+            self.replica.rewind()  # the next round starts by catching up with the round's result
+            return RoundEnd.ABANDONED
         now = time.perf_counter()
         comm = replace(outcome.comm, averaging_s=now - pending.started, blocked_s=now - blocked_from)
         if pending.in_background:
             self.last = LastRound(outcome.delta, in_flight.trained.delta, 1.0 / len(outcome.group))
-            unsettled, self.unsettled = self.unsettled, None
-            self.peer.sync.settle(unsettled)
-        self._commit(in_flight.trained, replace(outcome, comm=comm), started, defer)
-        return True
+            self._settle()
+        return self._commit(in_flight.trained, replace(outcome, comm=comm), started, defer)
 
-    def _commit(self, trained: Trained, outcome: Applied, started: float, defer: bool) -> None:
+    def _settle(self) -> None:
+        """Act on the last round's deferred agreement (overlapped rounds): if the majority held
+        another state, adopt it, its record rewritten, before the next outer step lands on it."""
+        unsettled, self.unsettled = self.unsettled, None
+        state = self.sync.settle(unsettled)
+        if state is not None and unsettled is not None:
+            self.replica.adopt(state, {**unsettled.record, "digest": state.digest(), "adopted": True})
+
+    def _commit(self, trained: Trained, outcome: Applied, started: float, defer: bool) -> RoundEnd:
         """θ(r+1) from the round's average: outer step, agreement, metrics, checkpoint.
 
         `defer` (overlapped rounds): publish the digest and collect the others' in the background
-        while the next phase trains; `sync.settle` acts on them before the next outer step.
+        while the next phase trains; `_settle` acts on them before the next outer step.
         """
-        peer, r = self.peer, self.peer.state.round
+        replica, swarm, r = self.replica, self.swarm, self.replica.state.round
         # Who should agree on the round's result: the group, and every live peer that was at this round.
-        seen = agreement.live_at(peer.swarm.peers(), peer.swarm.stale_peers() | peer.swarm.fresh_peers(), r, r + 1)
-        expected = agreement.whom_to_wait_for(peer.peer_id, outcome.group, seen)
-        oc = peer.config.outer
-        peer.sync.note_round(r, trained.delta, outcome.delta)  # a state offered for r + 1 must agree with it
-        peer.state = outer.outer_step(peer.state, outcome.delta, oc.lr, oc.momentum, oc.nesterov)
-        peer.load_theta()
+        seen = agreement.live_at(swarm.peers(), swarm.stale_peers() | swarm.fresh_peers(), r, r + 1)
+        expected = agreement.whom_to_wait_for(replica.peer_id, outcome.group, seen)
+        oc = self.config.outer
+        self.sync.note_round(r, trained.delta, outcome.delta)  # a state offered for r + 1 must agree with it
+        stepped = outer.outer_step(replica.state, outcome.delta, oc.lr, oc.momentum, oc.nesterov)
+        replica.offer(stepped)  # served to the round's peers from now on: they may download it as the majority's
         made = Made(outcome.group, averaging.outcome_kind(outcome))
-        collecting = peer.sync.agree_later(expected, trained.phase, made) if defer else None
-        adopted = not defer and peer.sync.agree(expected, trained.phase, made)
-        if not defer and peer.sync.gone is not None:  # nobody serves the majority's state: has the run ended?
-            peer.refuse_a_finished_run()
-        self.alone = self.alone + 1 if len(outcome.group) == 1 and not adopted else 0
-        record = self._record(trained, outcome, started)
-        if adopted:
-            record["adopted"] = True
-        peer.metrics.append(record)
+        collecting = self.sync.agree_later(stepped, expected, trained.phase, made) if defer else None
+        adopted = None if defer else self.sync.agree(stepped, expected, trained.phase, made)
+        if not defer and self.sync.gone is not None:  # nobody serves the majority's state: has the run ended?
+            self.refuse_a_finished_run(stepped)
+        self.alone = self.alone + 1 if len(outcome.group) == 1 and adopted is None else 0
+        state = adopted or stepped
+        record = self._record(state, trained, outcome, started, adopted is not None)
+        if adopted is not None:
+            replica.adopt(adopted, record, trained.phase)
+        else:
+            replica.commit(stepped, record, trained.phase)
         if collecting is not None:
-            self.unsettled = Unsettled(peer.state.round, collecting, trained.phase, record, expected)
-        peer.save()
-        peer.log.round = peer.state.round
-        log_round(peer, record)
-        if self.alone >= ALONE_WARN and not peer.swarm.solo:
-            peer.log.warning(
+            self.unsettled = Unsettled(state.round, collecting, trained.phase, record, expected)
+        log_round(replica, swarm, record)
+        self._warn_alone(r)
+        return RoundEnd.ADOPTED if adopted is not None else RoundEnd.COMMITTED
+
+    def _warn_alone(self, r: int) -> None:
+        if self.alone >= ALONE_WARN and not self.swarm.solo:
+            self.replica.log.warning(
                 "no other peer of run %r at round %d: %d rounds in a row alone. Is the bootstrap node up, and are "
                 "this peer's run id and config the organiser's? (`p2p-diloco config --config run.toml` prints "
                 "the fingerprint to compare)",
-                peer.config.run.run_id,
+                self.config.run.run_id,
                 r,
                 self.alone,
             )
 
-    def _record(self, trained: Trained, outcome: Applied, started: float) -> dict[str, Any]:
-        """The round's metrics record; adds the round to the peer's totals."""
-        peer, phase = self.peer, trained.phase
-        peer.totals.tokens += phase.tokens
-        peer.totals.inner_steps += phase.steps
-        peer.totals.compute_s += phase.compute_s
+    def _record(
+        self, state: outer.GlobalState, trained: Trained, outcome: Applied, started: float, adopted: bool
+    ) -> dict[str, Any]:
+        """The round's metrics record, of `state` (`adopted`: downloaded from the group's majority)."""
         record = {
-            **round_fields(peer, phase, trained.delta_norm),
+            **round_fields(self.replica, self.config, state, trained, adopted),
             "group_size": len(outcome.group),
             **outcome.comm.record(),
         }
         if self.phases.speed_aware:
             record["swarm_peers"] = self.phases.view.peers if self.phases.view else 1
-        if not peer.swarm.solo:
+        if not self.swarm.solo:
             record["alone_rounds"] = self.alone
         record["wall_s"] = time.perf_counter() - started
         record["time"] = time.time()  # when the round was committed (unix s)
+        if adopted:
+            record["adopted"] = True
         return record
 
-    def _abandon(self, stop: threading.Event) -> bool:
-        """An inner phase ended early: Ctrl+C (False), or the swarm finished the round without us."""
+    def _abandon(self, stop: threading.Event) -> RoundEnd:
+        """An inner phase ended early: Ctrl+C (STOPPED), or the swarm finished the round without us."""
         if stop.is_set():  # an all-reduce still in flight ends when the peer leaves the swarm
-            return False
-        peer = self.peer
+            return RoundEnd.STOPPED
+        replica = self.replica
         if self.in_flight is not None:  # the swarm moved on: its all-reduce is moot; let it end
             try:
                 self.in_flight.outcome.join()
             except Exception as e:  # whatever it ended with, its result is not used
-                peer.log.debug("abandoned all-reduce: %s", e)
+                replica.log.debug("abandoned all-reduce: %s", e)
             self.in_flight = None
-        peer.log.info(  # a slow peer overtaken: it heals by catching up, nothing for the user to do
+        replica.log.info(  # a slow peer overtaken: it heals by catching up, nothing for the user to do
             "the swarm finished round %d without this peer (it is at round %s): abandoning the inner phase to catch up",
-            peer.state.round,
-            peer.swarm.swarm_round(),
+            replica.state.round,
+            self.swarm.swarm_round(),
         )
-        peer.load_theta()
-        return True
+        replica.rewind()
+        return RoundEnd.ABANDONED
 
     def _start_point(self, in_flight: InFlight) -> outer.Tensors:
         """Where the phase after an in-flight all-reduce starts: θ(r) itself (delayed), or θ(r)
         moved by the outer step of an estimate of the round's average (eager)."""
-        state = self.peer.state
+        state = self.replica.state
         if self.overlap == "delayed":
             return state.params
         last = self.last
         own = in_flight.trained.delta
         estimate = outer.eager_estimate(own, last.average, last.own, last.share) if last else dict(own)
-        oc = self.peer.config.outer
+        oc = self.config.outer
         return outer.outer_step(state, estimate, oc.lr, oc.momentum, oc.nesterov).params
 
     def _expected_group(self) -> int:
-        peer, r = self.peer, self.peer.state.round
+        swarm, r = self.swarm, self.replica.state.round
         in_round = self.phases.view.peers if self.phases.view is not None else 0
-        return agreement.expected_group(
-            in_round, agreement.live_at(peer.swarm.peers(), peer.swarm.stale_peers(), r - 1, r)
-        )
+        return agreement.expected_group(in_round, agreement.live_at(swarm.peers(), swarm.stale_peers(), r - 1, r))
 
 
 class PhaseRunner:
     """The inner phase as a swarm peer runs it: H steps, or (speed-aware rounds) until the live
     peers together trained the round's token budget (rounds.py)."""
 
-    def __init__(self, peer: Peer):
-        self.peer = peer
-        cfg = peer.config
-        self.speed_aware = not peer.swarm.solo and cfg.swarm.speed_aware
-        self.steps = cfg.inner.steps
-        self.tokens_per_peer = self.steps * cfg.inner.batch_size * cfg.model.seq_len
+    def __init__(self, replica: Replica, swarm: Swarm, sync: StateSync, config: Config):
+        self.replica, self.swarm, self.sync = replica, swarm, sync
+        self.speed_aware = not swarm.solo and config.swarm.speed_aware
+        self.steps = config.inner.steps
+        self.tokens_per_peer = self.steps * config.inner.batch_size * config.model.seq_len
+        self.weight_decay = config.inner.weight_decay
         self.view: SwarmProgress | None = None  # the swarm's progress in the round when the last phase ended
         self.tokens_per_s = 0.0  # this peer's speed in its last inner phase
 
     def run(self, start: outer.Tensors, stop: threading.Event, lead: int = 0) -> Trained | None:
         """An inner phase from `start`, or None if it was abandoned (Ctrl+C, or the swarm moved on).
         `lead`: how many rounds past this peer's state the phase trains for (1 when overlapped)."""
-        peer = self.peer
+        round_ = self.replica.state.round + lead
         if self.speed_aware:
             # The lr schedule follows the swarm's rounds: a fast peer that ran more than H steps in
             # a round, or a slow one that ran fewer, is back on the schedule at the next.
-            peer.trainer.step = (peer.state.round + lead) * self.steps
-        peer.log.round = peer.state.round + lead
-        peer.load(start)
-        phase = self._phase(stop, peer.state.round + lead, start)
-        if phase.stopped:
-            return None
-        # Sharded (run.fsdp): every rank gathers the trained parameters whole.
-        delta = outer.pseudo_gradient(start, peer.trainer.ranks.gather(peer.model))
-        return Trained(phase, delta, outer.check_pseudo_gradient(delta, phase.lr_sum, peer.config.inner.weight_decay))
-
-    def _phase(self, stop: threading.Event, round_: int, start: outer.Tensors) -> PhaseResult:
+            self.replica.set_schedule(round_)
         faults.reached(faults.FaultPoint.INNER)
-        peer = self.peer
         self.view = None
-        peer.phase.set("inner")
-        steps = self.steps * MAX_ROUND_SHARE if self.speed_aware else self.steps
-        peer.ranks.phase(peer.model, start, steps, peer.trainer.step)  # the peer's other ranks train it too
-        peer.progress.start(round_, self.steps)
-        started = time.perf_counter()
+        self.replica.phase.set("inner")
+        progress = self.replica.progress
+        progress.start(round_, self.steps)
+        try:
+            if not self.speed_aware:
+                phase, trained = self._fixed_phase(start, stop, round_)
+            else:
+                phase, trained = self._speed_aware_phase(start, stop, round_)
+        finally:
+            progress.close()
+        if trained is None:
+            return None
+        delta = outer.pseudo_gradient(start, trained)
+        return Trained(phase, delta, outer.check_pseudo_gradient(delta, phase.lr_sum, self.weight_decay))
+
+    def _on_step(self, started: float) -> Any:
+        replica = self.replica
 
         def on_step(step: int, loss: SupportsFloat, tokens: int) -> None:
             # `loss` is a tensor on the device: the bar reads it twice a second, the debug line when on.
-            peer.log.step, peer.log.steps = step, self.steps
-            peer.progress.update(loss, tokens / max(time.perf_counter() - started, 1e-9))
+            replica.progress.update(loss, tokens / max(time.perf_counter() - started, 1e-9))
             if step % max(self.steps // 4, 1) == 0:
-                peer.log.debug("loss %.4f", loss)
+                replica.log.debug("loss %.4f", loss)
 
-        try:
-            if not self.speed_aware:
-                return self._fixed_phase(stop, round_, on_step)
-            return self._speed_aware_phase(stop, round_, started, on_step)
-        finally:
-            peer.log.step = None
-            peer.progress.close()
+        return on_step
 
-    def _fixed_phase(self, stop: threading.Event, round_: int, on_step: Any) -> PhaseResult:
+    def _fixed_phase(
+        self, start: outer.Tensors, stop: threading.Event, round_: int
+    ) -> tuple[PhaseResult, outer.Tensors | None]:
         """H steps. The speed of the last phase is reported at the start, the tokens at the end at
         rate 0, as in speed-aware rounds: nobody waits on them here, but observers show the speed."""
-        peer = self.peer
-        peer.swarm.report_progress(round_, 0, self.tokens_per_s)
-        phase = peer.trainer.run_phase(peer.next_batch, self.steps, stop.is_set, on_step)
+        self.swarm.report_progress(round_, 0, self.tokens_per_s)
+        on_step = self._on_step(time.perf_counter())
+        phase, trained = self.replica.train(start, round_, self.steps, stop.is_set, on_step)
         if phase.steps:
             self.tokens_per_s = phase.tokens / max(phase.compute_s, 1e-9)
-        peer.swarm.report_progress(round_, phase.tokens, 0.0)
-        return phase
+        self.swarm.report_progress(round_, phase.tokens, 0.0)
+        return phase, trained
 
-    def _speed_aware_phase(self, stop: threading.Event, round_: int, started: float, on_step: Any) -> PhaseResult:
+    def _speed_aware_phase(
+        self, start: outer.Tensors, stop: threading.Event, round_: int
+    ) -> tuple[PhaseResult, outer.Tensors | None]:
         """Train until the swarm's tokens reach the round's budget. Abandoned if the swarm published
         a round past `round_` meanwhile: this peer was stopped or asleep while the others went on."""
-        peer, swarm = self.peer, self.peer.swarm
+        swarm, started = self.swarm, time.perf_counter()
         swarm.report_progress(round_, 0, self.tokens_per_s)
 
         def should_stop() -> bool:
             if stop.is_set():
                 return True
-            ahead = swarm.swarm_round()
-            return ahead is not None and ahead > round_ and ahead > peer.sync.failed_catch_up
+            ahead, failed = swarm.swarm_round(), self.sync.failed_catch_up
+            return ahead is not None and ahead > round_ and (failed is None or ahead > failed)
 
         def should_end(done: int, tokens: int) -> bool:
             swarm.report_progress(round_, tokens, tokens / max(time.perf_counter() - started, 1e-9))
             self.view = swarm.round_progress(round_, tokens, self.tokens_per_peer)
             return self.view.done
 
-        phase = peer.trainer.run_phase(peer.next_batch, self.steps * MAX_ROUND_SHARE, should_stop, on_step, should_end)
+        steps = self.steps * MAX_ROUND_SHARE
+        phase, trained = self.replica.train(start, round_, steps, should_stop, self._on_step(started), should_end)
         if phase.steps:
             self.tokens_per_s = phase.tokens / max(phase.compute_s, 1e-9)
         # The phase is over: report the final tokens at rate 0, so nobody extrapolates more.
         swarm.report_progress(round_, phase.tokens, 0.0)
-        return phase
+        return phase, trained
 
 
-def round_fields(peer: Peer, phase: PhaseResult, delta_norm: float) -> dict[str, Any]:
-    """A round's metrics record as the peer knows it after the outer step (and the held-out loss
-    of θ(r+1) on the rounds run.eval_every_rounds names, and the last)."""
-    cfg = peer.config
+def round_fields(
+    replica: Replica, config: Config, state: outer.GlobalState, trained: Trained, adopted: bool
+) -> dict[str, Any]:
+    """A round's metrics record as the peer knows it after the outer step: of `state`, θ(r+1)
+    (and its held-out loss on the rounds run.eval_every_rounds names, and the last)."""
+    phase = trained.phase
     record: dict[str, Any] = {
-        "round": peer.state.round,
+        "round": state.round,
         "inner_steps": phase.steps,
         "tokens": phase.tokens,
-        "total_tokens": peer.totals.tokens,
+        "total_tokens": replica.totals.tokens + phase.tokens,
         "train_loss": phase.mean_loss,
-        "lr": lr_at(peer.trainer.step - 1, cfg.inner, peer.total_steps),
-        "pseudo_grad_norm": delta_norm,
-        "digest": peer.state.digest(),
+        "lr": replica.lr(adopting=state.round if adopted else None),
+        "pseudo_grad_norm": trained.delta_norm,
+        "digest": state.digest(),
         "compute_s": phase.compute_s,
         "tokens_per_s": phase.tokens / max(phase.compute_s, 1e-9),
     }
-    every = cfg.run.eval_every_rounds
-    if peer.heldout is not None and (peer.state.round % every == 0 or peer.state.round == cfg.run.rounds):
-        record.update(peer.eval_record())
+    every = config.run.eval_every_rounds
+    if replica.heldout is not None and (state.round % every == 0 or state.round == config.run.rounds):
+        record.update(replica.evaluate(state))
     return record
 
 
-def log_round(peer: Peer, record: dict[str, Any]) -> None:
+def log_round(replica: Replica, swarm: Swarm, record: dict[str, Any]) -> None:
     evaluated = f", held-out loss {record['eval_loss']:.4f}" if "eval_loss" in record else ""
     size = record.get("group_size", 1)
-    group = "" if peer.swarm.solo else " (averaged alone)" if size == 1 else f" (group of {size})"
-    peer.log.info(
+    group = "" if swarm.solo else " (averaged alone)" if size == 1 else f" (group of {size})"
+    replica.log.info(
         "round done%s: train loss %.4f%s, %s tokens at %s tok/s, |delta| %.3g, digest %s",
         group,
         record["train_loss"],

@@ -1,8 +1,8 @@
 """Agreement and catch-up, carried out: publish, wait, compare, download, adopt.
 
 agreement.py decides (whom to wait for, the majority, adopt or keep, whom to download from);
-this module does what it says through the peer's `Swarm` and changes the peer's state only by
-adopting a whole verified state (`Peer.adopt`), never part of one.
+this module does what it says through the peer's `Swarm`. It never changes the replica: it returns
+the whole verified state to adopt, and the caller adopts it (`Replica.adopt`).
 """
 
 from __future__ import annotations
@@ -13,15 +13,16 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from p2p_diloco import agreement, outer
+from p2p_diloco import agreement, deadlines, outer
 from p2p_diloco.deadlines import poll_until
 from p2p_diloco.errors import CatchUpFailed, StateDownloadError
 from p2p_diloco.inner import PhaseResult
-from p2p_diloco.network import COPIED, Made, RoundRecord
+from p2p_diloco.network import COPIED, Made, RoundRecord, Swarm
 from p2p_diloco.pending import Pending
 
 if TYPE_CHECKING:
-    from p2p_diloco.peer import Peer
+    from p2p_diloco.config import OuterSection, SwarmSection
+    from p2p_diloco.replica import Replica
 
 POLL_S = 0.5  # how often a peer that runs ahead of the swarm reads the others' records
 # A starting peer looks this long at the swarm before it follows a state that a single peer backs:
@@ -83,9 +84,9 @@ class Retry:
 class StateSync:
     """One peer's agreement with its group and catch-up with the swarm."""
 
-    def __init__(self, peer: Peer):
-        self.peer = peer
-        self.failed_catch_up = -1  # the latest round a catch-up failed to download
+    def __init__(self, replica: Replica, swarm: Swarm, config: SwarmSection, outer_config: OuterSection):
+        self.replica, self.swarm, self.config, self.outer_config = replica, swarm, config, outer_config
+        self.failed_catch_up: int | None = None  # the latest round a catch-up failed to download
         self.own_round: OwnRound | None = None  # the latest round this peer trained (note_round)
         self.copied = False  # this peer's state was downloaded (_follow), not made by its own outer step
         self.gone: StateDownloadError | None = None  # why the last catch-up's holders could not serve it
@@ -98,116 +99,129 @@ class StateSync:
 
     # --- agreement after the outer step ----------------------------------------------------
 
-    def agree(self, expected: tuple[str, ...], phase: PhaseResult, made: Made) -> bool:
-        """Publish this round's digest (and `made`: the group and outcome that made it); if the
-        majority of `expected` holds another, reload the majority's state. Waiting is bounded by
-        swarm.agreement_timeout_s (I3); a peer that died is simply not counted. Returns whether
-        this peer adopted the majority's state."""
-        peer = self.peer
-        peer.phase.set("agreement")
+    def agree(
+        self, held: outer.GlobalState, expected: tuple[str, ...], phase: PhaseResult, made: Made
+    ) -> outer.GlobalState | None:
+        """Publish the digest of `held` (this round's state, made by this peer's outer step) and
+        `made` (the group and outcome that made it); if the majority of `expected` holds another,
+        download the majority's state. Waiting is bounded by swarm.agreement_timeout_s (I3); a peer
+        that died is simply not counted. Returns the majority's verified state to adopt, or None."""
+        self.replica.phase.set("agreement")
         self.gone = None
-        mine = peer.state.digest()
-        peer.swarm.publish_round(peer.state.round, mine, phase.tokens, phase.mean_loss, made)
-        majority, holders = self.collect(peer.state.round, expected, mine)
+        mine = held.digest()
+        self.swarm.publish_round(held.round, mine, phase.tokens, phase.mean_loss, made)
+        majority, holders = self.collect(held.round, expected, mine)
+        if not agreement.should_adopt(mine, majority):
+            return None
         veto = not agreement.strict_majority(holders, expected)
-        return agreement.should_adopt(mine, majority) and self._adopt_majority(majority, holders, phase, veto=veto)
+        return self._adopt_majority(held, majority, holders, phase, veto=veto)
 
-    def agree_later(self, expected: tuple[str, ...], phase: PhaseResult, made: Made) -> Pending[tuple[str, list[str]]]:
-        """Publish this round's digest now and collect the others' in the background (overlapped
+    def agree_later(
+        self, held: outer.GlobalState, expected: tuple[str, ...], phase: PhaseResult, made: Made
+    ) -> Pending[tuple[str, list[str]]]:
+        """Publish the digest of `held` now and collect the others' in the background (overlapped
         rounds): the next phase need not wait for the round's slowest peer to publish."""
-        peer = self.peer
-        round_, mine = peer.state.round, peer.state.digest()
-        peer.swarm.publish_round(round_, mine, phase.tokens, phase.mean_loss, made)
+        round_, mine = held.round, held.digest()
+        self.swarm.publish_round(round_, mine, phase.tokens, phase.mean_loss, made)
         return Pending.background(lambda: self.collect(round_, expected, mine))
 
-    def settle(self, unsettled: Unsettled | None) -> None:
+    def settle(self, unsettled: Unsettled | None) -> outer.GlobalState | None:
         """The deferred agreement of the last committed round, before the next outer step is applied
-        to it: if the majority holds another state, adopt it now, so the next update lands on the
-        same θ everywhere. Its record and checkpoint are rewritten."""
-        peer = self.peer
-        if unsettled is None or unsettled.round != peer.state.round:  # the peer caught up meanwhile
-            return
-        peer.phase.set("agreement")
+        to it: if the majority holds another state, the state to adopt now (so the next update
+        lands on the same θ everywhere), else None."""
+        held = self.replica.state
+        if unsettled is None or unsettled.round != held.round:  # the peer caught up meanwhile
+            return None
+        self.replica.phase.set("agreement")
         majority, holders = unsettled.collecting.join()
+        if not agreement.should_adopt(held.digest(), majority):
+            return None
         veto = not agreement.strict_majority(holders, unsettled.expected)
-        if agreement.should_adopt(peer.state.digest(), majority) and self._adopt_majority(
-            majority, holders, unsettled.phase, latest=unsettled.round, veto=veto
-        ):
-            peer.metrics.append({**unsettled.record, "digest": peer.state.digest(), "adopted": True})
-            peer.save()
+        return self._adopt_majority(held, majority, holders, unsettled.phase, latest=unsettled.round, veto=veto)
 
     def collect(self, round_: int, expected: tuple[str, ...], mine: str) -> tuple[str, list[str]]:
         """(majority digest, peers serving it) of round `round_` among `expected`, waiting for their
         digests at most swarm.agreement_timeout_s. Reads the swarm only: any thread."""
-        peer = self.peer
-        if expected == (peer.peer_id,):
-            return mine, [peer.peer_id]
-        digests, missing = agreement.tally(expected, peer.swarm.wait_for_digests(round_, expected), peer.peer_id, mine)
+        me = self.replica.peer_id
+        if expected == (me,):
+            return mine, [me]
+        digests, missing = agreement.tally(expected, self.swarm.wait_for_digests(round_, expected), me, mine)
         if missing:
-            peer.log.info(
+            self.replica.log.info(
                 "agreement: %d of %d peers published round %d within %g s (missing %s)",
                 len(digests),
                 len(expected),
                 round_,
-                peer.config.swarm.agreement_timeout_s,
+                self.config.agreement_timeout_s,
                 ", ".join(p[-4:] for p in missing),
             )
-        cannot_serve = agreement.clients(peer.swarm.peers(), peer.peer_id, peer.config.swarm.client_mode)
+        cannot_serve = agreement.clients(self.swarm.peers(), me, self.config.client_mode)
         return agreement.reference(digests, cannot_serve)
 
     def _adopt_majority(
-        self, majority: str, holders: list[str], phase: PhaseResult, latest: int | None = None, veto: bool = False
-    ) -> bool:
+        self,
+        held: outer.GlobalState,
+        majority: str,
+        holders: list[str],
+        phase: PhaseResult,
+        latest: int | None = None,
+        veto: bool = False,
+    ) -> outer.GlobalState | None:
         """Download the majority's state of this round, asking again like a catch-up (`_follow`)
         while live peers hold it or a later one (up to round `latest`, if given): a peer that
-        completed a round holds the swarm's bytes of it, or stops (I1). It keeps its own only if
-        nobody serves the state any more (`gone`: the run may have ended), or, with `veto` (the
+        completed a round holds the swarm's bytes of it, or stops (I1). It keeps its own (None) only
+        if nobody serves the state any more (`gone`: the run may have ended), or, with `veto` (the
         majority's holders are not more than half of the round's peers), if the majority's
         average points against its own Δ."""
-        peer = self.peer
-        peer.log.info(  # the swarm healing itself (a peer that averaged alone, a split group): nothing to do
-            "digest %s differs from the group's majority %s: reloading its state",
-            peer.state.digest()[:12],
-            majority[:12],
+        log = self.replica.log
+        log.info(  # the swarm healing itself (a peer that averaged alone, a split group): nothing to do
+            "digest %s differs from the group's majority %s: reloading its state", held.digest()[:12], majority[:12]
         )
-        target = agreement.Reference(peer.state.round, majority, tuple(holders))
-        if not self._follow(target, self._mine(), latest, veto):
-            peer.log.warning("keeping this peer's own state (round %d)", peer.state.round)
-            return False
-        peer.swarm.publish_round(peer.state.round, peer.state.digest(), phase.tokens, phase.mean_loss, COPIED)
-        return True
+        target = agreement.Reference(held.round, majority, tuple(holders))
+        adopted = self._follow(target, self._mine(held), held, latest, veto)
+        if adopted is None:
+            log.warning("keeping this peer's own state (round %d)", held.round)
+            return None
+        self.swarm.publish_round(adopted.round, adopted.digest(), phase.tokens, phase.mean_loss, COPIED)
+        return adopted
 
     # --- catch-up ------------------------------------------------------------------------------
 
-    def catch_up(self, starting: bool = False) -> bool:
+    def catch_up(self, starting: bool = False) -> outer.GlobalState | None:
         """If the swarm is at a later round (or the same round with another majority digest),
-        download its state. Returns whether this peer adopted one.
+        download its state. Returns the verified state to adopt, or None.
 
         A peer never trains on while live peers hold a later state it could not download: it asks
         the holders it knows again, and the holders of the round they publish next (in a swarm
         whose rounds are short they move on while it asks), for up to `patience_s`; then it stops
         with CatchUpFailed. If the holders left, `gone` keeps the last failure, and the peer checks
-        whether the run ended (`joining.refuse_a_finished_run`): it writes no final model of its own. `starting`: the
-        peer's first catch-up, which follows a state that one peer alone backs only after SETTLE_S."""
-        peer = self.peer
-        peer.phase.set("catch-up")
+        whether the run ended (`joining.refuse_a_finished_run`): it writes no final model of its own.
+        `starting`: the peer's first catch-up, which follows a state that one peer alone backs only
+        after SETTLE_S."""
+        self.replica.phase.set("catch-up")
         self.gone = None
-        mine = self._mine()  # the peer's state does not change while it looks: hashed once
+        held = self.replica.state
+        mine = self._mine(held)  # the peer's state does not change while it looks: hashed once
         target = self._settled(mine) if starting else self._target(mine)
-        if not self._follow(target, mine):
-            return False
-        state = peer.state
-        peer.log.info("caught up with the swarm at round %d (digest %s)", state.round, state.digest()[:12])
-        return True
+        adopted = self._follow(target, mine, held)
+        if adopted is not None:
+            self.replica.log.info(
+                "caught up with the swarm at round %d (digest %s)", adopted.round, adopted.digest()[:12]
+            )
+        return adopted
 
     def _follow(
-        self, target: agreement.Reference | None, mine: RoundRecord, latest: int | None = None, veto: bool = False
-    ) -> bool:
-        """Download and adopt `target`, or, while its holders cannot serve it, the state live peers
-        back by then (no later than round `latest`, if given), for up to `patience_s`: CatchUpFailed
-        past it; with `veto`, not one whose average points against this peer's own Δ. Returns
-        whether a state was adopted; when the holders left, `gone` says why."""
-        peer = self.peer
+        self,
+        target: agreement.Reference | None,
+        mine: RoundRecord,
+        held: outer.GlobalState,
+        latest: int | None = None,
+        veto: bool = False,
+    ) -> outer.GlobalState | None:
+        """Download `target`, or, while its holders cannot serve it, the state live peers back by
+        then (no later than round `latest`, if given), for up to `patience_s`: CatchUpFailed past
+        it; with `veto`, not one whose average points against this peer's own Δ. Returns the
+        verified state to adopt, or None; when the holders left, `gone` says why."""
         retry = Retry(time.monotonic() + self.patience_s())
         failure: StateDownloadError | None = None
         while target is not None and (latest is None or target.round <= latest):
@@ -215,29 +229,29 @@ class StateSync:
                 offered = self._download(target.round, target.digest, retry.sources(target))
             except StateDownloadError as e:
                 failure = e
-                self.failed_catch_up = max(self.failed_catch_up, target.round)
+                self.failed_catch_up = max(self.failed_catch_up or 0, target.round)
                 target = self._retry(target, retry.failed(target, e), e, mine)
                 continue
-            if not self._accept(offered, list(target.holders), veto):
-                return False
-            # The inner lr schedule follows the swarm's round, not this peer's own step count.
-            peer.trainer.step = max(peer.trainer.step, target.round * peer.config.inner.steps)
-            return True
+            return self._accept(offered, held, list(target.holders), veto)
         if target is None:
             self.gone = failure  # the holders may have left because the run ended: the peer checks (joining.py)
-        return False
+        return None
+
+    def download_s(self) -> float:
+        """The deadline of one whole-state download of this model (deadlines.py)."""
+        numel = sum(t.numel() for t in self.replica.state.params.values())
+        return deadlines.state_download(numel, self.config.join_timeout_s, self.config.min_download_mbps).total_s
 
     def patience_s(self) -> float:
         """How long a peer that cannot download the swarm's state keeps trying before it stops (I3):
         CATCH_UP_JOINS download deadlines, so that the holders of the next round or two are asked too."""
-        return CATCH_UP_JOINS * self.peer.download_s()
+        return CATCH_UP_JOINS * self.download_s()
 
     def _retry(
         self, failed: agreement.Reference, retry: Retry, error: StateDownloadError, mine: RoundRecord
     ) -> agreement.Reference | None:
         """After a failed download: the state to ask for next (the same, or the holders' later one), or
         None if no live peer holds a later state any more. CatchUpFailed past the deadline."""
-        peer = self.peer
         if time.monotonic() >= retry.deadline:
             raise CatchUpFailed(
                 f"could not download the swarm's state (round {failed.round}, digest {failed.digest[:12]}) in "
@@ -245,7 +259,7 @@ class StateSync:
                 f"check that this machine reaches the peers' addresses, then restart it with --resume"
             )
         if retry.tries == 1:  # said once per state: the retries that follow say nothing new
-            peer.log.info(
+            self.replica.log.info(
                 "could not download round %d yet (%s): asking its holders again, or the next round's",
                 failed.round,
                 error,
@@ -257,21 +271,19 @@ class StateSync:
         """The backed state to catch up to, if any. A peer ahead of the swarm's backed state waits
         first, at most swarm.agreement_timeout_s, for the others to reach its round
         (`agreement.runs_ahead`): then agreement at that round decides whose state goes on."""
-        peer = self.peer
-        wait = peer.config.swarm.agreement_timeout_s
+        wait = self.config.agreement_timeout_s
         deadline = time.monotonic() + wait
         target, ahead = self._look(mine)
         if ahead:
-            peer.log.info(
+            self.replica.log.info(
                 "round %d: this peer's state is not backed by half of the live peers and some are at earlier "
                 "rounds: waiting up to %g s for them to reach its round",
-                peer.state.round,
+                mine.round,
                 wait,
             )
-        if ahead:
             target, ahead = poll_until(lambda: self._look(mine), lambda looked: not looked[1], deadline, POLL_S)
         if ahead:
-            peer.log.info("nobody else reached round %d within %g s: going on", peer.state.round, wait)
+            self.replica.log.info("nobody else reached round %d within %g s: going on", mine.round, wait)
         return target
 
     def _settled(self, mine: RoundRecord) -> agreement.Reference | None:
@@ -280,7 +292,7 @@ class StateSync:
         deadline = time.monotonic() + SETTLE_S
         target = self._target(mine)
         if target is not None and target.backers < 2:
-            self.peer.log.info(
+            self.replica.log.info(
                 "one peer alone holds round %d as the swarm's state: looking at the swarm for up to %g s before "
                 "following it",
                 target.round,
@@ -288,62 +300,56 @@ class StateSync:
             )
         return poll_until(lambda: self._target(mine), lambda t: t is None or t.backers >= 2, deadline, POLL_S)
 
-    def _mine(self) -> RoundRecord:
-        """This peer's state as one vote among the others' records."""
-        peer = self.peer
-        serves = not peer.config.swarm.client_mode
-        return RoundRecord(
-            peer.peer_id, peer.state.round, peer.state.digest(), 0, 0.0, serves=serves, copied=self.copied
-        )
+    def _mine(self, held: outer.GlobalState) -> RoundRecord:
+        """`held` as one vote among the others' records."""
+        serves = not self.config.client_mode
+        return RoundRecord(self.replica.peer_id, held.round, held.digest(), 0, 0.0, serves=serves, copied=self.copied)
 
     def _look(self, mine: RoundRecord) -> tuple[agreement.Reference | None, bool]:
         """(the backed state to catch up to, or None; whether this peer runs ahead of the swarm)."""
-        peer = self.peer
-        seen = peer.swarm.peers()
-        counted = agreement.counted(seen, peer.swarm.stale_peers(), peer.swarm.fresh_peers())
-        swarm_state = agreement.backed(seen, counted, peer.peer_id, mine)
+        seen = self.swarm.peers()
+        counted = agreement.counted(seen, self.swarm.stale_peers(), self.swarm.fresh_peers())
+        swarm_state = agreement.backed(seen, counted, self.replica.peer_id, mine)
         target = agreement.catch_up_target(swarm_state, mine.round, mine.digest, not mine.serves)
         return target, target is None and agreement.runs_ahead(swarm_state, seen, counted, mine.round, mine.digest)
 
     def _download(self, round_: int, digest: str, holders: list[str]) -> outer.GlobalState:
         """The verified state of `round_` with `digest` from one of `holders`, or StateDownloadError."""
-        peer = self.peer
-        sources = agreement.download_sources(holders, peer.peer_id)
-        _, (theta, momentum) = peer.swarm.download_state(round_, digest, sources, self.verify_state)
-        like = peer.state.params
+        sources = agreement.download_sources(holders, self.replica.peer_id)
+        _, (theta, momentum) = self.swarm.download_state(round_, digest, sources, self.verify_state)
+        like = self.replica.state.params
         return outer.GlobalState(round_, outer.unflatten(theta, like), outer.unflatten(momentum, like))
 
-    def _accept(self, offered: outer.GlobalState, holders: list[str], veto: bool) -> bool:
-        """Adopt `offered`, unless (`veto`) the average that made it points against this peer's own Δ."""
-        peer = self.peer
-        if veto and (cosine := self._against_own(offered)) is not None:
-            peer.log.warning(
+    def _accept(
+        self, offered: outer.GlobalState, held: outer.GlobalState, holders: list[str], veto: bool
+    ) -> outer.GlobalState | None:
+        """`offered`, unless (`veto`) the average that made it points against this peer's own Δ."""
+        if veto and (cosine := self._against_own(offered, held)) is not None:
+            self.replica.log.warning(
                 "the state of round %d that %s hold was made with an average pointing against this peer's own "
                 "pseudo-gradient (cosine %.2f): keeping this peer's own state",
                 offered.round,
                 ", ".join(h[-4:] for h in holders),
                 cosine,
             )
-            return False
-        peer.adopt(offered)
+            return None
         self.copied = True
-        return True
+        return offered
 
-    def _against_own(self, offered: outer.GlobalState) -> float | None:
+    def _against_own(self, offered: outer.GlobalState, held: outer.GlobalState) -> float | None:
         """The cosine of the average that made `offered` with this peer's own Δ of that round, if it
         points against it (`outer.against_own`). Checked only where the peer holds a state of
-        that round of its own (agreement): a peer that was overtaken has none, and refusing the
-        swarm's state would only make it adopt the next one, built on it (the joiners test: 37
-        refusals in 4 s, each followed by an abandoned phase). A state of a later round than this
-        peer trained is not checked either: it has no Δ of its own there."""
-        noted, mine = self.own_round, self.peer.state
+        that round of its own (`held`, agreement): a peer that was overtaken has none, and refusing
+        the swarm's state would only make it adopt the next one, built on it. A state of a later
+        round than this peer trained is not checked either: it has no Δ of its own there."""
+        noted = self.own_round
         if noted is None or noted.applied is None or offered.round != noted.round + 1:
             return None
-        implied = outer.implied_average(offered, mine, self.peer.config.outer.momentum, noted.applied)
+        implied = outer.implied_average(offered, held, self.outer_config.momentum, noted.applied)
         if implied is None:
             return None
         return outer.against_own(implied, noted.own)
 
     def verify_state(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:
         """The digest of a downloaded state, or "malformed" if it does not even have this model's shape."""
-        return outer.served_digest(metadata, tensors, self.peer.state.params)
+        return outer.served_digest(metadata, tensors, self.replica.state.params)

@@ -160,7 +160,7 @@ def test_one_peers_record_of_the_last_round_and_its_finished_genesis_send_no_joi
     fake.final = Genesis(MINE, T0, 4, forged)
     fake.publish_other("p1", moved(peer.state, 0.01, 3))
     fake.records["m"] = RoundRecord("m", 4, forged, 10, 1.0)
-    joining.refuse_a_finished_run(peer)  # RunFinished before: one of three votes is no end
+    joining.refuse_a_finished_run(peer.replica, peer.state, fake, peer.config.run.run_id)  # RunFinished before
     peer.close()
     training = moved(peer.state, 0.01, 1)
     # The end as it is: the peers that made the final state are live at it, a straggler behind.

@@ -79,11 +79,8 @@ def cycles(graph: dict[str, set[str]]) -> list[set[str]]:
     return found
 
 
-def test_no_import_cycles_but_the_peer_s_own():
-    # The peer's loop and the parts it hands itself to (round, catch-up, joining) still import each
-    # other: issue 28's Replica removes that one. Any other cycle fails here.
-    peer = {f"p2p_diloco.{m}" for m in ("peer", "round", "sync", "joining")}
-    assert cycles(module_graph()) == [peer]
+def test_no_import_cycles():
+    assert cycles(module_graph()) == []
 
 
 def test_the_cycle_finder_finds_a_cycle():
