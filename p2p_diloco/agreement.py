@@ -4,6 +4,7 @@ After a round's outer step every peer publishes the digest of its new state and 
 the digests of the peers that should hold the same state; if the majority holds another, the peer
 downloads the majority's state (I1). A peer that finds the swarm at a later round downloads that
 round's state instead of training a round nobody else is in. This module decides:
+- who is live (`live`: a record, and a heartbeat that is not stale);
 - whom to wait for (`whom_to_wait_for`, `still_waiting`);
 - what the majority is, with the tie-break every peer computes the same way (`majority`, `reference`);
 - the swarm's state, backed by at least half of the live peers (`backed`), and whether this
@@ -41,9 +42,16 @@ def majority(digests: Mapping[str, str]) -> str:
     return min(counts, key=lambda d: (-counts[d], d))
 
 
+def live(records: Mapping[str, RoundRecord], stale: set[str], *rounds: int) -> set[str]:
+    """The live peers: those with a record (not expired in the DHT) whose heartbeat is not `stale`
+    (heartbeat.stale_peers); with `rounds`, only those whose latest record is at one of them. The
+    one rule of liveness the decisions here use."""
+    return {p for p, r in records.items() if not rounds or r.round in rounds} - stale
+
+
 def live_at(records: Mapping[str, RoundRecord], stale: set[str], *rounds: int) -> set[str]:
-    """Peers whose latest record is at one of `rounds` and whose heartbeat is fresh."""
-    return {p for p, r in records.items() if r.round in rounds} - stale
+    """`live` at one of `rounds` (none: nobody), as round.py asks for it."""
+    return live(records, stale, *rounds) if rounds else set()
 
 
 def whom_to_wait_for(me: str, group: Iterable[str], seen_at_round: Iterable[str]) -> tuple[str, ...]:
@@ -54,7 +62,8 @@ def whom_to_wait_for(me: str, group: Iterable[str], seen_at_round: Iterable[str]
 
 
 def still_waiting(expected: Iterable[str], published: Iterable[str], stale: set[str]) -> set[str]:
-    """Expected peers whose digest is not in yet and who are still alive (a dead one is not waited for)."""
+    """Expected peers whose digest is not in yet and who are still alive (a dead one is not waited for).
+    By id, not by record (a member's record of the round may not be readable yet): `stale` alone decides."""
     return set(expected) - set(published) - stale
 
 
@@ -98,7 +107,7 @@ def counted(records: Mapping[str, RoundRecord], stale: set[str], fresh: set[str]
     """The peers whose records count in the swarm's state: live (heartbeat fresh), and not an
     identity this peer first saw only moments ago (`fresh`: a flood of new ids cannot outvote
     the peers it knows; see the threat model)."""
-    return set(records) - stale - fresh
+    return live(records, stale) - fresh
 
 
 def backed(
@@ -179,4 +188,5 @@ def still_finishing(records: Mapping[str, RoundRecord], stale: set[str], final: 
     finished the run lingers for, so they can download it. A peer that is starting up (settling,
     downloading) publishes its start record and beats while it looks, so it counts too: otherwise
     the last holders could leave while it settles, and it would find nobody to download from."""
-    return [p for p, r in records.items() if r.round <= final and r.digest != mine and p not in stale]
+    alive = live(records, stale)
+    return [p for p, r in records.items() if r.round <= final and r.digest != mine and p in alive]

@@ -123,9 +123,9 @@ def _add_observe_commands(sub: _Commands) -> None:
     status.add_argument("--wait", type=float, default=5.0, metavar="SECONDS", help="read the swarm this long")
 
 
-# The observer's poll interval: at 5 s it adds about 2 % to the DHT requests of a 3-peer run, at
-# 1 s about 7.5 % (the target: 5 %; bench/observer_load.py, docs/benchmarks.md). The dashboard
-# redraws every 2 s; a peer shows offline after 10 s without news (observatory.ONLINE_S).
+# The observer's poll interval: it keeps the observer's DHT requests under 5 % of a 3-peer run's
+# (1 s would not; see docs/benchmarks.md, Observer load). The dashboard redraws every 2 s; a peer
+# shows offline after 10 s without news (observatory.ONLINE_S).
 OBSERVE_POLL_S = 5.0
 
 

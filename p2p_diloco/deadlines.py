@@ -1,14 +1,15 @@
 """Deadlines that follow the work instead of a machine's speed (docs/design.md I3).
 
 A whole-state download moves θ and the outer momentum, 8 bytes a parameter: 8 GB for a model of a
-billion parameters, 640 s on a home link of 100 Mbit/s. A fixed `swarm.join_timeout_s` (30 s) cut
-every such download, so no volunteer could ever have joined a run of a real model. Its deadline now
-follows the state's size at the slowest link the run accepts (`swarm.min_download_mbps`), never
-under `join_timeout_s`, and a server that stops sending is given up after `join_timeout_s` of
-silence (`stall_s`), however long the whole download may take: a hung peer still costs one short
-deadline, and a slow link is not mistaken for one.
+billion parameters, 640 s on a home link of 100 Mbit/s. A fixed deadline such as
+`swarm.join_timeout_s` (30 s) would cut every such download: no volunteer could join a run of a
+real model. So its deadline follows the state's size at the slowest link the run accepts
+(`swarm.min_download_mbps`), never under `join_timeout_s`, and a server that stops sending is
+given up after `join_timeout_s` of silence (`stall_s`), however long the whole download may take:
+a hung peer still costs one short deadline, and a slow link is not mistaken for one.
 
-Every wait on the swarm's records goes through `poll_until`: none without a deadline.
+Every wait on the swarm's records goes through `poll_until`: none without a deadline. How often it
+reads depends on how fast what it waits for moves (the *_POLL_S below).
 """
 
 from __future__ import annotations
@@ -20,6 +21,20 @@ from dataclasses import dataclass
 from typing import TypeVar
 
 T = TypeVar("T")
+
+# Round records are published the moment a peer commits its round (Swarm.publish_round), not at
+# the heartbeat's pace (heartbeat.PROGRESS_INTERVAL_S, 1 s), and every peer of a round waits on the
+# others' (agreement's digests; a client for a reachable peer): a wait on them re-reads this often,
+# so that it ends within a fraction of a second of the last record it waits for, on every round.
+ROUND_POLL_S = 0.2
+# A wait for the swarm to move (a peer ahead waits for the others to train up to its round; a
+# starting peer looks before it follows a state one peer backs) lasts seconds to minutes: it
+# re-reads less often. Also the first pause between two tries of a whole-state download (sync.py).
+CATCH_UP_POLL_S = 0.5
+# A one-off command's node (export, revoke, convictions) waits for what peers publish at their
+# heartbeat's pace, one beat a second (progress records with convictions, revocations published
+# again), or slower (a round agreed): a read more often than the beat would find nothing new.
+COMMAND_POLL_S = 1.0
 
 STATE_BYTES_PER_VALUE = 2 * 4  # a served state is θ and the outer momentum, fp32
 STATE_SLACK_BYTES = 1 << 20  # metadata and serialization headers

@@ -123,8 +123,8 @@ def autocast_dtype(precision: str, device: torch.device) -> torch.dtype | None:
 def adamw(model: torch.nn.Module, cfg: InnerSection, device: torch.device) -> torch.optim.AdamW:
     """AdamW on the model's trainable parameters. On CUDA the fused kernel (one launch for all of
     them); elsewhere foreach, which on the CPU gives the per-parameter loop's bits exactly and is no
-    slower (measured: tiny and small presets, torch 2.13; the fused CPU kernel is 4-9x faster
-    there but rounds differently, and CPU runs keep their bits)."""
+    slower; the fused CPU kernel is faster there but rounds differently, and CPU runs keep their
+    bits (see docs/benchmarks.md, Inner-loop speed)."""
     decay = [p for p in model.parameters() if p.requires_grad and p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.requires_grad and p.dim() < 2]
     cuda = device.type == "cuda"

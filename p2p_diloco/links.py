@@ -7,9 +7,8 @@ all-gather. Three things decide whether those figures can be trusted:
 
 - **Measured inside the all-reduce, they say nothing.** Every reducer waits for all senders' part i
   before answering it (hivemind's TensorPartReducer), so every stream, fast-to-fast included,
-  moves at the slowest member's pace. Measured on emulated links (bench/balance.py), a slow peer
-  given a smaller span then measured itself the fastest: 28, 24, 24, 40, 43 s against 24 s for
-  equal spans.
+  moves at the slowest member's pace: a slow peer given a smaller span then measures itself the
+  fastest, and the next spans make the all-reduce slower than equal spans (docs/design.md §7).
 - **So peers probe each other outside the lockstep.** After an all-reduce, while the next inner
   phase trains, a peer streams a probe of `probe_size()` bytes to each other member, one at a time
   (swarm/allreduce.py). The receiver times the chunks as they arrive (`probe_rate`: the bytes after

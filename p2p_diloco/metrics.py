@@ -206,7 +206,7 @@ def not_written_already(record: logging.LogRecord) -> bool:
 
     huggingface_hub and datasets give their top logger a stderr handler of their own when they are
     imported, and still pass every record on to the root: without this check each of their warnings
-    (a hub request retried while offline, five times) reached stderr twice, bare and through ours.
+    (a hub request retried while offline, say) would reach stderr twice, bare and through ours.
     Theirs is the copy kept: datasets is imported lazily, after this handler is set up.
     """
     logger: logging.Logger | None = logging.getLogger(record.name)

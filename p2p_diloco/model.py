@@ -285,8 +285,8 @@ def _attention(config: PretrainedConfig) -> str:
     """sdpa where the architecture has it, else eager.
 
     On CPU, sdpa runs a fused kernel that is bit-reproducible run to run (for a given thread count)
-    and measured 3.5x faster than eager for a forward+backward pass of `small` at 512 tokens; on a
-    GPU it picks the flash or memory-efficient kernels.
+    and several times faster than eager (docs/design.md §7); on a GPU it picks the flash or
+    memory-efficient kernels.
     """
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     return "sdpa" if getattr(model_class, "_supports_sdpa", False) else "eager"

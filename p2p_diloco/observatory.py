@@ -35,9 +35,11 @@ from typing import Any
 
 from p2p_diloco.metrics import prometheus_label
 from p2p_diloco.network import PastRound, RoundRecord
-from p2p_diloco.rounds import Progress
+from p2p_diloco.rounds import STALE_S, Progress
 
-ONLINE_S = 10.0  # a peer with no progress report or new record for this long is offline (as heartbeat.STALE_S)
+# A peer with no progress report or new record for this long is offline: a peer's stale rule
+# (rounds.STALE_S), applied to what this log saw (see `RunLog.online`).
+ONLINE_S = STALE_S
 MAX_ROUNDS_SHOWN = 200  # rounds in a view (the latest)
 ACTIVE_ROUNDS = 50  # at most this many rounds that started since the last poll are noted
 Credit = Callable[[Sequence[int]], list[int]]  # a group's tokens -> what its average weighed them at
@@ -188,6 +190,9 @@ class RunLog:
         return self.names.get(peer) or short(peer)
 
     def online(self, now: float) -> set[str]:
+        """Peers seen alive within ONLINE_S. Not heartbeat.stale_peers' rule (agreement.live): an
+        observer reads every few seconds, not every beat, and a record changed between two of its
+        reads dates a peer too."""
         return {p for p, s in self.peers.items() if now - s.last_seen < ONLINE_S}
 
     def _peer(self, peer: str, now: float) -> PeerSeen:
@@ -471,7 +476,7 @@ def _run_metrics(view: Mapping[str, Any], label: str) -> list[str]:
 
 def last_closed(rounds: list[dict[str, Any]]) -> dict[str, Any] | None:
     """The latest closed round of a view's rounds: its counts are final (`RunLog.closed`). A round
-    still open is still being published: read meanwhile it said "0 counted" of a healthy swarm."""
+    still open is still being published: read meanwhile, it would say "0 counted" of a healthy swarm."""
     return next((r for r in reversed(rounds) if r["closed"]), None)
 
 

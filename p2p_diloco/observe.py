@@ -183,19 +183,23 @@ def evaluation(
 
 
 AGREED_WAIT_S = 3.0  # how long a newer round's agreed digest is waited for (rounds end at once for all)
+AGREED_POLL_S = 0.25  # how often that wait looks again (the log; with `poll`, the DHT first)
 
 
 def settled(agreed: Callable[[], str], lock: threading.Lock, poll: Callable[[], None]) -> str:
     """`agreed()` under `lock` once it is known (not ""), or "" after AGREED_WAIT_S; `poll` between
     looks (a caller whose log no other thread feeds)."""
-    deadline = time.monotonic() + AGREED_WAIT_S
-    while True:
+    looked = False
+
+    def look() -> str:
+        nonlocal looked
+        if looked:
+            poll()
+        looked = True
         with lock:
-            found = agreed()
-        if found or time.monotonic() >= deadline:
-            return found
-        time.sleep(0.25)  # the poll interval of a wait bounded by the deadline above
-        poll()
+            return agreed()
+
+    return deadlines.poll_until(look, bool, time.monotonic() + AGREED_WAIT_S, AGREED_POLL_S)
 
 
 def gather(config: Config, poll: Callable[[], Poll], seconds: float, poll_s: float = 1.0) -> dict[str, Any]:
@@ -220,12 +224,9 @@ def fetch_agreed(
     from p2p_diloco.evaluate import download_agreed
 
     log = run_log(config)
-    deadline, why = (
-        time.monotonic() + wait_s,
-        (
-            "no round that counted peers agreed on was seen: is the run training? (A finished run's records "
-            "leave the DHT 90 s after its end: then export from a peer's run dir, p2p-diloco export RUN_DIR OUT)"
-        ),
+    why = (
+        "no round that counted peers agreed on was seen: is the run training? (A finished run's records "
+        "leave the DHT 90 s after its end: then export from a peer's run dir, p2p-diloco export RUN_DIR OUT)"
     )
 
     def accepts(round_: int, digest: str) -> bool:  # polling here: no other thread feeds this log
@@ -235,7 +236,9 @@ def fetch_agreed(
             != ""
         )
 
-    while True:
+    def attempt() -> Agreed | None:
+        """One poll, and a download of the newest agreed state if one is held; None if none came."""
+        nonlocal why
         log.ingest(*poll(), now=time.time())
         target = log.to_evaluate(1, time.time())
         if target is None and (final := log.agreed(config.run.rounds)):
@@ -244,14 +247,19 @@ def fetch_agreed(
                 "peer serves it any more (they linger swarm.linger_s after the end): export from a peer's run dir, "
                 "p2p-diloco export RUN_DIR OUT"
             )
-        if target is not None:
-            try:
-                return download_agreed(model, source.fetch, target, accepts, download_s(config, model.numel))
-            except StateDownloadError as e:
-                why = str(e)
-        if time.monotonic() >= deadline:
-            raise StateDownloadError(f"no agreed state of run {config.run.run_id!r} downloaded in {wait_s:g} s: {why}")
-        time.sleep(1.0)  # a DHT poll interval, bounded by the deadline above
+        if target is None:
+            return None
+        try:
+            return download_agreed(model, source.fetch, target, accepts, download_s(config, model.numel))
+        except StateDownloadError as e:
+            why = str(e)
+            return None
+
+    deadline = time.monotonic() + wait_s
+    found = deadlines.poll_until(attempt, lambda got: got is not None, deadline, deadlines.COMMAND_POLL_S)
+    if found is None:
+        raise StateDownloadError(f"no agreed state of run {config.run.run_id!r} downloaded in {wait_s:g} s: {why}")
+    return found
 
 
 def status_lines(view: dict[str, Any], peer: str | None = None) -> list[str]:

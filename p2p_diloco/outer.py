@@ -81,10 +81,10 @@ def norm(tensors: Mapping[str, torch.Tensor]) -> float:
 
 
 # An average "points against" a pseudo-gradient when their cosine is at most this. Honest
-# pseudo-gradients point the same way early in a run (pairwise cosine 0.72-0.79 in the tiny run,
-# bench/delta_alignment.py) and become nearly orthogonal late: the joiners test measured -0.02 between
-# an honest group's average and a peer's own Δ at round 31, and a veto at cosine <= 0 refused that
-# honest state 37 times in a row. A group that pulls back is far below: -1.00 for colluders' -10 x Δ.
+# pseudo-gradients point the same way early in a run (bench/delta_alignment.py) and become nearly
+# orthogonal late, so an honest group's average can fall just below 0 against a peer's own Δ: a
+# veto at cosine <= 0 would refuse honest states by chance (docs/design.md §6, the own-Δ veto). A group that pulls
+# back is far below: -1.00 for colluders' -10 x Δ.
 AGAINST_COSINE = -0.1
 
 

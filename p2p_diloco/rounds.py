@@ -18,6 +18,10 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass
 
+# A peer whose latest progress report is older than this is stale: neither its tokens nor its share
+# of the budget count in the round (`swarm_progress`), and it is not live (heartbeat.stale_peers,
+# agreement.live). Ten report intervals (heartbeat.PROGRESS_INTERVAL_S): a few missed ones drop nobody.
+STALE_S = 10.0
 CLAIM_CAP = 2.0  # the pure functions' default cap (the tests' by-hand figures); a peer's: claim_cap()
 # swarm.claim_cap = 0 picks one by the run's admission (docs/design.md §6): with k peers a liar's
 # claims end the others' rounds at k / (k - 1 + c) of their length, and with speeds 1, 1 and 4.5 the

@@ -53,8 +53,7 @@ from p2p_diloco.swarm.step import AveragingStep
 
 logger = logging.getLogger(__name__)
 
-PART_SIZE_BYTES = 2 * 1024 * 1024  # 25-30 % faster than hivemind's 512 KiB default, measured here
-POLL_S = 0.2  # how often a wait re-reads the DHT (every wait also has a deadline)
+PART_SIZE_BYTES = 2 * 1024 * 1024  # faster than hivemind's 512 KiB default (docs/design.md §7)
 
 
 class Swarm:
@@ -225,7 +224,7 @@ class Swarm:
         def reached(state: agreement.Reference | None) -> bool:
             return state is not None and bool(state.holders) and state.round >= round_
 
-        return reached(deadlines.poll_until(backed, reached, time.monotonic() + timeout, POLL_S))
+        return reached(deadlines.poll_until(backed, reached, time.monotonic() + timeout, deadlines.ROUND_POLL_S))
 
     def wait_for_digests(self, round_: int, expected: tuple[str, ...]) -> dict[str, str]:
         """Digests of round `round_` published by `expected`, waiting until all are in (a peer whose
@@ -239,12 +238,14 @@ class Swarm:
             return found, not agreement.still_waiting(expected, found, self.stale_peers() | past)
 
         deadline = time.monotonic() + self.config.swarm.agreement_timeout_s
-        return deadlines.poll_until(read, lambda got: got[1], deadline, POLL_S)[0]
+        return deadlines.poll_until(read, lambda got: got[1], deadline, deadlines.ROUND_POLL_S)[0]
 
     def wait_for_reachable_peer(self) -> None:
         """A client-mode peer cannot reduce or serve: it needs a reachable peer of the run to train with."""
         deadline = time.monotonic() + self.config.swarm.join_timeout_s
-        if not deadlines.poll_until(lambda: any(r.serves for r in self.peers().values()), bool, deadline, POLL_S):
+        if not deadlines.poll_until(
+            lambda: any(r.serves for r in self.peers().values()), bool, deadline, deadlines.ROUND_POLL_S
+        ):
             raise SwarmError(
                 f"no reachable peer of run {self.config.run.run_id!r} within "
                 f"{self.config.swarm.join_timeout_s:g} s: "

@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import Config
-from p2p_diloco.deadlines import poll_until
+from p2p_diloco.deadlines import COMMAND_POLL_S, poll_until
 from p2p_diloco.network import RoundRecord
 from p2p_diloco.rounds import Progress
 from p2p_diloco.swarm import entry, records
@@ -127,7 +127,7 @@ def publish_revocation(config: Config, revocation: str, timeout_s: float) -> set
         try:
             records.publish_revocations(dht, validator, prefix, [revocation])
             holders = lambda: records.revocation_holders(dht, prefix, revocation) - {str(dht.peer_id)}  # noqa: E731
-            return poll_until(holders, bool, time.monotonic() + timeout_s, 1.0)
+            return poll_until(holders, bool, time.monotonic() + timeout_s, COMMAND_POLL_S)
         finally:
             stop_process(dht, "DHT process")
 
@@ -140,12 +140,8 @@ def read_convictions(config: Config, timeout_s: float) -> dict[str, list[str]]:
         identity = Path(folder) / "organiser-node.key"
         dht = start_dht(config.swarm, identity, config.swarm.initial_peers, True, [make_validator(identity)])
         try:
-            deadline = time.monotonic() + timeout_s
-            while True:
-                found = records.convicted_by(records.read_progress(dht, prefix)[1])
-                if found or time.monotonic() >= deadline:
-                    return found
-                time.sleep(1.0)  # a DHT poll interval, bounded by the deadline above
+            read = lambda: records.convicted_by(records.read_progress(dht, prefix)[1])  # noqa: E731
+            return poll_until(read, bool, time.monotonic() + timeout_s, COMMAND_POLL_S)
         finally:
             stop_process(dht, "DHT process")
 
@@ -156,8 +152,9 @@ async def _routing_table_size(_dht: DHT, node: DHTNode) -> int:
 
 def rounds_seen(found: dict[str, RoundRecord], reports: list[Progress], now: float) -> str:
     """The run's peers by round, counting only those whose heartbeat is fresh (`STALE_S`): a round
-    record lives 90 s after its peer stopped, and a node said "round 20: 3 peers" of a run that had
-    ended. Stopped peers are counted apart."""
+    record lives records.RECORD_TTL_S (90 s) after its peer stopped, so records alone would show a
+    run that ended as training. Stopped peers are counted apart. By reports alone, not
+    agreement.live: one status line, with no memory of when each peer was first seen."""
     beating = {r.peer for r in reports if now - r.time <= STALE_S}
     rounds = Counter(r.round for p, r in found.items() if p in beating)
     stopped = len(set(found) - beating)

@@ -211,8 +211,8 @@ class Gate:
     @staticmethod
     def _say_refused(peer: str, problem: AdmissionError | None) -> None:
         """Once per peer. A certificate that fails its check is news (WARNING). None found may be a
-        DHT read that came back incomplete, as a reader's first ones do: an admitted peer was then
-        called uncertified (export in a certified run), so that is said as it is, at INFO."""
+        DHT read that came back incomplete, as a reader's first ones do (export in a certified
+        run): a warning would call an admitted peer uncertified, so that is said as it is, at INFO."""
         if problem is not None:
             logger.warning("refused peer %s: %s", peer, problem)
         else:

@@ -16,7 +16,7 @@ from typing import Any
 
 from p2p_diloco import agreement
 from p2p_diloco.network import RoundRecord
-from p2p_diloco.rounds import Progress, SwarmProgress, swarm_progress
+from p2p_diloco.rounds import STALE_S, Progress, SwarmProgress, swarm_progress
 from p2p_diloco.swarm import entry, records
 from p2p_diloco.swarm.convictions import Convictions
 from p2p_diloco.swarm.gate import Gate
@@ -24,7 +24,6 @@ from p2p_diloco.swarm.gate import Gate
 logger = logging.getLogger(__name__)
 
 PROGRESS_INTERVAL_S = 1.0  # how often a peer publishes its progress and reads everyone's
-STALE_S = 10.0  # a peer whose progress report is older than this no longer counts in the round
 # An id this peer first saw after it knew the swarm is new to it for FRESH_S: it does not count in
 # the swarm's state (agreement.counted) until then. The peers a starting peer finds are known: those
 # of its first read that showed anyone, and of its reads in the SETTLE_S after it (peers started
@@ -84,9 +83,9 @@ class Heartbeat:
         mine = self._my_progress
         refresh = self._last_record is not None and now - self._last_refresh >= records.REFRESH_S
         # Stores are not waited for, and nothing here holds the DHT lock while it waits (the DHT
-        # handle's writes are serialised by node.OneSendAtATime): with a member asleep, each store
-        # waited 3 s for each try of it (6 s measured) under the lock, and every read of the swarm
-        # by the peer waited behind it, a survivor's catch-up too (hog run A13: 26.8 s lost).
+        # handle's writes are serialised by node.OneSendAtATime): with a member asleep, a store
+        # waits 3 s for each try of it, and under the lock every read of the swarm by the peer, a
+        # survivor's catch-up too, would wait behind it (docs/design.md §4, I3).
         if refresh and self._last_record is not None and self._sent("round"):
             self._sending["round"] = records.publish_round(
                 self.dht, self.validator, self.prefix, self._last_record, wait=False
@@ -139,15 +138,17 @@ class Heartbeat:
         return swarm_progress(self.peer_id, round_, my_tokens, reports, time.time(), tokens_per_peer, STALE_S, cap)
 
     def stale_peers(self) -> set[str]:
-        """Peers whose heartbeat stopped more than STALE_S ago: dead, hung, or asleep. Nobody waits
-        for them, and they do not count in the swarm's state. A peer with a round record and no
-        progress report is stale once this peer has known it for STALE_S: a dead peer's progress
-        record expires after records.PROGRESS_TTL_S (30 s), its round record only after
-        RECORD_TTL_S (90 s). (A peer that just started has no progress report yet: not stale.)
+        """Peers whose heartbeat stopped more than STALE_S ago: dead, hung, or asleep (the `stale`
+        of agreement.live). Nobody waits for them, and they do not count in the swarm's state. A
+        peer with a round record and no progress report is stale once this peer has known it for
+        STALE_S: a dead peer's progress record expires after records.PROGRESS_TTL_S (30 s), its
+        round record only after RECORD_TTL_S (90 s). (A peer that just started has no progress
+        report yet: not stale.)
 
         Judged as of this peer's last read of the swarm, not now: while its own reads fail (a link
-        saturated by a state download, measured in bench/slow_join.py) it knows nothing newer, and
-        every peer would look stale, so a joiner took the holder it was downloading from for gone."""
+        saturated by a state download) it knows nothing newer, every peer would look stale, and a
+        joiner would take the holder it downloads from for gone (see docs/benchmarks.md, A joiner
+        on a slow link)."""
         now = self._read_at
         reporting = {r.peer for r in self._reports}
         silent = {p for p in self._rounds_seen if p not in reporting and now - self._first_seen.get(p, now) > STALE_S}
@@ -155,8 +156,9 @@ class Heartbeat:
 
     def fresh_peers(self) -> set[str]:
         """Ids first seen less than FRESH_S ago, and more than SETTLE_S after this peer's first read
-        that showed another peer. Before, every id seen in a peer's own first 120 s counted at once:
-        a flood of ids that arrived while a peer started counted in its votes (threat model)."""
+        that showed another peer. Only those of the first SETTLE_S count at once, not every id seen
+        in a peer's own first FRESH_S: a flood of ids that arrives while a peer starts would
+        otherwise count in its votes (threat model)."""
         now = time.time()
         known_until = (now if self._knew_swarm_at is None else self._knew_swarm_at) + SETTLE_S
         return {p for p, t in self._first_seen.items() if t > known_until and now - t < FRESH_S}

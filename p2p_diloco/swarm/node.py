@@ -36,8 +36,8 @@ class SwarmDHT(hivemind.DHT):
     with a deadline and a liveness check on its start and on every call that waits for its answer.
 
     hivemind waits for the DHT process without a deadline: for it to start, and for each answer
-    (get, store, run_coroutine, hence peer_id and get_visible_maddrs). A DHT process that died
-    (measured in CI: a segfault while it imported a module) left its caller waiting forever.
+    (get, store, run_coroutine, hence peer_id and get_visible_maddrs). A DHT process that dies (a
+    segfault while it imports a module, say) would leave its caller waiting forever.
     `timeout_s` (swarm.join_timeout_s) bounds the start and each call; a dead process is a
     SwarmError within processes.LIVENESS_S.
     """
@@ -100,7 +100,7 @@ class OneSendAtATime:
     """hivemind's DHT handle writes each call to one pipe and waits for the answer on a future of
     its own. Two threads writing at once could interleave their bytes, so each write takes this
     lock, and only the write: a thread waiting for a slow answer (3 s for each try of a node that
-    sleeps) no longer holds up the others' calls. A child forked while a write was in flight makes
+    sleeps) does not hold up the others' calls. A child forked while a write was in flight makes
     its own lock (the copy would be held for ever)."""
 
     def __init__(self, pipe: Any):

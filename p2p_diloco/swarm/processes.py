@@ -3,14 +3,14 @@
 A supervisor stops a peer by signalling its whole process group: Ctrl+C in a terminal sends SIGINT
 to it, `systemctl stop` and `timeout` send SIGTERM. Every child then gets the signal at the same
 moment as the peer. If the children died at once, the peer's next DHT read or averaging step would
-wait on a dead pipe (measured: a peer hung for over 60 s, or died with "averaging process died").
+wait on a dead pipe: the peer would hang, or die with "averaging process died".
 
 So the children ignore both signals (hivemind makes them ignore SIGINT; `children_started`
 SIGTERM) and the parent stops them in order when it leaves (`stop_process`). p2pd, a Go program,
 cannot be made to ignore SIGTERM (Go honours an inherited SIG_IGN only for SIGINT and SIGHUP), so
 it starts in a session of its own (`_p2pd_in_its_own_session`), out of reach of a signal to the
 peer's group; hivemind ends it when the DHT process stops, and it ends by itself within a second
-when that process dies (measured: its connection to it closes). A supervisor that signals every
+when that process dies (its connection to it closes). A supervisor that signals every
 process of a cgroup (systemd's default KillMode) still reaches p2pd: the round in flight then
 fails, and the peer stops with the checkpoint of its last round.
 
@@ -128,8 +128,7 @@ def _no_leaked_locks() -> None:
     """hivemind's futures (MPFuture) guard their pipe with locks that every process forked from this
     one shares (semaphores made at import). A child killed while it held one, in the middle of a
     send, leaves it held for ever: every later child then blocks on its first update, its start
-    included. Measured: "the DHT process did not start within 20 s" right after test_fork_safety
-    had SIGKILLed children, under a CPU hog; tests/swarm/test_fork_safety.py reproduces it. A
+    included, and misses its start deadline (tests/swarm/test_fork_safety.py kills one so). A
     sender holds a lock for one pipe write, so one not free within LOCK_CHECK_S is leaked: later
     children get a fresh one (a child still alive from before keeps the old: it was stuck anyway)."""
     for owner, name in ((MPFuture, "_update_lock"), (MPFuture, "_initialization_lock"), (SharedBytes, "_lock")):

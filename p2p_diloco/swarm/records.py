@@ -303,7 +303,9 @@ def _read_config(value: Any) -> PublishedConfig:
 
 
 def live_peers(dht: Any, run_id: str, fingerprint: str) -> set[str]:
-    """Peers whose (self-signed) round records are live in the namespace of this run and config."""
+    """Peers whose (self-signed) round records are live in the namespace of this run and config.
+    Live here means not expired (RECORD_TTL_S), not agreement.live: read at a peer's start, before
+    its heartbeat, and of other configs' namespaces, which no heartbeat of this peer reads."""
     return set(read_rounds(dht, run_prefix(run_id, fingerprint)))
 
 

@@ -60,8 +60,8 @@ class RunIdentity:
 
     def _live_on_second_look(self, run_id: str, fingerprint: str) -> int:
         """Live peers of the run's other config, read again LOOKS times a second apart before this
-        peer is told none is live: a node that just joined the DHT may not yet reach every record
-        (a refused peer was told "none is live now" of three training peers)."""
+        peer is told none is live: a node that just joined the DHT may not yet reach every record,
+        and a refused peer would be told "none is live now" of a run that trains."""
         for _ in range(LOOKS):
             time.sleep(1.0)  # a DHT re-read interval, bounded by LOOKS
             with self._dht_lock:
@@ -125,7 +125,7 @@ class RunIdentity:
     def _geneses(self) -> dict[str, Genesis]:
         """The run's genesis records that count. Read under the DHT lock, judged after it: in a
         certified run the gate reads the certificates of publishers it does not know yet, under
-        the same lock (a nested take of it was a deadlock at every certified peer's start)."""
+        the same lock (not reentrant: taken inside, it would deadlock every certified peer's start)."""
         with self._dht_lock:
             found = records.read_geneses(self.dht, self.config.run.run_id)
         return self._believed(found)

@@ -1,11 +1,11 @@
 """Reply streams that end only once the caller holds every reply.
 
 p2pd may drop replies still in flight when a handler returns and its side of the stream closes:
-the caller then sees a stream that ends early, with no error. Measured: an all-reduce answer lost
-on a slow link (allreduce._send_and_receive, which keeps its stream open the same way), and in CI
-an audit answered with 0 of 3 signed parts, and once with 1 of 2, by an honest reducer that held
-them all. So here the caller keeps its request stream open until it holds every reply it expects,
-and the handler, after its last reply, waits for that end (at most LINGER_S) before it returns.
+the caller then sees a stream that ends early, with no error, and an honest reducer's audit would
+look like one answered with too few signed parts (docs/design.md §7; allreduce._send_and_receive
+keeps its stream open for the same reason). So here the caller keeps its request stream open
+until it holds every reply it expects, and the handler, after its last reply, waits for that end
+(at most LINGER_S) before it returns.
 """
 
 from __future__ import annotations

@@ -40,7 +40,7 @@ ALARM = re.compile(r"^(\d\d:\d\d:\d\d (WARN|WARNING|ERROR|CRITICAL) |.*\[(WARN|W
 
 def alarms(log: str) -> list[str]:
     """The lines of a log that ask the user to act: ours (`HH:MM:SS WARN …`, metrics.setup_logging)
-    and hivemind's or p2pd's (`[WARN]`, `[ERROR]`). A healthy swarm logs none (issue 26)."""
+    and hivemind's or p2pd's (`[WARN]`, `[ERROR]`). A healthy swarm logs none."""
     return [line for line in log.splitlines() if ALARM.match(line)]
 
 

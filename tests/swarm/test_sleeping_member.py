@@ -16,8 +16,9 @@ import time
 import pytest
 
 from p2p_diloco import config
+from p2p_diloco.deadlines import ROUND_POLL_S
 from p2p_diloco.network import RoundRecord
-from p2p_diloco.swarm import POLL_S, records
+from p2p_diloco.swarm import records
 from p2p_diloco.swarm.gate import Gate
 from p2p_diloco.swarm.heartbeat import Heartbeat
 from p2p_diloco.swarm.identity import make_validator, owner_peer_id
@@ -62,7 +63,7 @@ def test_reads_of_the_swarm_never_wait_behind_the_heartbeats_stores_while_a_memb
             with lock:  # as Swarm.peers reads the swarm
                 waits.append(time.monotonic() - asked)
                 seen |= set(records.rounds_from(records.read_entries(a, records.rounds_key(prefix))))
-            time.sleep(POLL_S)  # as Swarm.wait_for_round polls (the heartbeat may take the lock meanwhile)
+            time.sleep(ROUND_POLL_S)  # as Swarm.wait_for_round polls (the heartbeat may take the lock meanwhile)
         assert seen == {ids["a"], ids["c"]}, "the reads must have found both records, or they proved nothing"
         print("WAITS", sorted(waits)[-5:], len(waits), "beats read_at", beat._read_at - time.time())
         assert max(waits) < LOCK_WAIT_S, f"a read waited {max(waits):.1f} s for the DHT lock"

@@ -22,18 +22,16 @@ PAGE = 4096  # tmpfs counts whole pages of this size: a file of 1 byte takes one
 def tmpfs(folder: Path, size_bytes: int) -> Iterator[Path]:
     """A tmpfs of `size_bytes` mounted at `folder` (made here), unmounted when the block ends."""
     if os.geteuid() != 0:
-        pytest.skip("mounting a small tmpfs needs root: the tests of a full disk fill a real one (issue 15)")
+        pytest.skip("mounting a small tmpfs needs root: the tests of a full disk fill a real one")
     folder.mkdir(parents=True)
     try:
         mounted = subprocess.run(
             ["mount", "-t", "tmpfs", "-o", f"size={size_bytes}", "tmpfs", str(folder)], capture_output=True, text=True
         )
     except FileNotFoundError:
-        pytest.skip("no `mount` command: the tests of a full disk mount a small tmpfs (issue 15)")
+        pytest.skip("no `mount` command: the tests of a full disk mount a small tmpfs")
     if mounted.returncode != 0:
-        pytest.skip(
-            f"cannot mount a tmpfs at {folder} ({mounted.stderr.strip()}): the full-disk tests need one (issue 15)"
-        )
+        pytest.skip(f"cannot mount a tmpfs at {folder} ({mounted.stderr.strip()}): the full-disk tests need one")
     try:
         yield folder
     finally:

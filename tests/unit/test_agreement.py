@@ -31,7 +31,7 @@ def test_a_single_digest_is_its_own_majority():
     assert agreement.majority({"p1": C}) == C
 
 
-# live_at
+# live / live_at
 
 
 def test_live_at_keeps_peers_at_the_given_rounds_only():
@@ -44,6 +44,13 @@ def test_live_at_keeps_peers_at_the_given_rounds_only():
 def test_live_at_drops_stale_peers():
     rs = records(rec("p1", 3, A), rec("p2", 3, A))
     assert agreement.live_at(rs, {"p2", "p9"}, 3) == {"p1"}
+
+
+def test_live_without_rounds_is_every_peer_with_a_record_and_a_heartbeat():
+    rs = records(rec("p1", 3, A), rec("p2", 4, A), rec("p3", 5, B))
+    assert agreement.live(rs, {"p2", "p9"}) == {"p1", "p3"}
+    assert agreement.live(rs, set(), 4) == agreement.live_at(rs, set(), 4) == {"p2"}
+    assert agreement.live_at(rs, set()) == set()
 
 
 # whom_to_wait_for / still_waiting

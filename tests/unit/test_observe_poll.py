@@ -55,3 +55,20 @@ def test_observe_polls_at_the_interval_given(tmp_path, monkeypatch):
     run[2] = str(tmp_path / "run.toml")
     assert cli.main(run) == 0
     assert polled == {"poll_s": 7.5, "closed": True}
+
+
+def test_a_newer_rounds_agreed_digest_is_looked_for_polling_between_looks_until_its_deadline(monkeypatch):
+    import threading
+    import time
+
+    from p2p_diloco import observe
+
+    polls, looks = [], iter(["", "", "d1"])
+    assert observe.settled(lambda: next(looks), threading.Lock(), lambda: polls.append(1)) == "d1"
+    assert len(polls) == 2, "a poll between two looks, none before the first"
+    polls.clear()
+    assert observe.settled(lambda: "d0", threading.Lock(), lambda: polls.append(1)) == "d0" and not polls
+    monkeypatch.setattr(observe, "AGREED_WAIT_S", 0.3)
+    started = time.monotonic()
+    assert observe.settled(lambda: "", threading.Lock(), lambda: None) == ""
+    assert 0.3 <= time.monotonic() - started < 0.3 + observe.AGREED_POLL_S

@@ -1,4 +1,4 @@
-"""Untrusted input as a class (issue 27): hostile values in every field of every DHT record kind,
+"""Untrusted input as a class: hostile values in every field of every DHT record kind,
 fed through the real readers (swarm/records.py over wire.py's parsers) and the callers that act on
 what they return: the round wait and catch-up (agreement.py), the heartbeat, run identity, the
 observer and `status` (observatory.RunLog, observe.status_lines, the dashboard's JSON) and the
