@@ -26,6 +26,7 @@ import asyncio
 import math
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
 import torch
@@ -43,11 +44,14 @@ logger = get_logger(__name__)
 
 
 LOSSY_TENSOR = 0  # index of the averaged tensor that goes through the run's codec; any other travels exact
-PROBE_RETRY_S = 0.5  # first pause before probing again a member that was busy receiving another probe
 
 
-class ReceiverBusy(Exception):
-    """A member was timing another member's probe: probe it again later."""
+@dataclass(frozen=True)
+class AllreduceStats:
+    """What one all-reduce moved, as this member's runner counted it (encoded bytes)."""
+
+    bytes_sent: int
+    bytes_received: int
 
 
 class PartialAllreduce(AllreduceException):
@@ -173,6 +177,10 @@ class ConsistentAllReduceRunner(AllReduceRunner):
     @property
     def aggregation(self) -> tuple[robust.Aggregator, float, float]:
         return self.tensor_part_reducer.aggregation
+
+    def stats(self) -> AllreduceStats:
+        """The bytes this member sent and received in this all-reduce, so far."""
+        return AllreduceStats(self.bytes_sent, self.bytes_received)
 
     def fates(self) -> str:
         """What this member's reduction did to the senders' parts of its span, for the log ('' if

@@ -1,4 +1,4 @@
-"""The audit after every all-reduce (audit.py): a mixin of the averager, run in the averager process.
+"""The audit after every all-reduce (audit.py): the averager's `Auditor`, run in the averager process.
 
 Once a member holds every average of its group, and before it applies any, it asks each other
 reducer for the signed parts of some parts of its span (`audit.audited_parts`), checks the senders'
@@ -19,19 +19,18 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.p2p import P2PContext
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import audit, faults
 from p2p_diloco.swarm import streams
 from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
-from p2p_diloco.swarm.evidence import Case, judge, sender_case
+from p2p_diloco.swarm.evidence import Case, EvidenceDesk, judge, sender_case
 from p2p_diloco.swarm.ledger import Ledger, SignedPart
 
 logger = get_logger(__name__)
@@ -43,19 +42,19 @@ class ReducerConvicted(AllreduceException):
     """A reducer answered an average that is not the combination of the signed parts."""
 
 
-class Audits:
-    """Serving and running audits; mixed into DiLoCoAverager (which supplies `_p2p`, `get_stub`,
-    `prefix` and `_allreduce_timeout`)."""
+class Auditor:
+    """Serves and runs the audits of this member's all-reduces, and keeps who is left out of its
+    groups for them (`convicted`, the benched). Held by DiLoCoAverager, whose `rpc_audit` hands each
+    request to `answer`."""
 
-    _p2p: Any
-    _outer_pipe: Any
-    prefix: str
-    get_stub: Callable[..., Any]  # hivemind's ServicerBase
-    convicted: set[str]
-    _cases: dict[str, Case]
-    _ask_only_admitted_leaders: Callable[[], None]
-    _kept: OrderedDict[bytes, ConsistentAllReduceRunner]
-    _benched: dict[str, tuple[int, float]]  # reducer -> (unanswered audits, left out until: monotonic s)
+    def __init__(self, stub: Callable[[Any], Any], evidence: EvidenceDesk, left_out_changed: Callable[[], None]):
+        """`stub(peer)`: the averager's RPC stub for `peer`; `evidence`: where the case behind each
+        conviction is filed; `left_out_changed()`: called once a peer is convicted or benched, so
+        that the averager's matchmaking stops asking it to lead."""
+        self._stub, self._evidence, self._left_out_changed = stub, evidence, left_out_changed
+        self.convicted: set[str] = set()  # reducers and senders this member refuses for the rest of the run
+        self._benched: dict[str, tuple[int, float]] = {}  # reducer -> (unanswered audits, left out until: monotonic s)
+        self._kept: OrderedDict[bytes, ConsistentAllReduceRunner] = OrderedDict()  # group -> its runner
 
     def left_out(self, peer: Any) -> str | None:
         """Why `peer` is kept out of this member's groups (at every door), or None."""
@@ -66,23 +65,20 @@ class Audits:
             return f"it did not answer its audit; left out for {until - time.monotonic():.0f} s more"
         return None
 
-    def _bench(self, peer: str, reason: str, role: str = "reducer") -> None:
+    def bench(self, peer: str, reason: str, role: str = "reducer") -> None:
+        """Leave `peer` out of this member's groups for a while (audit.bench_s, doubled at each repeat)."""
         offences = self._benched.get(peer, (0, 0.0))[0] + 1
         period = audit.bench_s(offences)
         self._benched[peer] = (offences, time.monotonic() + period)
         logger.warning("%s %s: %s; left out of this peer's groups for %.0f s", role, peer, reason, period)
-        self._ask_only_admitted_leaders()
+        self._left_out_changed()
 
-    def convicted_peers(self, timeout: float) -> frozenset[str]:
-        """The reducers this averager convicted, asked from the host process."""
-        future = MPFuture()
-        self._outer_pipe.send(("_convicted_peers", [], dict(future=future)))
-        return future.result(timeout=timeout)
+    def convict(self, peer: str) -> None:
+        """Refuse `peer` for the rest of the run (convicted on a case another member served)."""
+        self.convicted.add(peer)
+        self._left_out_changed()
 
-    async def _convicted_peers(self, future: MPFuture) -> None:
-        future.set_result(frozenset(self.convicted))
-
-    def _settle(self, ledger: Ledger) -> None:
+    def settle(self, ledger: Ledger) -> None:
         """After an all-reduce, whatever its end: refuse whoever signed what it did not send, and
         convict, with a case, whoever signed a malformed part (evidence.sender_case)."""
         self.convicted |= ledger.bad_signers
@@ -99,18 +95,19 @@ class Audits:
                     "convicted sender %s: it signed a malformed part; it is refused for the rest of the run", sender
                 )
             self.convicted.add(sender)
-            self._cases[sender] = sender_case(ledger, sender)
+            self._evidence.file(sender, sender_case(ledger, sender))
         if self.convicted:
-            self._ask_only_admitted_leaders()
+            self._left_out_changed()
 
-    def _keep_for_audit(self, runner: ConsistentAllReduceRunner) -> None:
+    def keep(self, runner: ConsistentAllReduceRunner) -> None:
+        """Keep the signed parts of `runner`'s group for its auditors (the KEEP_GROUPS latest)."""
         self._kept[runner.group_id] = runner
         while len(self._kept) > KEEP_GROUPS:
             self._kept.popitem(last=False)
 
-    async def rpc_audit(
+    async def answer(
         self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    ) -> AsyncGenerator[averaging_pb2.AveragingData, None]:
         """As a reducer: every sender's signed part of one part of this member's span, in sender
         order. The request names the group and, in `weight`, the part index. The handler ends only
         once the auditor holds them all (streams.py)."""
@@ -144,7 +141,7 @@ class Audits:
             return []
         return [signed[sender] for sender in range(len(runner.sender_peer_ids))]
 
-    async def _audit(self, runner: ConsistentAllReduceRunner) -> None:
+    async def check(self, runner: ConsistentAllReduceRunner) -> None:
         """Audit every other reducer of the group; raise if any failed (before anything is applied)."""
         seed = runner.ledger.seed()
         me = runner.ordered_peer_ids.index(runner.peer_id)
@@ -160,7 +157,7 @@ class Audits:
             raise ReducerConvicted(f"reducer {runner.ordered_peer_ids[j]} failed the audit: {reason}; nothing applied")
         unanswered = [(j, v[1]) for j, v in zip(reducers, verdicts) if v is not None]
         for j, reason in unanswered:
-            self._bench(str(runner.ordered_peer_ids[j]), reason)
+            self.bench(str(runner.ordered_peer_ids[j]), reason)
         if unanswered:
             j, reason = unanswered[0]
             raise AllreduceException(f"reducer {runner.ordered_peer_ids[j]}: {reason}; nothing applied")
@@ -190,9 +187,10 @@ class Audits:
         (`next_chunk_timeout`): a member that hung after its all-reduce (its answers all sent, a
         laptop gone to sleep) cost the others the whole all-reduce deadline, 20 s, and then the
         retry's matchmaking (CI: a hang cost 37 s; `test_faults.py`)."""
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
         request = averaging_pb2.AveragingData(group_id=group_id, weight=float(part))
-        return await streams.ask(stub.rpc_audit, request, lambda shown: len(shown) == senders, senders, reply_timeout_s)
+        return await streams.ask(
+            self._stub(peer).rpc_audit, request, lambda shown: len(shown) == senders, senders, reply_timeout_s
+        )
 
     def _judge(
         self, runner: ConsistentAllReduceRunner, j: int, part: int, shown: list[averaging_pb2.AveragingData]
@@ -219,5 +217,5 @@ class Audits:
         verdict = judge(case, runner.codec, runner.aggregation)
         if verdict is None:
             return None
-        self._cases[ledger.peers[j]] = case
+        self._evidence.file(ledger.peers[j], case)
         return True, verdict[1]

@@ -1,10 +1,17 @@
 """The averager process: hivemind's DecentralizedAverager with the consistent all-reduce
-(allreduce.py), state serving and download for joiners, link probes (probes.py), and admission at
-its doors (doors.py).
+(allreduce.py), state serving and download for joiners, and admission at its doors (doors.py).
+
+`BoundedAverager` puts a deadline on every wait of the peer's process on the averager process.
+`DiLoCoAverager` holds, as plain objects with their own state, the parts that check and answer
+the other members: the link prober (probes.py), the auditor (auditor.py), the evidence desk
+(evidence.py), the all-gather's checks (gathered.py) and this member's side of the all-reduce
+(`Reduction`). They reach other members through `_stub`, which reads the p2p replica that hivemind
+creates in the averager process after the fork; the averager declares their RPC handlers.
 
 hivemind runs it as a child process of the peer; `start_step`, `set_target_group_size`,
-`set_revoked`, `download_state_from`, `probe` and `link_report` are called in the peer's process
-and answered in the averager's, through hivemind's pipe.
+`set_revoked`, `download_state_from`, `probe`, `link_report`, `convicted_peers` and
+`verify_accusation` are called in the peer's process and answered in the averager's, through
+hivemind's pipe.
 """
 
 from __future__ import annotations
@@ -16,6 +23,8 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
+from contextlib import aclosing
+from dataclasses import dataclass
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
 import torch
@@ -23,10 +32,12 @@ from hivemind.averaging import DecentralizedAverager
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.control import StepControl
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.averaging.load_balancing import load_balance_peers
+from hivemind.averaging.matchmaking import Matchmaking, MatchmakingException
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2
 from hivemind.utils import get_logger
+from hivemind.utils.asyncio import enter_asynchronously
 from hivemind.utils.crypto import RSAPrivateKey
 from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
@@ -34,13 +45,13 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2p_diloco import faults, links, metrics, robust
 from p2p_diloco.deadlines import state_bytes
 from p2p_diloco.swarm import records
-from p2p_diloco.swarm.allreduce import LOSSY_TENSOR, ConsistentAllReduceRunner
-from p2p_diloco.swarm.auditor import Audits
+from p2p_diloco.swarm.allreduce import LOSSY_TENSOR, AllreduceStats, ConsistentAllReduceRunner
+from p2p_diloco.swarm.auditor import Auditor
 from p2p_diloco.swarm.doors import Doors
-from p2p_diloco.swarm.evidence import Case, Evidence
-from p2p_diloco.swarm.gathered import Entry, Groups, LedMatchmaking, fair
+from p2p_diloco.swarm.evidence import EvidenceDesk
+from p2p_diloco.swarm.gathered import Entry, Gathering, LedMatchmaking, fair
 from p2p_diloco.swarm.ledger import Ledger
-from p2p_diloco.swarm.probes import LinkProbes
+from p2p_diloco.swarm.probes import LinkProber
 from p2p_diloco.swarm.processes import quiet_fork, wait_result, wait_started
 from p2p_diloco.swarm.served import read_served_state
 
@@ -59,42 +70,19 @@ def _not_a_failed_step(record: logging.LogRecord) -> bool:
 logging.getLogger("hivemind.averaging.averager").addFilter(_not_a_failed_step)
 
 
-class DiLoCoAverager(Groups, DecentralizedAverager, LinkProbes, Audits, Evidence):
-    """DecentralizedAverager with the consistent runner, copying results into the averaged buffers.
+@dataclass(frozen=True)
+class Averaged:
+    """One successful all-reduce, as the averager process hands it to the step (step.py)."""
 
-    It also serves this peer's (round, θ, momentum) to joiners through `get_current_state`,
-    which runs in the host process and calls `state_provider`.
-    """
+    gathered: dict[Any, Any]  # peer id -> what that member showed in the all-gather (step.py's dict)
+    allreduce_s: float  # from the group formed to the result in the shared buffers
+    stats: AllreduceStats
 
-    def __init__(
-        self,
-        *args: Any,
-        state_provider: Any,
-        signer: RSAPrivateKey,
-        residual: torch.Tensor | None = None,
-        admission: tuple[str, str] | None = None,
-        aggregation: tuple[robust.Aggregator, float, float] = ("mean", 1.0, 2.0),
-        max_reduce_share: float = 1.0,
-        **kwargs: Any,
-    ):
-        """`residual`: a shared-memory tensor shaped like the lossy averaged tensor; after each
-        successful all-reduce it holds what the codec lost of this peer's part (error feedback).
-        `admission`: (run id, organiser key) of a certified run: its doors (doors.py) refuse peers
-        that are not admitted at matchmaking, in the all-gather, at state downloads and probes.
-        `signer`: this peer's identity key; it signs every part and average (ledger.py)."""
-        self._state_provider = state_provider
-        self._signer = signer
-        self.convicted: set[str] = set()  # reducers this peer convicted in an audit (auditor.py)
-        self._kept: OrderedDict[bytes, ConsistentAllReduceRunner] = OrderedDict()
-        self._benched: dict[str, tuple[int, float]] = {}  # reducers that did not answer an audit (auditor.py)
-        self._cases: dict[str, Case] = {}  # convicted reducer -> the case (evidence.py)
-        self._aggregation = aggregation  # (robust.Aggregator, clip, weight cap): how this peer reduces
-        self._max_share = max_reduce_share  # no member reduces more of the vector than this
-        self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
-        self.residual = residual
-        self.link = links.LinkMeter()  # lives in the averager process, where probes are sent and received
-        self._receiving_probe = False  # one probe arrives at a time: two would share this peer's download
-        super().__init__(*args, **kwargs)
+
+class BoundedAverager(DecentralizedAverager):
+    """hivemind's DecentralizedAverager with a deadline on every wait of the peer's process on the
+    averager process (I3), and the controls of matchmaking and of state downloads that step.py and
+    joiners use. Only DiLoCoAverager is built: hivemind names the RPC handlers after that class."""
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
         """Fork the averager process with no garbage collection in flight (processes.quiet_fork) and
@@ -113,49 +101,16 @@ class DiLoCoAverager(Groups, DecentralizedAverager, LinkProbes, Audits, Evidence
         metrics.tag_process_logs(getattr(self, "_log_tag", "averager"))
         super().run()
 
-    # --- admission (doors.py) ---------------------------------------------------------------
+    def _stub(self, peer: PeerID) -> Any:
+        """This averager's RPC stub for `peer`. hivemind creates the p2p replica (`_p2p`) in the
+        averager process, after the fork: it is read at each call, not when the parts are made."""
+        return self.get_stub(self._p2p, peer, namespace=self.prefix)
 
-    async def _published_certificates(self) -> dict[str, str]:
-        found = await self.dht.get(records.certificates_key(self.prefix), latest=True, return_future=True)
-        return records.certificates_in(found)
-
-    async def may_enter(self, peer: Any, door: str) -> bool:
-        """Whether `peer` may come through `door`: not if it was convicted in an audit or left out
-        after an unanswered one (auditor.py); otherwise always in open runs, and if admitted in
-        certified ones."""
-        if (reason := self.left_out(peer)) is not None:
-            if self._doors is not None:
-                self._doors.log_refusal(str(peer), door, reason)
-            return False
-        if self._doors is None or await self._doors.admitted(str(peer)):
-            return True
-        self._doors.log_refusal(str(peer), door, "it holds no valid certificate for this run, or was revoked")
-        return False
-
-    def set_revoked(self, revoked: frozenset[str]) -> None:
-        """The organiser's revocations, as the host process read them (gate.py); before every step."""
-        if self._doors is not None:
-            self._outer_pipe.send(("_set_revoked", [], dict(revoked=frozenset(revoked))))
-
-    async def _set_revoked(self, revoked: frozenset[str]) -> None:
-        assert self._doors is not None
-        self._doors.set_revoked(revoked)
-        self._ask_only_admitted_leaders()
-
-    def _ask_only_admitted_leaders(self) -> None:
-        if type(self._matchmaking) is Matchmaking:  # created in this process
-            self._matchmaking.__class__ = LedMatchmaking
-            self._matchmaking.may_lead = self.may_enter
-            self._matchmaking.leaders = OrderedDict()
-
-    async def rpc_download_state(
-        self, request: averaging_pb2.DownloadRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.DownloadData]:
-        """This peer's state, only for admitted peers (an outsider gets an empty answer)."""
-        if not await self.may_enter(context.remote_id, "state download"):
-            return
-        async for message in super().rpc_download_state(request, context):
-            yield message
+    def _in_process(self, method: str, **kwargs: Any) -> MPFuture:
+        """Have the averager process run its `method(**kwargs, future=...)` (hivemind's pipe); the future."""
+        future = MPFuture()
+        self._outer_pipe.send((method, [], dict(kwargs, future=future)))
+        return future
 
     async def _shutdown(self, timeout: float | None) -> None:
         """hivemind leaves this process's p2p client socket in /tmp: shut the replica down too.
@@ -195,16 +150,10 @@ class DiLoCoAverager(Groups, DecentralizedAverager, LinkProbes, Audits, Evidence
         step.allow_allreduce()
         return step
 
-    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
-        metadata, tensors = self._state_provider()
-        return metadata, tensors, None
-
     def matchmaking_idle(self, timeout: float) -> bool:
         """Whether no look for a group runs in the averager process (a cancelled step's look ends
         only after its own clean-up: a DHT write, then hivemind's 'disband')."""
-        future = MPFuture()
-        self._outer_pipe.send(("_matchmaking_idle", [], dict(future=future)))
-        return bool(wait_result(self, future, "averaging process", timeout))
+        return bool(wait_result(self, self._in_process("_matchmaking_idle"), "averaging process", timeout))
 
     async def _matchmaking_idle(self, future: MPFuture) -> None:
         future.set_result(not self._matchmaking.is_looking_for_group)
@@ -215,9 +164,7 @@ class DiLoCoAverager(Groups, DecentralizedAverager, LinkProbes, Audits, Evidence
         so a key changed under a cancelled step's look that had not ended yet moved that step into
         the next round's group ("group members [...] averaged another round; result dropped": a
         lost round in hog run A9, session 18)."""
-        future = MPFuture()
-        self._outer_pipe.send(("_set_group_bits", [], dict(group_bits=group_bits, future=future)))
-        wait_result(self, future, "averaging process", timeout)
+        wait_result(self, self._in_process("_set_group_bits", group_bits=group_bits), "averaging process", timeout)
 
     async def _set_group_bits(self, group_bits: str, future: MPFuture) -> None:
         try:
@@ -244,14 +191,8 @@ class DiLoCoAverager(Groups, DecentralizedAverager, LinkProbes, Audits, Evidence
         hivemind's load_state_from_peers picks the peer itself and applies its timeout per chunk;
         a joiner must choose the peer (one that published the right digest) and bound the whole download.
         """
-        future = MPFuture()
-        self._outer_pipe.send(
-            (
-                "_download_state_from",
-                [],
-                dict(peer=peer, deadline=time.monotonic() + timeout, stall_s=stall_s, future=future),
-            )
-        )
+        deadline = time.monotonic() + timeout
+        future = self._in_process("_download_state_from", peer=peer, deadline=deadline, stall_s=stall_s)
         return wait_result(self, future, "averaging process", timeout + 5)
 
     async def _download_state_from(self, peer: str, deadline: float, stall_s: float, future: MPFuture) -> None:
@@ -266,74 +207,307 @@ class DiLoCoAverager(Groups, DecentralizedAverager, LinkProbes, Audits, Evidence
                 future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
 
     async def _fetch_state(self, peer: PeerID, stall_s: float) -> tuple[dict, list[torch.Tensor]] | None:
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        stream = await stub.rpc_download_state(averaging_pb2.DownloadRequest())
+        stream = await self._stub(peer).rpc_download_state(averaging_pb2.DownloadRequest())
         return await read_served_state(stream, state_bytes(self.total_size), peer, stall_s)
 
-    def _ledger(self, group_info: GroupInfo, group_id: bytes, entries: list[Entry]) -> Ledger:
-        """The all-reduce's ledger, with every member's identity key from the all-gather."""
-        peers = [str(p) for p in group_info.peer_ids]
-        senders = [p for p, e in zip(peers, entries) if e.mode != AveragingMode.AUX]
-        return Ledger(group_id, peers, senders, self._signer, self.member_keys(group_info, entries))
 
-    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Any:
+class DiLoCoAverager(BoundedAverager):
+    """The averager with the consistent runner (`Reduction`), copying results into the averaged
+    buffers, and the parts that answer other members between and after all-reduces.
+
+    It also serves this peer's (round, θ, momentum) to joiners through `get_current_state`,
+    which runs in the host process and calls `state_provider`.
+    """
+
+    def __init__(
+        self,
+        *args: Any,
+        start: bool,
+        state_provider: Any,
+        signer: RSAPrivateKey,
+        residual: torch.Tensor | None = None,
+        admission: tuple[str, str] | None = None,
+        aggregation: tuple[robust.Aggregator, float, float] = ("mean", 1.0, 2.0),
+        max_reduce_share: float = 1.0,
+        **kwargs: Any,
+    ):
+        """`start`: as hivemind's, once the parts below exist (the averager process forks with them).
+        `residual`: a shared-memory tensor shaped like the lossy averaged tensor; after each
+        successful all-reduce it holds what the codec lost of this peer's part (error feedback).
+        `admission`: (run id, organiser key) of a certified run: its doors (doors.py) refuse peers
+        that are not admitted at matchmaking, in the all-gather, at state downloads and probes.
+        `signer`: this peer's identity key; it signs every part and average (ledger.py)."""
+        self._state_provider = state_provider
+        self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
+        super().__init__(*args, start=False, **kwargs)
+        self.prober = LinkProber(self._stub, self.may_enter)
+        self.evidence = EvidenceDesk(self._stub, self.serializer, self.allreduce_kwargs["compression"], aggregation)
+        self.auditor = Auditor(self._stub, self.evidence, self._ask_only_admitted_leaders)
+        self.gathering = Gathering(
+            self.serializer.loads, self.peer_id, self._doors, self.auditor.left_out, self.auditor.bench, self._leader_of
+        )
+        self.reduction = Reduction(
+            self.serializer, self.gathering, self.auditor, signer, aggregation, max_reduce_share, residual
+        )
+        if start:
+            self.run_in_background(await_ready=True)
+
+    def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
+        metadata, tensors = self._state_provider()
+        return metadata, tensors, None
+
+    # --- admission (doors.py) ---------------------------------------------------------------
+
+    async def _published_certificates(self) -> dict[str, str]:
+        found = await self.dht.get(records.certificates_key(self.prefix), latest=True, return_future=True)
+        return records.certificates_in(found)
+
+    async def may_enter(self, peer: Any, door: str) -> bool:
+        """Whether `peer` may come through `door`: not if it was convicted in an audit or left out
+        after an unanswered one (auditor.py); otherwise always in open runs, and if admitted in
+        certified ones."""
+        if (reason := self.auditor.left_out(peer)) is not None:
+            if self._doors is not None:
+                self._doors.log_refusal(str(peer), door, reason)
+            return False
+        if self._doors is None or await self._doors.admitted(str(peer)):
+            return True
+        self._doors.log_refusal(str(peer), door, "it holds no valid certificate for this run, or was revoked")
+        return False
+
+    def set_revoked(self, revoked: frozenset[str]) -> None:
+        """The organiser's revocations, as the host process read them (gate.py); before every step."""
+        if self._doors is not None:
+            self._outer_pipe.send(("_set_revoked", [], dict(revoked=frozenset(revoked))))
+
+    async def _set_revoked(self, revoked: frozenset[str]) -> None:
+        assert self._doors is not None
+        self._doors.set_revoked(revoked)
+        self._ask_only_admitted_leaders()
+
+    def _ask_only_admitted_leaders(self) -> None:
+        if type(self._matchmaking) is Matchmaking:  # created in this process
+            self._matchmaking.__class__ = LedMatchmaking
+            self._matchmaking.may_lead = self.may_enter
+            self._matchmaking.leaders = OrderedDict()
+
+    def _leader_of(self, group_id: bytes) -> PeerID | None:
+        """Who assembled the recent group `group_id`, if this member's matchmaking remembers it."""
+        return getattr(self._matchmaking, "leaders", {}).get(group_id)
+
+    # --- RPC handlers --------------------------------------------------------------------------
+    # hivemind's ServicerBase serves the rpc_* functions of the servicer's class: it collects them
+    # with their typing hints (`_collect_rpc_handlers`), registers each as
+    # "<prefix>::DiLoCoAverager.rpc_<name>" (`add_p2p_handlers`) and `get_stub` calls them by those
+    # names. The parts that answer (prober, auditor, evidence desk) are plain objects, so each of
+    # their handlers is declared here and hands the call on. `aclosing` ends the part's generator
+    # with the call, so that its clean-up (the prober's one-probe-at-a-time flag) runs at once.
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        """As a leader: refuse, before hivemind sees it, a join request that the all-gather's
+        checks refuse (`Gathering.refusal`)."""
+        if self.gathering.refusal(context.remote_id, request.gather) is not None:
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        async for response in super().rpc_join_group(request, context):
+            yield response
+
+    async def rpc_download_state(
+        self, request: averaging_pb2.DownloadRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """This peer's state, only for admitted peers (an outsider gets an empty answer)."""
+        if not await self.may_enter(context.remote_id, "state download"):
+            return
+        async for message in super().rpc_download_state(request, context):
+            yield message
+
+    async def rpc_probe(
+        self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """Another member's link probe (`LinkProber.answer`)."""
+        async with aclosing(self.prober.answer(stream, context)) as answers:
+            async for message in answers:
+                yield message
+
+    async def rpc_audit(
+        self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A member's audit of this reducer's span (`Auditor.answer`)."""
+        async with aclosing(self.auditor.answer(requests, context)) as answers:
+            async for message in answers:
+                yield message
+
+    async def rpc_evidence(
+        self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A peer's request for the case behind one of this peer's convictions (`EvidenceDesk.answer`)."""
+        async with aclosing(self.evidence.answer(requests, context)) as answers:
+            async for message in answers:
+                yield message
+
+    # --- asked from the peer's process ---------------------------------------------------------
+
+    def probe(self, peers: Sequence[str], size: int, timeout: float) -> MPFuture:
+        """Probe each of `peers` in turn with `size` bytes, in the averager process; returns at once.
+        The future's result is {peer: the rate it reported}, when the sweep is over."""
+        return self._in_process("_probe", peers=list(peers), size=size, deadline=time.monotonic() + timeout)
+
+    async def _probe(self, peers: list[str], size: int, deadline: float, future: MPFuture) -> None:
+        reports = await self.prober.sweep(peers, size, deadline)
+        if not future.done():
+            future.set_result(reports)
+
+    def link_report(self, timeout: float) -> tuple[float | None, dict[str, float]]:
+        """(this peer's figure, what it measured of each sender) from the averager process."""
+        return wait_result(self, self._in_process("_link_report"), "averaging process", timeout)
+
+    async def _link_report(self, future: MPFuture) -> None:
+        future.set_result(self.prober.report())
+
+    def convicted_peers(self, timeout: float) -> frozenset[str]:
+        """The reducers this averager convicted, asked from the host process."""
+        return self._in_process("_convicted_peers").result(timeout=timeout)
+
+    async def _convicted_peers(self, future: MPFuture) -> None:
+        future.set_result(frozenset(self.auditor.convicted))
+
+    def verify_accusation(self, accuser: str, accused: str) -> MPFuture:
+        """Ask `accuser` for its case against `accused` and judge it, in the averager process; the
+        future's result is whether `accused` is now convicted here."""
+        return self._in_process("_verify_accusation", accuser=accuser, accused=accused)
+
+    async def _verify_accusation(self, accuser: str, accused: str, future: MPFuture) -> None:
+        verdict = await self.evidence.verdict(accuser, accused)
+        if verdict is not None and not verdict[0]:  # `forged` proves nothing against the accused
+            self.auditor.convict(accused)
+            logger.warning("convicted reducer %s on the evidence of %s: %s", accused, accuser, verdict[1])
+        future.set_result(accused in self.auditor.convicted)
+
+    # --- the all-reduce (hivemind's hooks, around `Reduction`) -------------------------------------
+
+    async def _aggregate_with_group(self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any) -> Averaged:
+        """The group's all-reduce, once its all-gather checks out (`Reduction.admitted`). hivemind's
+        own version returns only the gathered data; this one also returns what the runner counted."""
         started = time.perf_counter()
-        entries = self.group_entries(group_info)  # gathered.py
-        self.admit_members(group_info, entries)
-        left_out = {str(p): why for p in group_info.peer_ids if (why := self.left_out(p)) is not None}
-        if left_out:  # a leader that let a convicted or benched reducer in: fail before a part is sent
-            raise AllreduceException(f"group members left out by this peer's audits: {left_out}; nothing averaged")
-        fair_group = fair(group_info, entries, self.serializer)
-        gathered = await super()._aggregate_with_group(fair_group, min_vector_size, **kwargs)
-        stats = getattr(self, "_last_runner_stats", {})
-        return {"gathered": gathered, "allreduce_s": time.perf_counter() - started, **stats}
+        group_info = self.reduction.admitted(group_info)
+        try:
+            gathered, stats = await self._balanced_allreduce(group_info, min_vector_size, **kwargs)
+        except BaseException as e:  # as in hivemind's own version: any failure fails the step
+            if isinstance(e, Exception):
+                logger.exception(e)
+            raise MatchmakingException(f"Unable to run All-Reduce: {e}") from e
+        return Averaged(gathered, time.perf_counter() - started, stats)
+
+    async def _balanced_allreduce(
+        self, group_info: GroupInfo, min_vector_size: int, **kwargs: Any
+    ) -> tuple[dict[Any, Any], AllreduceStats]:
+        """hivemind's `_aggregate_with_group` body: spans from the bandwidths in the all-gather, then
+        the all-reduce on the shared buffers; (the gathered data, the runner's counts)."""
+        bandwidths, mode_ids, user_bytes = zip(*map(self.serializer.loads, group_info.gathered))
+        gathered = dict(zip(group_info.peer_ids, map(self.serializer.loads, user_bytes)))
+        modes = tuple(map(AveragingMode, mode_ids))
+        downloads = [b if mode != AveragingMode.CLIENT else 0.0 for b, mode in zip(bandwidths, modes)]
+        loop = asyncio.get_event_loop()
+        fractions = await loop.run_in_executor(None, load_balance_peers, self.total_size, downloads, min_vector_size)
+        async with enter_asynchronously(self.get_tensors()) as local_tensors:
+            stats = await self._run_allreduce_inplace_(local_tensors, group_info, peer_fractions=fractions, **kwargs)
+        return gathered, stats
 
     async def _run_allreduce_inplace_(
         self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes | None = None, **kwargs: Any
-    ) -> None:
+    ) -> AllreduceStats:
+        """hivemind's hook, with the consistent runner (`Reduction`); what the runner counted."""
         group_id = group_info.group_id if group_id is None else group_id
-        entries = self.group_entries(group_info)  # parsed before, in _aggregate_with_group
-        modes = [e.mode for e in entries]
-        reduces = [m != AveragingMode.CLIENT for m in modes]
+        on = dict(p2p=self._p2p, servicer_type=type(self), prefix=self.prefix)
+        runner = self.reduction.runner(tensors, group_info, group_id, **on, **kwargs)
+        self._running_groups[group_id].set_result(runner)
+        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
+            raise AllreduceException("auxiliary peers are not used by p2p-diloco")
+        stats = await self.reduction.apply(runner, tensors)
+        self.last_updated = time.time()
+        self._state_updated.set()
+        faults.reached(faults.FaultPoint.ALLREDUCE_DONE)
+        return stats
+
+
+class Reduction:
+    """This member's side of a group's all-reduce around the consistent runner (allreduce.py): the
+    all-gather's checks before a part is sent, the runner and its ledger, the audit, and the result
+    applied to the shared buffers. Held by DiLoCoAverager, whose hivemind hooks call it."""
+
+    def __init__(
+        self,
+        serializer: Any,
+        gathering: Gathering,
+        auditor: Auditor,
+        signer: RSAPrivateKey,
+        aggregation: tuple[robust.Aggregator, float, float],
+        max_share: float,
+        residual: torch.Tensor | None,
+    ):
+        """See DiLoCoAverager's arguments; `serializer`: hivemind's, that wrote the all-gather."""
+        self._serializer, self._gathering, self._auditor = serializer, gathering, auditor
+        self._signer = signer
+        self._aggregation = aggregation  # (robust.Aggregator, clip, weight cap): how this peer reduces
+        self._max_share = max_share  # no member reduces more of the vector than this
+        self._residual = residual
+
+    def admitted(self, group_info: GroupInfo) -> GroupInfo:
+        """The group, every member's bandwidth claim counted only as far as the others vouched for
+        it (gathered.fair), once every entry parsed, every member is admitted, and none is left out
+        by this member's audits; AllreduceException otherwise, before a part is sent."""
+        entries = self._gathering.entries(group_info)
+        self._gathering.admit_members(group_info, entries)
+        left_out = {str(p): why for p in group_info.peer_ids if (why := self._auditor.left_out(p)) is not None}
+        if left_out:  # a leader that let a convicted or benched reducer in: fail before a part is sent
+            raise AllreduceException(f"group members left out by this peer's audits: {left_out}; nothing averaged")
+        return fair(group_info, entries, self._serializer)
+
+    def runner(
+        self, tensors: Sequence[torch.Tensor], group_info: GroupInfo, group_id: bytes, **kwargs: Any
+    ) -> ConsistentAllReduceRunner:
+        """The group's runner (hivemind's runner arguments in `kwargs`), each span capped at
+        `max_share` of the vector; kept for the audits of its reducers' spans (auditor.py)."""
+        entries = self._gathering.entries(group_info)  # parsed before, in `admitted`
+        reduces = [e.mode != AveragingMode.CLIENT for e in entries]
         kwargs["peer_fractions"] = tuple(links.cap_shares(kwargs["peer_fractions"], reduces, self._max_share))
         vector = kwargs["compression"].encoded_bytes(tensors)
         kwargs["part_size_bytes"] = links.part_bytes(vector, sum(reduces), kwargs["part_size_bytes"])
         runner = ConsistentAllReduceRunner(
             ledger=self._ledger(group_info, group_id, entries),
-            p2p=self._p2p,
-            servicer_type=type(self),
-            prefix=self.prefix,
             tensors=tensors,
             group_id=group_id,
             ordered_peer_ids=group_info.peer_ids,
             aggregation=self._aggregation,
             **kwargs,
         )
-        self._running_groups[group_id].set_result(runner)
-        self._keep_for_audit(runner)
-        if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
-            raise AllreduceException("auxiliary peers are not used by p2p-diloco")
+        self._auditor.keep(runner)
+        return runner
+
+    def _ledger(self, group_info: GroupInfo, group_id: bytes, entries: list[Entry]) -> Ledger:
+        """The all-reduce's ledger, with every member's identity key from the all-gather."""
+        peers = [str(p) for p in group_info.peer_ids]
+        senders = [p for p, e in zip(peers, entries) if e.mode != AveragingMode.AUX]
+        return Ledger(group_id, peers, senders, self._signer, self._gathering.member_keys(group_info, entries))
+
+    async def apply(self, runner: ConsistentAllReduceRunner, tensors: Sequence[torch.Tensor]) -> AllreduceStats:
+        """Run the all-reduce and copy (not add) its averages into `tensors`; what it counted."""
         # Collect the whole result first: the shared buffers change only after every part arrived,
         # so a failure leaves the caller's pseudo-gradient untouched (I2).
-        if self.residual is not None:
-            runner.residuals[LOSSY_TENSOR] = torch.zeros_like(self.residual)
+        if self._residual is not None:
+            runner.residuals[LOSSY_TENSOR] = torch.zeros_like(self._residual)
         try:
             results = [averaged async for averaged in runner]
-            await self._audit(runner)  # every other reducer's answer checked before anything is applied
+            await self._auditor.check(runner)  # every other reducer's answer checked before anything is applied
         finally:
-            self._settle(runner.ledger)
+            self._auditor.settle(runner.ledger)
             if fates := runner.fates():  # clipping is routine for a robust aggregator; a dropped part is news
                 level = logging.INFO if " dropped" in fates else logging.DEBUG
                 logger.log(level, "parts of this peer's span: %s", fates)
         for tensor, averaged in zip(tensors, results):
             tensor.copy_(averaged)
-        if self.residual is not None:
-            self.residual.copy_(runner.residuals[LOSSY_TENSOR])
-        self._last_runner_stats = {
-            "bytes_sent": runner.bytes_sent,
-            "bytes_received": runner.bytes_received,
-            "group_size": len(group_info.peer_ids),
-        }
-        self.last_updated = time.time()
-        self._state_updated.set()
-        faults.reached(faults.FaultPoint.ALLREDUCE_DONE)
+        if self._residual is not None:
+            self._residual.copy_(runner.residuals[LOSSY_TENSOR])
+        return runner.stats()

@@ -13,7 +13,7 @@ holds: an accusation without a valid case convicts nobody.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
+from collections.abc import AsyncGenerator, Callable
 from dataclasses import dataclass
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
@@ -23,7 +23,6 @@ from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
 from hivemind.utils.crypto import RSAPublicKey
-from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import audit, codecs, robust, wire
 from p2p_diloco.swarm import identity, streams
@@ -113,30 +112,36 @@ def _judge_sender(case: Case, codec: WireCodec) -> tuple[bool, str] | None:
     return None if why is None else (False, f"signed a malformed part {case.part} ({why})")
 
 
-class Evidence:
-    """Serving the cases behind this averager's convictions, and judging others'; mixed into
-    DiLoCoAverager (which supplies `_p2p`, `get_stub`, `prefix`, `serializer`, `_outer_pipe`,
-    `allreduce_kwargs`, `_aggregation` and `convicted`)."""
+class EvidenceDesk:
+    """The cases behind this member's convictions (`cases`, filed by the auditor), served to peers
+    that read its accusations, and the judging of other peers' cases. Held by DiLoCoAverager, whose
+    `rpc_evidence` hands each request to `answer`."""
 
-    _p2p: Any
-    _outer_pipe: Any
-    prefix: str
-    serializer: Any
-    allreduce_kwargs: dict
-    _aggregation: tuple[robust.Aggregator, float, float]
-    get_stub: Callable[..., Any]
-    convicted: set[str]
-    _cases: dict[str, Case]
-    _ask_only_admitted_leaders: Callable[[], None]
+    def __init__(
+        self,
+        stub: Callable[[PeerID], Any],
+        serializer: Any,
+        codec: WireCodec,
+        aggregation: tuple[robust.Aggregator, float, float],
+    ):
+        """`stub(peer)`: the averager's RPC stub for `peer`; `codec` and `aggregation`: how this
+        run encodes and combines parts, by which every case is judged."""
+        self._stub, self._serializer = stub, serializer
+        self._codec, self._aggregation = codec, aggregation
+        self.cases: dict[str, Case] = {}  # convicted member -> the case
 
-    async def rpc_evidence(
+    def file(self, peer: str, case: Case) -> None:
+        """Keep the case behind a conviction of `peer`, for peers outside the group."""
+        self.cases[peer] = case
+
+    async def answer(
         self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    ) -> AsyncGenerator[averaging_pb2.AveragingData, None]:
         """The case behind this peer's conviction of the member named in `peer_id`: a header
         (group, part, ids, keys), every signed part shown, then the signed average (the only
         message with code AVERAGED_PART). Ends once the asker holds it all (streams.py)."""
         request = await streams.first_request(requests)
-        case = None if request is None else self._cases.get(request.peer_id.decode(errors="replace"))
+        case = None if request is None else self.cases.get(request.peer_id.decode(errors="replace"))
         if case is None:
             return
         async for message in self._serve_case(case):
@@ -152,7 +157,7 @@ class Evidence:
             "sender": -1 if case.sender is None else case.sender,
         }
         yield averaging_pb2.AveragingData(
-            group_id=case.group_id, weight=float(case.part), peer_id=self.serializer.dumps(header)
+            group_id=case.group_id, weight=float(case.part), peer_id=self._serializer.dumps(header)
         )
         for message in case.shown:  # as signed; the code is ours (a sender's own could end the case early)
             yield averaging_pb2.AveragingData(
@@ -165,34 +170,25 @@ class Evidence:
             code=averaging_pb2.AVERAGED_PART, tensor_part=case.answer, peer_id=case.answer_signature
         )
 
-    def verify_accusation(self, accuser: str, accused: str) -> MPFuture:
-        """Ask `accuser` for its case against `accused` and judge it, in the averager process; the
-        future's result is whether `accused` is now convicted here."""
-        future = MPFuture()
-        self._outer_pipe.send(("_verify_accusation", [], dict(accuser=accuser, accused=accused, future=future)))
-        return future
-
-    async def _verify_accusation(self, accuser: str, accused: str, future: MPFuture) -> None:
+    async def verdict(self, accuser: str, accused: str) -> tuple[bool, str] | None:
+        """Ask `accuser` for its case against `accused` and judge it (`judge`'s verdict). None, as
+        for an innocent, if the accuser does not answer or answers no valid case: an accusation
+        without a case convicts nobody."""
         try:
-            stub = self.get_stub(self._p2p, PeerID.from_base58(accuser), namespace=self.prefix)
             request = averaging_pb2.AveragingData(peer_id=accused.encode())
-            asked = streams.ask(stub.rpc_evidence, request, _case_complete, MAX_GROUP + 2, EVIDENCE_TIMEOUT_S)
+            rpc = self._stub(PeerID.from_base58(accuser)).rpc_evidence
+            asked = streams.ask(rpc, request, _case_complete, MAX_GROUP + 2, EVIDENCE_TIMEOUT_S)
             messages = await asyncio.wait_for(asked, EVIDENCE_TIMEOUT_S)
             case = self._case_from(accused, messages)
-            verdict = judge(case, self.allreduce_kwargs["compression"], self._aggregation) if case else None
+            return judge(case, self._codec, self._aggregation) if case else None
         except Exception as e:  # an accuser that does not answer, or answers garbage, convicts nobody
             logger.info("no valid case from %s against %s: %s", accuser, accused, type(e).__name__)
-            verdict = None
-        if verdict is not None and not verdict[0]:
-            self.convicted.add(accused)
-            self._ask_only_admitted_leaders()
-            logger.warning("convicted reducer %s on the evidence of %s: %s", accused, accuser, verdict[1])
-        future.set_result(accused in self.convicted)
+            return None
 
     def _case_from(self, accused: str, messages: list[averaging_pb2.AveragingData]) -> Case | None:
         """The case in an accuser's messages, if it is well-formed and the average is the accused's."""
         try:
-            return case_from(accused, messages, self.serializer.loads)
+            return case_from(accused, messages, self._serializer.loads)
         except wire.WireError as e:
             wire.dropped("case", str(e))
             return None

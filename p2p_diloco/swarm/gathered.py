@@ -1,5 +1,5 @@
 """What each member shows its group in hivemind's all-gather, read by one total parser, and who is
-left out when an entry does not parse: a mixin of the averager, run in the averager process.
+left out when an entry does not parse: the averager's `Gathering`, run in the averager process.
 
 hivemind's matchmaking carries, for each member, msgpack bytes `[bandwidth, mode, user bytes]`,
 and the user bytes are step.py's `{"round", "seen", "key", "cert"}`. The member chose every byte.
@@ -20,13 +20,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
+from typing import Any
 
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
 from hivemind.averaging.matchmaking import Matchmaking
-from hivemind.p2p import P2PContext, PeerID
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import PeerID
 
 from p2p_diloco import links, wire
 from p2p_diloco.swarm import identity
@@ -127,35 +126,36 @@ class LedMatchmaking(Matchmaking):
         return group_info
 
 
-class Groups:
-    """The all-gather's entries at the leader's door and in the group; mixed into DiLoCoAverager
-    (which supplies `serializer`, `peer_id`, `left_out`, `_bench`, `_doors` and `_matchmaking`)."""
+class Gathering:
+    """The all-gather's entries at the leader's door and in the group. Held by DiLoCoAverager,
+    whose `rpc_join_group` asks `refusal` before hivemind sees a join request."""
 
-    serializer: Any
-    peer_id: PeerID
-    left_out: Callable[[Any], str | None]
-    _bench: Callable[..., None]
-    _doors: Doors | None
-    _matchmaking: Any
+    def __init__(
+        self,
+        loads: Callable[[bytes], Any],
+        peer_id: PeerID,
+        doors: Doors | None,
+        left_out: Callable[[Any], str | None],
+        bench: Callable[[str, str, str], None],
+        leader_of: Callable[[bytes], PeerID | None],
+    ):
+        """`loads`: hivemind's serializer's; `peer_id`: this member's; `doors`: admission in
+        certified runs (None in open ones); `left_out(peer)` and `bench(peer, reason, role)`: the
+        auditor's; `leader_of(group id)`: who assembled a recent group (LedMatchmaking), if known."""
+        self._loads, self._peer_id, self._doors = loads, peer_id, doors
+        self._left_out, self._bench, self._leader_of = left_out, bench, leader_of
 
-    async def rpc_join_group(
-        self, request: averaging_pb2.JoinRequest, context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
-        """As a leader: refuse, before hivemind sees it, a join request whose entry does not parse,
-        from a peer that is not admitted (its certificate comes with the request, checked against
-        its transport id), or from a peer this one convicted or left out after an audit."""
-        reason = self.left_out(context.remote_id)
-        if reason is None:
-            reason = self._refusal(str(context.remote_id), request.gather)
-        if reason is not None:
-            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        async for response in super().rpc_join_group(request, context):  # type: ignore[misc]
-            yield response
+    def refusal(self, peer: Any, gather: bytes) -> str | None:
+        """As a leader: why to refuse a join request from `peer` with the entry `gather`, or None.
+        Refused: an entry that does not parse, a peer that is not admitted (its certificate comes
+        with the request, checked against its transport id), a peer this one convicted or left
+        out after an audit."""
+        reason = self._left_out(peer)
+        return reason if reason is not None else self._entry_refusal(str(peer), gather)
 
-    def _refusal(self, peer: str, gather: bytes) -> str | None:
+    def _entry_refusal(self, peer: str, gather: bytes) -> str | None:
         try:
-            entry = parse_entry(gather, self.serializer.loads)
+            entry = parse_entry(gather, self._loads)
         except WireError as e:
             wire.dropped("a join request's group data", str(e))
             return f"its group data does not parse ({e})"
@@ -166,13 +166,13 @@ class Groups:
             self._doors.log_refusal(peer, "matchmaking", refused)
         return refused
 
-    def group_entries(self, group_info: GroupInfo) -> list[Entry]:
+    def entries(self, group_info: GroupInfo) -> list[Entry]:
         """Every member's entry. If one does not parse, the leader that assembled the group is left
         out of this member's groups, and the group fails before a part is sent."""
         entries = []
         for peer, data in zip(group_info.peer_ids, group_info.gathered):
             try:
-                entries.append(parse_entry(data, self.serializer.loads))
+                entries.append(parse_entry(data, self._loads))
             except WireError as e:
                 reason = f"the group data of {peer} does not parse ({e})"
                 self._blame_leader(group_info.group_id, f"it assembled a group in which {reason}")
@@ -186,8 +186,8 @@ class Groups:
                 self._doors.check_member(str(peer), entry.cert)
 
     def _blame_leader(self, group_id: bytes, reason: str) -> None:
-        leader = getattr(self._matchmaking, "leaders", {}).get(group_id)
-        if leader is not None and leader != self.peer_id:
+        leader = self._leader_of(group_id)
+        if leader is not None and leader != self._peer_id:
             self._bench(str(leader), reason, "leader")
 
     def member_keys(self, group_info: GroupInfo, entries: Sequence[Entry]) -> dict[str, Any]:

@@ -1,5 +1,5 @@
-"""Link probes between members (links.py), outside the all-reduce's lockstep: a mixin of the
-averager, run in the averager process, where probes are sent and received.
+"""Link probes between members (links.py), outside the all-reduce's lockstep: the averager's
+`LinkProber`, run in the averager process, where probes are sent and received.
 
 A member probes each other member of its last group with ~1 MB; the receiver times the chunks and
 answers with the rate. In certified runs a probe from a peer that is not admitted is refused
@@ -11,16 +11,14 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
 from hivemind.p2p import P2PContext, PeerID
 from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_logger
-from hivemind.utils.mpfuture import MPFuture
 
 from p2p_diloco import links
-from p2p_diloco.swarm.processes import wait_result
 
 logger = get_logger(__name__)
 
@@ -31,31 +29,25 @@ class ReceiverBusy(Exception):
     """A member was timing another member's probe: probe it again later."""
 
 
-class LinkProbes:
-    """Sending and answering link probes; mixed into DiLoCoAverager (which supplies `_outer_pipe`,
-    `_p2p`, `get_stub`, `prefix` and `may_enter`)."""
+class LinkProber:
+    """Sends link probes and answers them, and keeps what they measured (`link`). Held by
+    DiLoCoAverager, whose `rpc_probe` hands each incoming probe to `answer`."""
 
-    link: links.LinkMeter
-    _receiving_probe: bool
-    _outer_pipe: Any
-    _p2p: Any
-    prefix: str
-    get_stub: Callable[..., Any]  # hivemind's ServicerBase
-    may_enter: Callable[[Any, str], Awaitable[bool]]  # DiLoCoAverager
+    def __init__(self, stub: Callable[[PeerID], Any], may_enter: Callable[[Any, str], Awaitable[bool]]):
+        """`stub(peer)`: the averager's RPC stub for `peer`; `may_enter(peer, door)`: its doors."""
+        self._stub, self._may_enter = stub, may_enter
+        self.link = links.LinkMeter()  # lives in the averager process, where probes are sent and received
+        self._receiving = False  # one probe arrives at a time: two would share this peer's download
 
-    def probe(self, peers: Sequence[str], size: int, timeout: float) -> MPFuture:
-        """Probe each of `peers` in turn with `size` bytes, in the averager process; returns at once.
-        The future's result is {peer: the rate it reported}, when the sweep is over."""
-        future = MPFuture()
-        self._outer_pipe.send(
-            ("_probe", [], dict(peers=list(peers), size=size, deadline=time.monotonic() + timeout, future=future))
-        )
-        return future
+    def report(self) -> tuple[float | None, dict[str, float]]:
+        """(this peer's figure, what it measured of each sender)."""
+        return self.link.bandwidth(), self.link.seen()
 
-    async def _probe(self, peers: list[str], size: int, deadline: float, future: MPFuture) -> None:
-        """Probe each peer in turn. A receiver already timing another member's probe answers busy
-        (two probes would share its download, and each would under-read a link): it is tried again
-        after the others, with a growing pause, until the deadline."""
+    async def sweep(self, peers: list[str], size: int, deadline: float) -> dict[str, float | None]:
+        """Probe each peer in turn with `size` bytes until the monotonic `deadline`; {peer: the rate
+        it reported}. A receiver already timing another member's probe answers busy (two probes
+        would share its download, and each would under-read a link): it is tried again after the
+        others, with a growing pause, until the deadline."""
         reports, pending, pause = {}, list(peers), PROBE_RETRY_S
         while pending and time.monotonic() < deadline:
             busy = []
@@ -77,8 +69,7 @@ class LinkProbes:
             if pending:  # every one left is being probed by someone else: let those probes end
                 await asyncio.sleep(max(0.0, min(pause, deadline - time.monotonic())))
                 pause *= 2
-        if not future.done():
-            future.set_result(reports)
+        return reports
 
     async def _probe_one(self, peer: PeerID, size: int) -> float | None:
         """One probe: a hello, then (once the receiver accepts) `size` bytes in chunks; the rate the
@@ -93,8 +84,7 @@ class LinkProbes:
             for _ in range(max(2, size // links.PROBE_CHUNK)):
                 yield averaging_pb2.AveragingData(tensor_part=chunk)
 
-        stub = self.get_stub(self._p2p, peer, namespace=self.prefix)
-        async for reply in await stub.rpc_probe(messages()):
+        async for reply in await self._stub(peer).rpc_probe(messages()):
             if reply.code == averaging_pb2.NOT_LOOKING_FOR_GROUP:
                 raise ReceiverBusy(str(peer))
             if reply.code == averaging_pb2.ACCEPTED:
@@ -104,9 +94,9 @@ class LinkProbes:
             return rate if reply.code == averaging_pb2.AVERAGED_PART and math.isfinite(rate) and rate > 0 else None
         return None
 
-    async def rpc_probe(
+    async def answer(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
-    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+    ) -> AsyncGenerator[averaging_pb2.AveragingData, None]:
         """Another member's probe (untrusted, I4): a hello, then at most PROBE_MAX bytes in
         PROBE_CHUNK messages. One probe at a time: while one arrives, another sender's hello is
         answered busy. Answers with the rate the chunks arrived at (in `weight`)."""
@@ -114,13 +104,13 @@ class LinkProbes:
         if hello is None or hello.code != averaging_pb2.REQUEST_JOIN:
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        if not await self.may_enter(context.remote_id, "probe"):
+        if not await self._may_enter(context.remote_id, "probe"):
             yield averaging_pb2.AveragingData(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        if self._receiving_probe:
+        if self._receiving:
             yield averaging_pb2.AveragingData(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
-        self._receiving_probe = True
+        self._receiving = True
         sender = str(context.remote_id)
         try:
             yield averaging_pb2.AveragingData(code=averaging_pb2.ACCEPTED)
@@ -136,13 +126,4 @@ class LinkProbes:
             self.link.received(sender, rate)
             yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, weight=rate or 0.0)
         finally:
-            self._receiving_probe = False
-
-    def link_report(self, timeout: float) -> tuple[float | None, dict[str, float]]:
-        """(this peer's figure, what it measured of each sender) from the averager process."""
-        future = MPFuture()
-        self._outer_pipe.send(("_link_report", [], dict(future=future)))
-        return wait_result(self, future, "averaging process", timeout)
-
-    async def _link_report(self, future: MPFuture) -> None:
-        future.set_result((self.link.bandwidth(), self.link.seen()))
+            self._receiving = False

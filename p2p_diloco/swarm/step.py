@@ -19,12 +19,12 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from p2p_diloco import faults, links
+from p2p_diloco import deadlines, faults, links
 from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import AveragingError, SwarmError, SwarmMovedOn
 from p2p_diloco.network import AllReduced
 from p2p_diloco.swarm import records
-from p2p_diloco.swarm.averager import DiLoCoAverager
+from p2p_diloco.swarm.averager import Averaged, DiLoCoAverager
 
 # What a failed averaging step raises from inside hivemind; anything else is a bug and propagates.
 HIVEMIND_ERRORS = (
@@ -124,7 +124,7 @@ class AveragingStep:
 
     def _outcome(
         self, control: Any, round_: int, timeout: float, deadline: float, overtaken: Callable[[], bool]
-    ) -> Any:
+    ) -> Averaged | None:
         """hivemind's result of the step; None if no group formed; AveragingError if it failed."""
         try:
             return self._wait_for(control, deadline, overtaken)
@@ -142,9 +142,9 @@ class AveragingStep:
                 return None
             raise AveragingError(f"round {round_} all-reduce failed: {type(e).__name__}: {str(e)[:200]}") from None
 
-    def _collect(self, result: Any, round_: int, link_bps: float | None) -> AllReduced:
+    def _collect(self, result: Averaged, round_: int, link_bps: float | None) -> AllReduced:
         """The averaged buffers, once every member is known to have averaged this same round."""
-        gathered = result["gathered"]
+        gathered = result.gathered
         bad = [str(p) for p, g in gathered.items() if not isinstance(g, dict) or g.get("round") != round_]
         if bad:
             raise AveragingError(f"round {round_}: group members {bad} averaged another round; result dropped")
@@ -158,9 +158,9 @@ class AveragingStep:
             averaged[0],
             averaged[1] if len(averaged) > 1 else None,
             tuple(members),
-            result["allreduce_s"],
-            result.get("bytes_sent", 0),
-            result.get("bytes_received", 0),
+            result.allreduce_s,
+            result.stats.bytes_sent,
+            result.stats.bytes_received,
             link_bps,
         )
 
@@ -187,7 +187,7 @@ class AveragingStep:
             others, links.probe_size(self._payload_bytes), timeout=self.sc.averaging_timeout_s
         )
 
-    def _wait_for(self, control: Any, deadline: float, overtaken: Callable[[], bool]) -> Any:
+    def _wait_for(self, control: Any, deadline: float, overtaken: Callable[[], bool]) -> Averaged:
         """The step's result within `deadline` s, checking every second that the averager lives,
         and that the swarm did not finish the round while this peer still looks for a group (then
         Overtook, the step cancelled). A member whose all-reduce failed while the others' completed
@@ -212,14 +212,14 @@ class AveragingStep:
         round's step then changed the group key under it ("Another look_for_group is already in
         progress"), and a member of the next round joined a group of this one (measured under a CPU
         hog: "group members [...] averaged another round; result dropped", a 14-s round)."""
-        end = time.monotonic() + 3 * self.sc.matchmaking_time_s
-        while time.monotonic() < end:
+
+        def ended() -> bool:
             try:
-                if control.stage == AveragingStage.FINISHED and self.averager.matchmaking_idle(STEP_MARGIN_S):
-                    return
+                return control.stage == AveragingStage.FINISHED and self.averager.matchmaking_idle(STEP_MARGIN_S)
             except FuturesTimeout:
-                pass
-            time.sleep(CANCEL_POLL_S)  # a poll of the averager process, bounded by the deadline above
+                return False
+
+        deadlines.poll_until(ended, bool, time.monotonic() + 3 * self.sc.matchmaking_time_s, CANCEL_POLL_S)
 
     def convicted(self) -> frozenset[str]:
         """The peers this peer's averager convicted (none if it is gone or does not answer in time)."""

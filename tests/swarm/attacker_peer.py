@@ -46,7 +46,7 @@ import torch
 from p2p_diloco import cli, outer, peer
 from p2p_diloco.swarm import Swarm, records
 from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
-from p2p_diloco.swarm.auditor import Audits
+from p2p_diloco.swarm.auditor import Auditor
 from p2p_diloco.swarm.heartbeat import Heartbeat
 from p2p_diloco.swarm.step import AveragingStep
 from tests.swarm.round_gate import install_gate
@@ -128,7 +128,7 @@ def alie(peer_id: str, round_: int, delta: torch.Tensor, exact) -> tuple:
 
 def lie_as_reducer() -> None:
     if KIND == "reducer-mute":
-        Audits._shown_for_audit = lambda self, request, auditor: []
+        Auditor._shown_for_audit = lambda self, request, auditor: []
         return
     original = ConsistentAllReduceRunner._encode_average
 

@@ -109,20 +109,19 @@ def test_a_silent_reducer_is_left_out_for_a_period_that_doubles_up_to_an_hour():
 def test_left_out_names_convictions_and_benches_until_they_expire(monkeypatch):
     import time as clock
 
-    from p2p_diloco.swarm.auditor import Audits
+    from p2p_diloco.swarm.auditor import Auditor
 
-    audits = object.__new__(Audits)
-    audits.convicted, audits._benched = {"liar"}, {}
-    audits._ask_only_admitted_leaders = lambda: None
+    audits = Auditor(stub=None, evidence=None, left_out_changed=lambda: None)
+    audits.convict("liar")
     now = [1000.0]
     monkeypatch.setattr(clock, "monotonic", lambda: now[0])
     assert audits.left_out("liar") == "it failed an audit as a reducer"
     assert audits.left_out("slow") is None
-    audits._bench("slow", "no answer")
+    audits.bench("slow", "no answer")
     assert "left out for 120 s more" in audits.left_out("slow")
     now[0] += 121
     assert audits.left_out("slow") is None  # served its period
-    audits._bench("slow", "no answer again")
+    audits.bench("slow", "no answer again")
     now[0] += 121
     assert "left out for 119 s more" in audits.left_out("slow")  # the second period is 240 s
 

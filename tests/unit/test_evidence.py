@@ -180,22 +180,22 @@ def test_nobody_can_make_a_senders_honest_part_look_malformed(group):
 
 
 def _served(case):
-    """What `rpc_evidence` streams for `case`, and the averager-side object that parses it."""
+    """What `rpc_evidence` streams for `case` (`EvidenceDesk.answer`), and the desk that parses it."""
     import asyncio
 
     from hivemind.utils.serializer import MSGPackSerializer
 
     from p2p_diloco.swarm import streams
-    from p2p_diloco.swarm.evidence import Evidence, _case_complete
+    from p2p_diloco.swarm.evidence import EvidenceDesk, _case_complete
 
-    evidence = object.__new__(Evidence)
-    evidence.serializer, evidence._cases = MSGPackSerializer, {"accused": case}
+    evidence = EvidenceDesk(stub=None, serializer=MSGPackSerializer, codec=CODEC, aggregation=CLIP)
+    evidence.file("accused", case)
 
     async def collect():
         # The asker's side of streams.py: the handler lingers until the asker ends its request
         # stream, which it does once it holds the signed average; both ends well within 5 s.
         async def call(requests):
-            return evidence.rpc_evidence(requests, None)
+            return evidence.answer(requests, None)
 
         request = averaging_pb2.AveragingData(peer_id=b"accused")
         return await asyncio.wait_for(streams.ask(call, request, _case_complete, 10, 5), 5)

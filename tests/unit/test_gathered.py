@@ -15,7 +15,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2p_diloco.swarm.gathered import Entry, Groups, fair, parse_entry
+from p2p_diloco.swarm.gathered import Entry, Gathering, fair, parse_entry
 from p2p_diloco.swarm.identity import owner_peer_id, public_key_bytes
 from p2p_diloco.wire import WireError
 from tests.unit.test_untrusted_records import FUZZ, HOSTILE, hostile_like
@@ -98,18 +98,15 @@ def _dumps_or_none(value):
         return None
 
 
-class Member(Groups):
-    """The mixin with what the averager supplies: a serializer, an id, no doors, a bench."""
+class Member(Gathering):
+    """The all-gather's checks with what the averager gives them: hivemind's serializer, an id, no
+    doors (an open run), nobody left out, a bench that records, the leaders matchmaking remembers."""
 
     def __init__(self, me: str, leaders: dict):
-        self.serializer, self.peer_id, self._doors = MSGPackSerializer, me, None
-        self._matchmaking = SimpleNamespace(leaders=OrderedDict(leaders))
         self.benched: list[tuple[str, str, str]] = []
+        super().__init__(MSGPackSerializer.loads, me, None, lambda peer: None, self._record, OrderedDict(leaders).get)
 
-    def left_out(self, peer):
-        return None
-
-    def _bench(self, peer, reason, role="reducer"):
+    def _record(self, peer: str, reason: str, role: str) -> None:
         self.benched.append((peer, reason, role))
 
 
@@ -118,40 +115,44 @@ def test_a_group_with_an_entry_that_does_not_parse_fails_and_its_leader_is_left_
     group = GroupInfo(b"g1", tuple(PEERS), gathered)
     follower = Member(PEERS[0], {b"g1": PEERS[2]})  # peer 2 assembled the group
     with pytest.raises(AllreduceException, match=f"group data of {PEERS[1]} does not parse.*nothing averaged"):
-        follower.group_entries(group)
+        follower.entries(group)
     assert [(p, role) for p, _, role in follower.benched] == [(PEERS[2], "leader")]
     leader = Member(PEERS[2], {b"g1": PEERS[2]})  # the leader itself refused it at its door: nobody to bench
     with pytest.raises(AllreduceException):
-        leader.group_entries(group)
+        leader.entries(group)
     assert leader.benched == []
 
 
 def test_a_well_formed_group_gives_each_member_its_own_key_and_a_member_with_anothers_fails_it():
     group = GroupInfo(b"g2", tuple(PEERS), tuple(entry_bytes(i) for i in range(3)))
     member = Member(PEERS[0], {})
-    entries = member.group_entries(group)
+    entries = member.entries(group)
     assert list(member.member_keys(group, entries)) == PEERS
     stolen = GroupInfo(b"g3", tuple(PEERS), (entry_bytes(0), entry_bytes(1, user_data=user(0)), entry_bytes(2)))
     with pytest.raises(AllreduceException, match=f"group member {PEERS[1]} showed no identity key of its own"):
-        member.member_keys(stolen, member.group_entries(stolen))
+        member.member_keys(stolen, member.entries(stolen))
 
 
 def test_a_leader_refuses_a_join_request_whose_entry_does_not_parse_before_hivemind_sees_it():
-    leader = Member(PEERS[0], {})
+    from p2p_diloco.swarm.averager import DiLoCoAverager
+
+    # The averager's handler with only its all-gather checks: a refused request never reaches
+    # hivemind's handler (its `super()` call), which this stand-in could not run.
+    averager = SimpleNamespace(gathering=Member(PEERS[0], {}))
     request = averaging_pb2.JoinRequest(gather=MSGPackSerializer.dumps([None, "node", b""]))
     context = SimpleNamespace(remote_id=PEERS[1])
 
     async def answers():
-        return [m async for m in leader.rpc_join_group(request, context)]
+        return [m async for m in DiLoCoAverager.rpc_join_group(averager, request, context)]
 
     assert [m.code for m in asyncio.run(answers())] == [averaging_pb2.PROTOCOL_VIOLATION]
-    assert leader._refusal(PEERS[1], entry_bytes(1)) is None  # an honest one goes on to hivemind
+    assert averager.gathering.refusal(PEERS[1], entry_bytes(1)) is None  # an honest one goes on to hivemind
 
 
 def test_fair_replaces_only_the_bandwidths_and_keeps_every_other_byte():
     claims = [5e6, 1e6, 1e9]  # peer 2 claims far more than anyone measured of it (3e6)
     group = GroupInfo(b"g4", tuple(PEERS), tuple(entry_bytes(i, claims[i]) for i in range(3)))
-    entries = Member(PEERS[0], {}).group_entries(group)
+    entries = Member(PEERS[0], {}).entries(group)
     fair_group = fair(group, entries, MSGPackSerializer)
     before = [MSGPackSerializer.loads(d) for d in group.gathered]
     after = [MSGPackSerializer.loads(d) for d in fair_group.gathered]
