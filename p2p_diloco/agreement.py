@@ -49,11 +49,6 @@ def live(records: Mapping[str, RoundRecord], stale: set[str], *rounds: int) -> s
     return {p for p, r in records.items() if not rounds or r.round in rounds} - stale
 
 
-def live_at(records: Mapping[str, RoundRecord], stale: set[str], *rounds: int) -> set[str]:
-    """`live` at one of `rounds` (none: nobody), as round.py asks for it."""
-    return live(records, stale, *rounds) if rounds else set()
-
-
 def whom_to_wait_for(me: str, group: Iterable[str], seen_at_round: Iterable[str]) -> tuple[str, ...]:
     """The peers whose digests decide a round's agreement: its group, every live peer seen at the
     round (one that missed the group and averaged alone rejoins the majority in the same round),

@@ -192,7 +192,7 @@ def _with_retries(
             )
             return NobodyCame() if got is None else _not_against_own(got, flat, flat_exact, round_)
         except AgainstOwn as e:
-            # INFO: honest averages late in a run do this too (cosine -0.12 in a healthy hog run); agreement heals it
+            # INFO: honest averages late in a run do this too (docs/design.md §6); agreement heals it
             log.info("%s: using this peer's own pseudo-gradient", e)
             return GroupFailed(str(e), vetoed=True)  # not retried; no state of that group is adopted (sync.py)
         except SwarmMovedOn as e:  # a slow peer, or one whose group failed for it alone: it heals

@@ -28,8 +28,9 @@ def refuse_a_finished_run(
     While other peers are live, the end counts only if it is their backed state (`end_is_backed`):
     one peer's record of the last round and its "finished" genesis send nobody home. `held`: the
     state this peer holds (its replica's, or the one its round just made)."""
-    stale = swarm.stale_peers()
-    seen = {p: r for p, r in swarm.peers().items() if p not in stale and p != replica.peer_id}
+    records = swarm.peers()
+    live = agreement.live(records, swarm.stale_peers()) - {replica.peer_id}
+    seen = {p: r for p, r in records.items() if p in live}
     if failure is None and any(r.round <= held.round for r in seen.values()):
         return
     final = swarm.final_state()

@@ -189,7 +189,7 @@ class RoundDriver:
         """
         replica, swarm, r = self.replica, self.swarm, self.replica.state.round
         # Who should agree on the round's result: the group, and every live peer that was at this round.
-        seen = agreement.live_at(swarm.peers(), swarm.stale_peers() | swarm.fresh_peers(), r, r + 1)
+        seen = agreement.live(swarm.peers(), swarm.stale_peers() | swarm.fresh_peers(), r, r + 1)
         expected = agreement.whom_to_wait_for(replica.peer_id, outcome.group, seen)
         oc = self.config.outer
         self.sync.note_round(r, trained.delta, outcome.delta)  # a state offered for r + 1 must agree with it
@@ -277,7 +277,7 @@ class RoundDriver:
     def _expected_group(self) -> int:
         swarm, r = self.swarm, self.replica.state.round
         in_round = self.phases.view.peers if self.phases.view is not None else 0
-        return agreement.expected_group(in_round, agreement.live_at(swarm.peers(), swarm.stale_peers(), r - 1, r))
+        return agreement.expected_group(in_round, agreement.live(swarm.peers(), swarm.stale_peers(), r - 1, r))
 
 
 class PhaseRunner:

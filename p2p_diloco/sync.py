@@ -24,7 +24,6 @@ if TYPE_CHECKING:
     from p2p_diloco.config import OuterSection, SwarmSection
     from p2p_diloco.replica import Replica
 
-POLL_S = 0.5  # how often a peer that runs ahead of the swarm reads the others' records
 # A starting peer looks this long at the swarm before it follows a state that a single peer backs:
 # peers started at the same moment publish their first records within seconds of each other, and
 # one that saw only an attacker's later round would otherwise follow it (bench/attacks.py ahead:50).
@@ -76,8 +75,9 @@ class Retry:
         return self
 
     def pause_s(self) -> float:
-        """POLL_S, doubling with each failure of the same state, at most RETRY_MAX_S; never past the deadline."""
-        pause = min(POLL_S * 2 ** (self.tries - 1), RETRY_MAX_S)
+        """deadlines.CATCH_UP_POLL_S, doubling with each failure of the same state, at most
+        RETRY_MAX_S; never past the deadline."""
+        pause = min(deadlines.CATCH_UP_POLL_S * 2 ** (self.tries - 1), RETRY_MAX_S)
         return max(0.0, min(pause, self.deadline - time.monotonic()))
 
 
@@ -281,7 +281,9 @@ class StateSync:
                 mine.round,
                 wait,
             )
-            target, ahead = poll_until(lambda: self._look(mine), lambda looked: not looked[1], deadline, POLL_S)
+            target, ahead = poll_until(
+                lambda: self._look(mine), lambda looked: not looked[1], deadline, deadlines.CATCH_UP_POLL_S
+            )
         if ahead:
             self.replica.log.info("nobody else reached round %d within %g s: going on", mine.round, wait)
         return target
@@ -298,7 +300,9 @@ class StateSync:
                 target.round,
                 SETTLE_S,
             )
-        return poll_until(lambda: self._target(mine), lambda t: t is None or t.backers >= 2, deadline, POLL_S)
+        return poll_until(
+            lambda: self._target(mine), lambda t: t is None or t.backers >= 2, deadline, deadlines.CATCH_UP_POLL_S
+        )
 
     def _mine(self, held: outer.GlobalState) -> RoundRecord:
         """`held` as one vote among the others' records."""
@@ -340,7 +344,8 @@ class StateSync:
         """The cosine of the average that made `offered` with this peer's own Δ of that round, if it
         points against it (`outer.against_own`). Checked only where the peer holds a state of
         that round of its own (`held`, agreement): a peer that was overtaken has none, and refusing
-        the swarm's state would only make it adopt the next one, built on it. A state of a later
+        the swarm's state would only make it adopt the next one, built on it, and abandon a phase
+        for each (docs/design.md §6). A state of a later
         round than this peer trained is not checked either: it has no Δ of its own there."""
         noted = self.own_round
         if noted is None or noted.applied is None or offered.round != noted.round + 1:

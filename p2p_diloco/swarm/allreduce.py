@@ -2,7 +2,7 @@
 
 hivemind's stock runner has each reducer send back `average - sender's part` and each sender add
 that delta to its own copy. With compression, or merely different float rounding, every peer ends
-with slightly different values (measured: ~1e-3 relative with fp16 between 3 peers). Here a
+with slightly different values (about 1e-3 relative with fp16, docs/design.md §7). Here a
 reducer encodes the *average itself* once per part, sends those bytes to every sender, and decodes
 the same bytes for its own span; every member then copies (not adds) what it decoded. So all
 members hold the same bytes, whatever the codec.
@@ -208,8 +208,8 @@ class ConsistentAllReduceRunner(AllReduceRunner):
     def should_delay_results(self, peer_id: Any) -> bool:
         """Never. hivemind makes a member that reduces nothing (a client, or a peer the load
         balancer gave no span: the slowest) upload all its parts before it may download any
-        average, so its two directions take turns: 30 s instead of 16 on a 20 Mbit/s link
-        (bench/balance.py). Our senders also keep their stream open until every average arrived
+        average, so its two directions take turns, nearly doubling its time on a slow link
+        (docs/benchmarks.md, bench/balance.py). Our senders also keep their stream open until every average arrived
         (`_send_and_receive`), which a delayed reducer would wait on forever."""
         return False
 
@@ -260,8 +260,8 @@ class ConsistentAllReduceRunner(AllReduceRunner):
 
         Our request stream ends only once every average arrived. The reducer's handler ends (and
         its side of the stream closes) only after our stream ended, so it cannot close the stream
-        while its last answer is still on the way: on a slow link p2pd then dropped that answer
-        (measured: "sent 6 parts, expected 7" for one member while the others completed)."""
+        while its last answer is still on the way: on a slow link p2pd would drop that answer, and
+        that member alone would fail the round ("sent 6 parts, expected 7")."""
         received_all = asyncio.Event()
         expected = self.tensor_part_container.num_parts_by_peer[peer_index]
         if expected == 0:
@@ -293,7 +293,7 @@ class ConsistentAllReduceRunner(AllReduceRunner):
                     received_all.set()
         except ConnectionError:
             # The reducer may close its end, or even exit, as soon as its own result is complete
-            # (seen in CI: "ConnectionResetError, 0 of 1010 values failed"). Once every average of
+            # (hivemind then raises ConnectionResetError). Once every average of
             # its span is here, that is nothing to us.
             if part_index != expected:
                 raise
@@ -370,9 +370,9 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         """As a reducer: add each sender's part to the sum, answer with the encoded average (not a delta).
 
         Parts are added as they arrive, whatever the answers: those wait in a queue (references to
-        the one encoded average per part, shared by all senders). Answering in the same loop made
-        adding a slow sender's part i+1 wait until its answer to part i had left, so every member
-        waited on that sender's download as well as its upload.
+        the one encoded average per part, shared by all senders). Answering in the same loop would
+        make adding a slow sender's part i+1 wait until its answer to part i had left, so every
+        member would wait on that sender's download as well as its upload.
 
         Once any sender was dropped, every later answer is an error: no member gets a partial average (I2)."""
         answers: asyncio.Queue = asyncio.Queue()

@@ -185,8 +185,8 @@ class Auditor:
     ) -> list[averaging_pb2.AveragingData]:
         """The reducer's answer, each signed part within the all-reduce's own wait for a chunk
         (`next_chunk_timeout`): a member that hung after its all-reduce (its answers all sent, a
-        laptop gone to sleep) cost the others the whole all-reduce deadline, 20 s, and then the
-        retry's matchmaking (CI: a hang cost 37 s; `test_faults.py`)."""
+        laptop gone to sleep) would cost the others the whole all-reduce deadline and then the
+        retry's matchmaking (docs/design.md §3, step 7)."""
         request = averaging_pb2.AveragingData(group_id=group_id, weight=float(part))
         return await streams.ask(
             self._stub(peer).rpc_audit, request, lambda shown: len(shown) == senders, senders, reply_timeout_s
@@ -199,8 +199,8 @@ class Auditor:
         signed; its case is kept for peers outside the group (evidence.py)."""
         ledger = runner.ledger
         if len(shown) != len(ledger.senders):
-            # Nothing signed says so: a stream cut short looks the same (seen once, right after a
-            # peer resumed). The round fails; nobody is convicted.
+            # Nothing signed says so: a stream cut short looks the same (a peer that just resumed,
+            # say). The round fails; nobody is convicted.
             return False, f"answered the audit of part {part} with {len(shown)} parts for {len(ledger.senders)} senders"
         average = ledger.averages[(j, part)]
         case = Case(

@@ -128,8 +128,8 @@ class BoundedAverager(DecentralizedAverager):
         """hivemind's `step(wait=False)` with a deadline on the hand-over to the averager process.
 
         hivemind waits without a deadline for the averager process to acknowledge the step; if that
-        process died (measured here: torch's shared-memory manager timed out while it unpickled the
-        step under load) the peer would hang forever (I3). Raises TimeoutError instead.
+        process dies, or stalls unpickling the step under load, the peer would hang forever (I3).
+        Raises TimeoutError instead.
         """
         scheduled_time = get_dht_time() + self.matchmaking_kwargs["min_matchmaking_time"]
         data_for_gather = self.serializer.dumps([self.bandwidth, self.mode.value, self.serializer.dumps(gather)])
@@ -161,9 +161,9 @@ class BoundedAverager(DecentralizedAverager):
     def set_round_key(self, group_bits: str, timeout: float) -> None:
         """The matchmaking key of the next step, once no look for a group runs (TimeoutError after
         `timeout`): a look re-declares itself under the averager's current key every few seconds,
-        so a key changed under a cancelled step's look that had not ended yet moved that step into
-        the next round's group ("group members [...] averaged another round; result dropped": a
-        lost round in hog run A9, session 18)."""
+        so a key changed under a cancelled step's look that has not ended yet would move that step
+        into the next round's group, and the round would be lost ("group members [...] averaged
+        another round; result dropped")."""
         wait_result(self, self._in_process("_set_group_bits", group_bits=group_bits), "averaging process", timeout)
 
     async def _set_group_bits(self, group_bits: str, future: MPFuture) -> None:

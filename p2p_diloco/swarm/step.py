@@ -191,8 +191,8 @@ class AveragingStep:
         """The step's result within `deadline` s, checking every second that the averager lives,
         and that the swarm did not finish the round while this peer still looks for a group (then
         Overtook, the step cancelled). A member whose all-reduce failed while the others' completed
-        (a reducer answered their audit, then hung) otherwise retried for the whole matchmaking
-        deadline, 22 s, while the others waited for its digest (test_faults.py)."""
+        (a reducer answered their audit, then hung) would otherwise retry for the whole matchmaking
+        deadline while the others wait for its digest."""
         end = time.monotonic() + deadline
         while True:
             try:

@@ -31,26 +31,25 @@ def test_a_single_digest_is_its_own_majority():
     assert agreement.majority({"p1": C}) == C
 
 
-# live / live_at
+# live
 
 
-def test_live_at_keeps_peers_at_the_given_rounds_only():
+def test_live_with_rounds_keeps_peers_at_those_rounds_only():
     rs = records(rec("p1", 3, A), rec("p2", 4, A), rec("p3", 5, A))
-    assert agreement.live_at(rs, set(), 3, 4) == {"p1", "p2"}
-    assert agreement.live_at(rs, set(), 5) == {"p3"}
-    assert agreement.live_at(rs, set(), 6) == set()
+    assert agreement.live(rs, set(), 3, 4) == {"p1", "p2"}
+    assert agreement.live(rs, set(), 5) == {"p3"}
+    assert agreement.live(rs, set(), 6) == set()
 
 
-def test_live_at_drops_stale_peers():
+def test_live_drops_stale_peers():
     rs = records(rec("p1", 3, A), rec("p2", 3, A))
-    assert agreement.live_at(rs, {"p2", "p9"}, 3) == {"p1"}
+    assert agreement.live(rs, {"p2", "p9"}, 3) == {"p1"}
 
 
 def test_live_without_rounds_is_every_peer_with_a_record_and_a_heartbeat():
     rs = records(rec("p1", 3, A), rec("p2", 4, A), rec("p3", 5, B))
     assert agreement.live(rs, {"p2", "p9"}) == {"p1", "p3"}
-    assert agreement.live(rs, set(), 4) == agreement.live_at(rs, set(), 4) == {"p2"}
-    assert agreement.live_at(rs, set()) == set()
+    assert agreement.live(rs, set(), 4) == {"p2"}
 
 
 # whom_to_wait_for / still_waiting

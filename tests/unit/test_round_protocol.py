@@ -15,7 +15,7 @@ import threading
 import pytest
 import torch
 
-from p2p_diloco import checkpoint, config, outer, sync
+from p2p_diloco import checkpoint, config, deadlines, outer, sync
 from p2p_diloco.errors import AveragingError, CatchUpFailed, RunFinished, SwarmMovedOn
 from p2p_diloco.genesis import Genesis
 from p2p_diloco.network import AllReduced
@@ -240,7 +240,7 @@ def test_a_joiner_whose_holders_moved_on_during_its_download_asks_for_their_new_
 
 def joiner_of(tmp_path, fake: FakeSwarm, state: outer.GlobalState, monkeypatch) -> FakeSwarm:
     """Two holders of `state` that serve nothing yet: every download the joiner tries fails."""
-    monkeypatch.setattr(sync, "POLL_S", 0.01)
+    monkeypatch.setattr(deadlines, "CATCH_UP_POLL_S", 0.01)
     for holder in ("p1", "p2"):
         fake.publish_other(holder, state)
     served, fake.states = dict(fake.states), {}
@@ -362,7 +362,7 @@ def test_a_minority_that_cannot_download_the_majority_state_yet_asks_again_and_r
     # later: one round on a digest of its own. Here the majority's holders serve nothing at the first
     # two downloads, then p2 serves it.
     caplog.set_level(logging.INFO)
-    monkeypatch.setattr(sync, "POLL_S", 0.01)
+    monkeypatch.setattr(deadlines, "CATCH_UP_POLL_S", 0.01)
     fake = FakeSwarm()
     peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
     majority = moved(peer.state, 0.01, 1)
@@ -385,7 +385,7 @@ def test_a_minority_that_cannot_download_the_majority_state_yet_asks_again_and_r
 
 
 def test_a_minority_whose_majority_moved_on_follows_it_to_its_next_round(tmp_path, monkeypatch):
-    monkeypatch.setattr(sync, "POLL_S", 0.01)
+    monkeypatch.setattr(deadlines, "CATCH_UP_POLL_S", 0.01)
     fake = FakeSwarm()
     peer = make_peer(tmp_path, fake, **{"run.rounds": "2"})
     majority, later = moved(peer.state, 0.01, 1), moved(peer.state, 0.02, 2)
@@ -403,7 +403,7 @@ def test_a_minority_whose_majority_moved_on_follows_it_to_its_next_round(tmp_pat
 
 
 def test_a_minority_whose_majority_left_at_the_runs_end_says_so(tmp_path, monkeypatch):
-    monkeypatch.setattr(sync, "POLL_S", 0.01)
+    monkeypatch.setattr(deadlines, "CATCH_UP_POLL_S", 0.01)
     fake = FakeSwarm()
     peer = make_peer(tmp_path, fake, **{"run.rounds": "1"})
     majority = moved(peer.state, 0.01, 1)
