@@ -27,8 +27,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from p2p_diloco import admission, config
-from p2p_diloco.swarm.identity import peer_id_of
+from p2p_diloco import config
+from p2p_diloco.swarm.transport.identity import peer_id_of
+from p2p_diloco.trust import admission
 
 from lab import ENV, TINY_FIXED_H, LocalSwarm
 
@@ -111,7 +112,7 @@ def summarise(recs: dict[str, dict[int, dict]], exits: dict[str, int], wall_s: f
 def micro_costs() -> dict:
     """The admission checks themselves, timed in-process on this machine (seconds per call)."""
 
-    from p2p_diloco.swarm.doors import Doors
+    from p2p_diloco.swarm.trust.doors import Doors
 
     with tempfile.TemporaryDirectory() as folder:
         public = admission.make_run_key(Path(folder) / "run.key")

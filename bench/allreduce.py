@@ -6,12 +6,12 @@ of its own with `--rate` Mbit/s up and down, average a random pseudo-gradient of
 
     2 (k - 1) / k · bytes_on_wire / rate,    bytes_on_wire = one peer's Δ after encoding,
 
-with bytes_on_wire = NUMEL · the codec's bytes per value (p2p_diloco/codecs.py). Ethernet and TCP/IP
+with bytes_on_wire = NUMEL · the codec's bytes per value (p2p_diloco/protocol/codecs.py). Ethernet and TCP/IP
 headers (1514 bytes per 1448 of payload) and libp2p framing are not in the bound, so a perfect run
 scores ~1.05. Two checks of what really travelled, per value of Δ, in the same units
 (bytes_on_wire / NUMEL): `wire_bytes_per_value` from each peer's veth counters (which count one
 header per GSO packet of up to 64 KiB: ~0.5 % above the payload), and `reported_bytes_per_value`
-from the bytes_sent that p2p_diloco/swarm/allreduce.py reports.
+from the bytes_sent that p2p_diloco/swarm/averaging/allreduce.py reports.
 
     .venv/bin/python bench/allreduce.py                   # as root; k = 2, 4, 8; all codecs; ~13 min here
     .venv/bin/python bench/allreduce.py --ks 2 4 --codecs fp32 scaled-fp16 --repeats 3
@@ -43,7 +43,7 @@ from netlab import NetLab, available, line_reader, namespaces, next_line  # benc
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # k peers share 2 cores
 CODECS = ["fp32", "scaled-fp16", "bf16", "int8", "int4"]
-# p2p_diloco/codecs.py: int8 has one fp32 scale per 128 values, int4 one per 64
+# p2p_diloco/protocol/codecs.py: int8 has one fp32 scale per 128 values, int4 one per 64
 NOMINAL_BYTES_PER_VALUE = {"fp32": 4, "scaled-fp16": 2, "bf16": 2, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 64}
 MATCHMAKING_S = 5  # the worker's swarm.matchmaking_time_s
 

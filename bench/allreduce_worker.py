@@ -69,7 +69,7 @@ def average(swarm: Swarm, delta: torch.Tensor, round_: int, group: int) -> dict:
         "bytes_sent": result.bytes_sent,
         "bytes_received": result.bytes_received,
         "group": len(result.group),
-        "bandwidth": result.link_bps,  # the link figure this peer announced, bytes/s (links.py)
+        "bandwidth": result.link_bps,  # the link figure this peer announced, bytes/s (protocol/links.py)
         "probes": wait_for_probes(swarm),
         "sha256": hashlib.sha256(result.delta.numpy().tobytes()).hexdigest(),
     }

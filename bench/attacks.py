@@ -59,9 +59,9 @@ PLAN = [
     ),
     ("mean", {"swarm.aggregator": "mean"}, ["clean", "scale:1e4", "flip:10", "zero:1000"]),
     ("clip", {"swarm.aggregator": "clip"}, ["clean", "clean (repeat)", *SENDER_ATTACKS]),
-    # reducers audited (audit.py): the same clip runs, measured again with the audit in place
+    # reducers audited (trust/audit.py): the same clip runs, measured again with the audit in place
     ("clip, audited reducers", {"swarm.aggregator": "clip"}, ["clean", *REDUCER_ATTACKS]),
-    # a sender of signed NaN parts: convicted on its own signature (evidence.py)
+    # a sender of signed NaN parts: convicted on its own signature (swarm/trust/evidence.py)
     ("clip, malformed parts", {"swarm.aggregator": "clip"}, ["clean", "garbage:0"]),
     # signed parts with a malformed weight (convicted on its own signature) or of another size than
     # the group's layout (refused by each reducer it sends one to), issue 27
@@ -71,7 +71,7 @@ PLAN = [
         ["clean", "clean, 3 honest alone", "part-weight:nan", "part-weight:-1", "part-shape:0"],
     ),
     # all-gather data that does not parse (vouches that are not a mapping): refused at every honest
-    # leader's door; followers of a group it leads leave it out (swarm/gathered.py), issue 27
+    # leader's door; followers of a group it leads leave it out (swarm/averaging/gathered.py), issue 27
     ("aligned-clip, malformed group data", {}, ["clean", "gather:0"]),
     # two colluders among five (the label's "2 of 5"): a coordinated sign flip, and ALIE with
     # z = 1 (Baruch et al. 2019 give z_max = 0.84 for n = 5, f = 2)
@@ -181,7 +181,7 @@ def identities(folder: Path) -> dict[str, Path]:
     """The same five identities in every run: the same data shards, so runs differ only by the
     attack. The attacker m's id sorts before a's and b's, so a peer that catches up asks it first
     (holders are asked in id order)."""
-    from p2p_diloco.swarm.identity import peer_id_of  # imports hivemind: only here
+    from p2p_diloco.swarm.transport.identity import peer_id_of  # imports hivemind: only here
 
     keys = {name: folder / f"{name}.key" for name in (*HONEST, "m", "n")}
     while peer_id_of(keys["m"]) > min(peer_id_of(keys["a"]), peer_id_of(keys["b"])):

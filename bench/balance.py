@@ -2,7 +2,7 @@
 
 k peers on NetLab hosts, k-1 of them at --fast Mbit/s and one at --slow Mbit/s (up and down),
 average a pseudo-gradient of NUMEL fp32 values --repeats times in a row. The first all-reduce has
-no figures yet (equal spans); after it the peers probe each other's links (links.py; the worker
+no figures yet (equal spans); after it the peers probe each other's links (protocol/links.py; the worker
 waits for the sweep before the next all-reduce) and announce what they measured, vouched for by
 the others' measurements of their probes. Per all-reduce: the time, each peer's announced figure
 (bytes/s) and bytes sent (a peer that reduces nothing sends exactly its own |Δ|).

@@ -222,7 +222,8 @@ def main() -> int:
                 r["communication_vs_dp"] = round(
                     by_key["dp"]["bytes_sent_per_worker"] / max(r["bytes_sent_per_worker"], 1), 1
                 )
-    from p2p_diloco import config, model
+    from p2p_diloco import config
+    from p2p_diloco.train import model
 
     cfg = config.load(None, setting(args))
     vocab = model.load_tokenizer(cfg.model.tokenizer).vocab_size

@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from p2p_diloco import config
-from p2p_diloco.metrics import MetricsLog, setup_logging
 from p2p_diloco.peer import Peer
+from p2p_diloco.train.metrics import MetricsLog, setup_logging
 
 HERE = Path(__file__).resolve().parent
 PROFILE = HERE.parent / "peers" / "cpu.toml"

@@ -23,8 +23,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from p2p_diloco import admission, config
-from p2p_diloco.swarm.identity import peer_id_of
+from p2p_diloco import config
+from p2p_diloco.swarm.transport.identity import peer_id_of
+from p2p_diloco.trust import admission
 
 from lab import CLI, ENV, ROOT, TINY_FIXED_H
 

@@ -6,7 +6,7 @@ inner phase each on its own shard (1..5 of 8); their pseudo-gradients Δᵢ are 
 state of one peer that trained ROUNDS rounds alone (shard 0) before the five branch off. Reports
 every pairwise cosine, and what each aggregator makes of 3 of them plus 2 colluders that send
 −10·Δ of their own: the result's projection on the 3 honest peers' mean (1 = their mean's full
-step, < 0 = training undone), computed with p2p_diloco/robust.py exactly as a reducer would.
+step, < 0 = training undone), computed with p2p_diloco/trust/robust.py exactly as a reducer would.
 
     python bench/delta_alignment.py          # about a minute on 2 cores
 Writes bench/results/delta_alignment.json.
@@ -29,8 +29,10 @@ from lab import TINY_FIXED_H
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from p2p_diloco import config, outer, robust  # noqa: E402
+from p2p_diloco import config  # noqa: E402
 from p2p_diloco.peer import Peer  # noqa: E402
+from p2p_diloco.protocol import outer  # noqa: E402
+from p2p_diloco.trust import robust  # noqa: E402
 from tests.unit.fake_swarm import FakeSwarm  # noqa: E402
 
 SHARDS = (1, 2, 3, 4, 5)

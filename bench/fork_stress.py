@@ -43,8 +43,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from p2p_diloco import config  # noqa: E402
 from p2p_diloco.errors import SwarmError  # noqa: E402
-from p2p_diloco.swarm.node import start_dht  # noqa: E402
-from p2p_diloco.swarm.processes import stop_process, wait_result, wait_started  # noqa: E402
+from p2p_diloco.swarm.transport.node import start_dht  # noqa: E402
+from p2p_diloco.swarm.transport.processes import stop_process, wait_result, wait_started  # noqa: E402
 
 OUT = Path(__file__).parent / "results" / "fork_stress.json"
 START_TIMEOUT_S = 30.0

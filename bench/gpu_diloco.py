@@ -31,11 +31,11 @@ import torch
 from gpu_presets import usable  # bench/ is on sys.path: the scripts import each other
 from transformers import LlamaConfig
 
-from p2p_diloco import outer
 from p2p_diloco.config import DataSection, InnerSection
-from p2p_diloco.data import TrainStream, heldout_batch, open_corpus
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.model import ByteTokenizer, init_model, parameter_count
+from p2p_diloco.protocol import outer
+from p2p_diloco.train.data import TrainStream, heldout_batch, open_corpus
+from p2p_diloco.train.inner import InnerTrainer
+from p2p_diloco.train.model import ByteTokenizer, init_model, parameter_count
 
 HELDOUT_FRACTION = 0.05
 # A Llama between the small (26M) and 150m (123M) presets, laid out as they are (head size 64,

@@ -31,8 +31,8 @@ from pathlib import Path
 import torch
 
 from p2p_diloco.config import InnerSection, ModelSection
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.model import ByteTokenizer, init_model, model_config, parameter_count
+from p2p_diloco.train.inner import InnerTrainer
+from p2p_diloco.train.model import ByteTokenizer, init_model, model_config, parameter_count
 
 # Peak dense bf16 tensor FLOP/s (fp32 accumulate) from NVIDIA's data sheets, by a part of the name
 # torch reports; the first match wins, so a longer name comes before its prefix.

@@ -47,12 +47,13 @@ from typing import Any
 import torch
 from gpu_presets import flops_per_token, peak_flops  # bench/ is on sys.path when run as a script
 
-from p2p_diloco import config, data
-from p2p_diloco import model as model_mod
+from p2p_diloco import config
 from p2p_diloco.config import Config
-from p2p_diloco.inner import InnerTrainer, autocast_dtype
-from p2p_diloco.metrics import Progress
-from p2p_diloco.prefetch import Prefetcher
+from p2p_diloco.train import data
+from p2p_diloco.train import model as model_mod
+from p2p_diloco.train.inner import InnerTrainer, autocast_dtype
+from p2p_diloco.train.metrics import Progress
+from p2p_diloco.train.prefetch import Prefetcher
 
 ROOT = Path(__file__).resolve().parents[1]
 PROFILES = {"cpu": ROOT / "peers" / "cpu.toml", "cuda": ROOT / "peers" / "home-gpu.toml"}

@@ -52,8 +52,10 @@ from typing import Any
 
 import torch
 
-from p2p_diloco import config, data, model, outer
-from p2p_diloco.inner import InnerTrainer
+from p2p_diloco import config
+from p2p_diloco.protocol import outer
+from p2p_diloco.train import data, model
+from p2p_diloco.train.inner import InnerTrainer
 
 HERE = Path(__file__).resolve().parent
 CPU = torch.device("cpu")

@@ -5,7 +5,7 @@ then a joiner on a host whose download is `--mbps` Mbit/s starts and must downlo
 (θ and momentum, 8 bytes a parameter: 3.8 MB here, about 31 s at 1 Mbit/s). Two runs, same lab:
 
     fixed    the deadline of before: the whole download within swarm.join_timeout_s (10 s here),
-             obtained by swarm.min_download_mbps = 1e6 (deadlines.py then gives its floor)
+             obtained by swarm.min_download_mbps = 1e6 (protocol/deadlines.py then gives its floor)
     derived  swarm.min_download_mbps = 0.5: the state's size at 0.5 Mbit/s (77 s); a serving peer
              silent for join_timeout_s is still given up
 

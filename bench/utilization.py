@@ -23,7 +23,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from p2p_diloco import codecs
+from p2p_diloco.protocol import codecs
 
 from netlab import NetLab, available
 from netswarm import NetSwarm

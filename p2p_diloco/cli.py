@@ -125,7 +125,7 @@ def _add_observe_commands(sub: _Commands) -> None:
 
 # The observer's poll interval: it keeps the observer's DHT requests under 5 % of a 3-peer run's
 # (1 s would not; see docs/benchmarks.md, Observer load). The dashboard redraws every 2 s; a peer
-# shows offline after 10 s without news (observatory.ONLINE_S).
+# shows offline after 10 s without news (run_view.ONLINE_S).
 OBSERVE_POLL_S = 5.0
 
 
@@ -363,8 +363,8 @@ def config_from_args(args: argparse.Namespace) -> config_mod.Config:
 
 
 def cmd_peer(args: argparse.Namespace) -> int:
-    from p2p_diloco.metrics import setup_logging
     from p2p_diloco.peer import Peer
+    from p2p_diloco.train.metrics import setup_logging
 
     cfg = config_from_args(args)
     setup_logging(cfg.log.level)
@@ -397,7 +397,7 @@ def cmd_peer(args: argparse.Namespace) -> int:
 
 def _checkpoint_line(cfg: config_mod.Config) -> str:
     """What a stopped peer leaves to resume from: only a checkpoint that is on disk."""
-    from p2p_diloco import checkpoint
+    from p2p_diloco.train import checkpoint
 
     latest = checkpoint.latest(cfg.run.dir)
     if latest is None:
@@ -425,8 +425,8 @@ def _install_stop_handlers(
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from p2p_diloco.metrics import setup_logging
-    from p2p_diloco.swarm.bootstrap import Bootstrap
+    from p2p_diloco.swarm.transport.bootstrap import Bootstrap
+    from p2p_diloco.train.metrics import setup_logging
 
     overrides = {"swarm.host": args.host, "swarm.port": str(args.port), "swarm.announce_host": args.announce}
     if args.initial_peers:
@@ -456,8 +456,8 @@ def _observatory(cfg: config_mod.Config, node: Any, args: argparse.Namespace) ->
     """With --observe-port: the observer's view of the node's run, fed by the node's status loop."""
     if args.observe_port is None:
         return None
-    from p2p_diloco.observe import Observatory, evaluation
-    from p2p_diloco.swarm.observer import RunReader
+    from p2p_diloco.observe.service import Observatory, evaluation
+    from p2p_diloco.swarm.run_reader import RunReader
 
     reader = RunReader(cfg, node.dht, node.validator, node.gate)
     observatory = Observatory(cfg, reader.healthy, args.observe_host, args.observe_port)
@@ -471,9 +471,9 @@ def _observatory(cfg: config_mod.Config, node: Any, args: argparse.Namespace) ->
 def cmd_observe(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from p2p_diloco.metrics import setup_logging
-    from p2p_diloco.observe import evaluation, observe
-    from p2p_diloco.swarm.observer import Observer
+    from p2p_diloco.observe.service import evaluation, observe
+    from p2p_diloco.swarm.run_reader import Observer
+    from p2p_diloco.train.metrics import setup_logging
 
     overrides = {"swarm.initial_peers": ",".join(args.initial_peers), "admission.certificate": args.certificate}
     cfg = config_mod.load(args.config, {k: v for k, v in overrides.items() if v is not None})
@@ -505,8 +505,8 @@ def _warn(line: str) -> None:
 def cmd_status(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from p2p_diloco.observe import gather, status_lines
-    from p2p_diloco.swarm.observer import Observer, peer_of_run_dir
+    from p2p_diloco.observe.service import gather, status_lines
+    from p2p_diloco.swarm.run_reader import Observer, peer_of_run_dir
 
     cfg = _status_config(args)
     peer = args.peer or (peer_of_run_dir(Path(args.run_dir)) if args.run_dir else None)
@@ -539,7 +539,7 @@ def _status_config(args: argparse.Namespace) -> config_mod.Config:
 
 def cmd_demo(args: argparse.Namespace) -> int:
     from p2p_diloco.demo import run_demo
-    from p2p_diloco.metrics import setup_logging
+    from p2p_diloco.train.metrics import setup_logging
 
     setup_logging("info")
     stop = threading.Event()
@@ -548,7 +548,7 @@ def cmd_demo(args: argparse.Namespace) -> int:
 
 
 def cmd_baseline(args: argparse.Namespace) -> int:
-    from p2p_diloco import dataparallel
+    from p2p_diloco.train import dataparallel
 
     cfg = config_from_args(args)
     path = dataparallel.run(cfg, args.workers)
@@ -580,7 +580,7 @@ def reference_markdown() -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     import transformers
 
-    from p2p_diloco.export import check_repo_id, export_run, push_to_hub
+    from p2p_diloco.train.export import check_repo_id, export_run, push_to_hub
 
     transformers.utils.logging.disable_progress_bar()
     if args.push_to_hub is not None:
@@ -610,10 +610,10 @@ def _export_from_swarm(args: argparse.Namespace) -> Any:
         )
     from pathlib import Path
 
-    from p2p_diloco.evaluate import RunModel
-    from p2p_diloco.export import export_agreed
-    from p2p_diloco.observe import fetch_agreed
-    from p2p_diloco.swarm.observer import Observer
+    from p2p_diloco.observe.evaluate import RunModel
+    from p2p_diloco.observe.service import fetch_agreed
+    from p2p_diloco.swarm.run_reader import Observer
+    from p2p_diloco.train.export import export_agreed
 
     overrides = {"swarm.initial_peers": ",".join(args.initial_peers), "admission.certificate": args.certificate}
     cfg = config_mod.load(args.config, {k: v for k, v in overrides.items() if v is not None})
@@ -652,7 +652,7 @@ def _refuse_an_uncertified_export(cfg: config_mod.Config, identity: str | None) 
 def cmd_id(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from p2p_diloco.swarm.identity import peer_id_of
+    from p2p_diloco.swarm.transport.identity import peer_id_of
 
     path = Path(args.identity) if args.identity else Path(args.run_dir) / "identity.key"
     print(peer_id_of(path))
@@ -662,7 +662,7 @@ def cmd_id(args: argparse.Namespace) -> int:
 def cmd_admission(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from p2p_diloco import admission
+    from p2p_diloco.trust import admission
 
     if args.action == "keygen":
         public = admission.make_run_key(Path(args.out))
@@ -697,8 +697,8 @@ def cmd_admission(args: argparse.Namespace) -> int:
 def _revoke(args: argparse.Namespace, cfg: config_mod.Config) -> int:
     from pathlib import Path
 
-    from p2p_diloco import admission
-    from p2p_diloco.swarm.bootstrap import publish_revocation
+    from p2p_diloco.swarm.transport.bootstrap import publish_revocation
+    from p2p_diloco.trust import admission
 
     out = Path(args.folder) / admission.REVOKED_DIR / f"{args.peer_id}.json"
     revocation = admission.revoke(
@@ -718,7 +718,7 @@ def _revoke(args: argparse.Namespace, cfg: config_mod.Config) -> int:
 
 def _convictions(args: argparse.Namespace, cfg: config_mod.Config) -> int:
     """Each convicted peer, by how many peers convicted it, with the command that revokes it."""
-    from p2p_diloco.swarm.bootstrap import read_convictions
+    from p2p_diloco.swarm.transport.bootstrap import read_convictions
 
     reach = config_mod.load(args.config, {"swarm.initial_peers": ",".join(args.initial_peers), "swarm.port": "0"})
     found = read_convictions(reach, args.wait)

@@ -32,8 +32,9 @@ if sys.version_info >= (3, 11):
 else:  # Python 3.10
     import tomli as tomllib
 
-from p2p_diloco import codecs, robust
 from p2p_diloco.errors import ConfigError, P2PDilocoError, WriteError
+from p2p_diloco.protocol import codecs
+from p2p_diloco.trust import robust
 
 # The fields that take one of a fixed set of values; validate() names the choices on a bad value.
 Source = Literal["stdlib", "files", "hub"]
@@ -669,7 +670,7 @@ def _validate_admission(a: AdmissionSection) -> None:
         "the line `p2p-diloco admission keygen` printed",
     )
     if a.organiser_key:
-        from p2p_diloco import admission  # the key's format lives with the certificates
+        from p2p_diloco.trust import admission  # the key's format lives with the certificates
 
         try:
             admission.parse_public_key(a.organiser_key)

@@ -61,7 +61,7 @@ def run_demo(n_peers: int, rounds: int, folder: str | Path, stop: threading.Even
     """Run the demo until every peer finished `rounds` or `stop` is set; 0 if all peers agreed and exited cleanly."""
     folder = Path(folder)
     prepare_folder(folder)  # before anything slow: a refused folder costs no peer and no import
-    from p2p_diloco.swarm.bootstrap import Bootstrap  # imports hivemind
+    from p2p_diloco.swarm.transport.bootstrap import Bootstrap  # imports hivemind
 
     cfg = demo_config(rounds)
     config_mod.save(cfg, folder / "run.toml")
@@ -130,8 +130,8 @@ class _Dashboard:
     by a thread of its own (nothing else in this process uses that DHT handle)."""
 
     def __init__(self, cfg: config_mod.Config, boot: Any, emit: Callable[[str], None]):
-        from p2p_diloco.observe import Observatory, evaluation
-        from p2p_diloco.swarm.observer import RunReader
+        from p2p_diloco.observe.service import Observatory, evaluation
+        from p2p_diloco.swarm.run_reader import RunReader
 
         reader = RunReader(cfg, boot.dht, boot.validator, boot.gate)
         self.observatory = Observatory(cfg, reader.healthy, "127.0.0.1", 0)

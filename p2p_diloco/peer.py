@@ -3,8 +3,8 @@
 Alone (no initial peers) the peer's swarm is `Solo`, a swarm of one: the average of one
 pseudo-gradient is itself, which is DiLoCo with k = 1. With initial peers it is the real swarm;
 nothing else in a round changes. The peer builds the parts and runs the loop: its replica of the
-run (replica.py), the round (round.py), agreement and catch-up (sync.py), and the joining checks
-(joining.py), each handed the replica, the swarm and the config, never the peer.
+run (protocol/replica.py), the round (protocol/round.py), agreement and catch-up (protocol/sync.py), and the joining
+checks (protocol/joining.py), each handed the replica, the swarm and the config, never the peer.
 """
 
 from __future__ import annotations
@@ -20,19 +20,21 @@ from typing import IO, Any
 import torch
 from transformers import PretrainedConfig
 
-from p2p_diloco import checkpoint, data, deadlines, faults, joining, outer, ranks, sinks
 from p2p_diloco import config as config_mod
-from p2p_diloco import model as model_mod
-from p2p_diloco.agreement import still_finishing
+from p2p_diloco import faults
 from p2p_diloco.config import Config
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.inner import InnerTrainer
-from p2p_diloco.metrics import MetricsLog, PeerLogger, Phase, Progress
-from p2p_diloco.network import COPIED, ServedState, Solo, Swarm
-from p2p_diloco.prefetch import Prefetcher
-from p2p_diloco.replica import Display, Replica
-from p2p_diloco.round import RoundDriver, RoundEnd
-from p2p_diloco.sync import StateSync
+from p2p_diloco.protocol import deadlines, joining, outer
+from p2p_diloco.protocol.agreement import still_finishing
+from p2p_diloco.protocol.network import COPIED, ServedState, Solo, Swarm
+from p2p_diloco.protocol.replica import Display, Replica
+from p2p_diloco.protocol.round import RoundDriver, RoundEnd
+from p2p_diloco.protocol.sync import StateSync
+from p2p_diloco.train import checkpoint, data, ranks, sinks
+from p2p_diloco.train import model as model_mod
+from p2p_diloco.train.inner import InnerTrainer
+from p2p_diloco.train.metrics import MetricsLog, PeerLogger, Phase, Progress
+from p2p_diloco.train.prefetch import Prefetcher
 
 logger = logging.getLogger(__name__)
 
@@ -128,13 +130,13 @@ class Peer:
         self.devices = ranks.rank_devices(device, config.run.nproc, count)  # run.nproc: one per rank
         self.device = self.devices[0]
         if config.swarm.initial_peers:
-            from p2p_diloco.swarm.node import parse_initial_peers  # imports hivemind: swarm peers only
+            from p2p_diloco.swarm.transport.node import parse_initial_peers  # imports hivemind: swarm peers only
 
             parse_initial_peers(config.swarm.initial_peers)
         sinks.require_packages(config.log)
         self._lock = claim_run_dir(self.run_dir, resume)
         self.progress = Progress(False, "")
-        self.phase = Phase()  # what it does now (its /metrics): set by round.py and sync.py
+        self.phase = Phase()  # what it does now (its /metrics): set by protocol/round.py and protocol/sync.py
         self.sinks = sinks.Sinks([])
         self.ranks: ranks.Alone | ranks.Leader = ranks.Alone()
         self._swarm: Swarm | None = None
@@ -151,7 +153,7 @@ class Peer:
         self.ranks = ranks.start(config, self.devices)  # the other ranks build while this one joins
         self.model = model_mod.init_model(self.model_config, config.run.seed).to(self.device)
         state = outer.initial_state(dict(self.model.named_parameters()))
-        self.theta0 = state.digest()  # the run's genesis names it (genesis.py)
+        self.theta0 = state.digest()  # the run's genesis names it (protocol/genesis.py)
         self._served: Callable[[], outer.GlobalState] = lambda: state  # until the replica is built
         self.swarm = self._swarm = self._join(config, self.run_dir, state, self.serve_state)
         self.peer_id = self.swarm.peer_id
@@ -242,7 +244,7 @@ class Peer:
         """log.metrics_port: this peer's Prometheus /metrics (its latest round record)."""
         if self.config.log.metrics_port == 0:
             return
-        from p2p_diloco.web import serve_peer_metrics
+        from p2p_diloco.observe.web import serve_peer_metrics
 
         self._metrics_server = serve_peer_metrics(self.config, self.peer_id, lambda: self.metrics.latest, self.phase)
         self.log.info("Prometheus metrics of this peer: %smetrics", self._metrics_server.url)

@@ -4,12 +4,12 @@ A peer's swarm has three kinds of traffic:
 - **records** in the DHT, signed by their owner (I4): the run's configs (so a peer with another
   config is told which fields differ, I5), each peer's latest round (round, digest, tokens, loss)
   and its progress in the round (heartbeat.py);
-- **averaging**: matchmaking for the round's group, then the consistent all-reduce (step.py,
-  allreduce.py);
+- **averaging**: matchmaking for the round's group, then the consistent all-reduce (swarm/averaging/step.py,
+  swarm/averaging/allreduce.py);
 - **state download**: a joiner or a peer that disagrees with its group fetches (round, θ, momentum)
   from a peer, checked against the digest the swarm published.
 Every wait has a deadline from the config (I3). What to make of what it reads is decided by
-agreement.py: this class only does the I/O.
+protocol/agreement.py: this class only does the I/O.
 """
 
 from __future__ import annotations
@@ -24,11 +24,12 @@ from typing import Any
 
 import torch
 
-from p2p_diloco import agreement, codecs, deadlines, rounds
 from p2p_diloco.config import Config
 from p2p_diloco.errors import AveragingError, SwarmError
-from p2p_diloco.genesis import Genesis, Verdict
-from p2p_diloco.network import (
+from p2p_diloco.protocol import agreement, budget, codecs, deadlines
+from p2p_diloco.protocol.budget import SwarmProgress
+from p2p_diloco.protocol.genesis import Genesis, Verdict
+from p2p_diloco.protocol.network import (
     STARTED,
     AllReduced,
     Made,
@@ -39,17 +40,17 @@ from p2p_diloco.network import (
     history_after,
     published_loss,
 )
-from p2p_diloco.rounds import SwarmProgress
-from p2p_diloco.swarm import entry, records
-from p2p_diloco.swarm.allreduce import WireCodec
-from p2p_diloco.swarm.averager import DiLoCoAverager
-from p2p_diloco.swarm.gate import Gate
+from p2p_diloco.swarm import records
+from p2p_diloco.swarm.averaging.allreduce import WireCodec
+from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
+from p2p_diloco.swarm.averaging.step import AveragingStep
 from p2p_diloco.swarm.heartbeat import Entries, Heartbeat
-from p2p_diloco.swarm.identity import load_identity, make_validator, peer_id_of, public_key_bytes
-from p2p_diloco.swarm.node import start_dht
-from p2p_diloco.swarm.processes import children_started, stop_process
 from p2p_diloco.swarm.run_identity import RunIdentity
-from p2p_diloco.swarm.step import AveragingStep
+from p2p_diloco.swarm.transport import entry
+from p2p_diloco.swarm.transport.identity import load_identity, make_validator, peer_id_of, public_key_bytes
+from p2p_diloco.swarm.transport.node import start_dht
+from p2p_diloco.swarm.transport.processes import children_started, stop_process
+from p2p_diloco.swarm.trust.gate import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +74,8 @@ class Swarm:
         # Admission first: a peer that a certified run would refuse stops before it touches the network.
         self.gate = Gate(config, peer_id_of(identity))
         self.validator = make_validator(identity)  # the peer id signs its records: one key, one id
-        self._signer = load_identity(identity)  # ... and every part and average it sends (ledger.py)
-        # The entry nodes given, then the peers this run dir saw last time (entry.py): a peer finds
+        self._signer = load_identity(identity)  # ... and every part and average it sends (swarm/averaging/ledger.py)
+        # The entry nodes given, then the peers this run dir saw last time (swarm/transport/entry.py): a peer finds
         # the swarm even if its entry nodes are down when it restarts.
         initial = list(dict.fromkeys([*sc.initial_peers, *entry.remembered(identity)]))
         self.dht = start_dht(sc, identity, initial, sc.client_mode, [self.validator])
@@ -161,7 +162,7 @@ class Swarm:
         self.heartbeat.report_progress(round_, tokens, tokens_per_s)
 
     def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int) -> SwarmProgress:
-        cap = rounds.claim_cap(self.config.swarm.claim_cap, self.config.admission.mode == "certified")
+        cap = budget.claim_cap(self.config.swarm.claim_cap, self.config.admission.mode == "certified")
         return self.heartbeat.round_progress(round_, my_tokens, tokens_per_peer, cap)
 
     def stale_peers(self) -> set[str]:
@@ -283,7 +284,7 @@ class Swarm:
                 delta, weight, round_, retry, expected_group, exact, partial(self.wait_for_round, round_ + 1, 0.0)
             )
         except AveragingError:
-            # This peer may have convicted a reducer (swarm/auditor.py), or met a bad signature:
+            # This peer may have convicted a reducer (swarm/averaging/auditor.py), or met a bad signature:
             # before anything else reads the swarm's records, theirs count no more.
             self.gate.convict(self.step.convicted())
             raise

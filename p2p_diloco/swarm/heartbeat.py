@@ -14,12 +14,13 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from p2p_diloco import agreement
-from p2p_diloco.network import RoundRecord
-from p2p_diloco.rounds import STALE_S, Progress, SwarmProgress, swarm_progress
-from p2p_diloco.swarm import entry, records
-from p2p_diloco.swarm.convictions import Convictions
-from p2p_diloco.swarm.gate import Gate
+from p2p_diloco.protocol import agreement
+from p2p_diloco.protocol.budget import STALE_S, Progress, SwarmProgress, swarm_progress
+from p2p_diloco.protocol.network import RoundRecord
+from p2p_diloco.swarm import records
+from p2p_diloco.swarm.transport import entry
+from p2p_diloco.swarm.trust.convictions import Convictions
+from p2p_diloco.swarm.trust.gate import Gate
 
 logger = logging.getLogger(__name__)
 
@@ -133,7 +134,7 @@ class Heartbeat:
 
     def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int, cap: float) -> SwarmProgress:
         """The swarm's progress in `round_` as of the last beat, claims counted up to `cap` x the
-        lower median (rounds.claim_cap); reads memory only."""
+        lower median (budget.claim_cap); reads memory only."""
         reports = [r for r in self._reports if r.peer not in self.gate.convicted]  # convicted since the last beat
         return swarm_progress(self.peer_id, round_, my_tokens, reports, time.time(), tokens_per_peer, STALE_S, cap)
 
@@ -173,7 +174,7 @@ class Heartbeat:
 
 class Entries:
     """A node's entry nodes, pinged every entry.REATTACH_S (a restarted one knows the swarm again
-    within seconds), and its address book, written every entry.REMEMBER_S (entry.py)."""
+    within seconds), and its address book, written every entry.REMEMBER_S (swarm/transport/entry.py)."""
 
     def __init__(self, dht: Any, initial_peers: list[str] | None = None, identity_path: Any = None):
         self.dht, self.initial_peers, self.identity_path = dht, list(initial_peers or []), identity_path

@@ -3,10 +3,10 @@ validated on read (I4).
 
 Every record lives under a subkey that holds its owner's RSA public key, so hivemind's
 RSASignatureValidator lets only the owner write it; that key is the owner's libp2p identity
-(identity.py), so a round or progress record that claims another peer id than its signer's is
+(swarm/transport/identity.py), so a round or progress record that claims another peer id than its signer's is
 dropped (`signed_by_their_peer`). What a record *says* is still untrusted:
-`RoundRecord.parse` (network.py) drops anything malformed, and majorities decide, never a single
-record (agreement.py).
+`RoundRecord.parse` (protocol/network.py) drops anything malformed, and majorities decide, never a single
+record (protocol/agreement.py).
 """
 
 from __future__ import annotations
@@ -20,11 +20,11 @@ from typing import Any, Protocol, TypeVar
 
 from hivemind.utils import get_dht_time
 
-from p2p_diloco import wire
-from p2p_diloco.genesis import Genesis
-from p2p_diloco.network import RoundRecord
-from p2p_diloco.rounds import Progress
-from p2p_diloco.swarm.identity import owner_peer_id
+from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.genesis import Genesis
+from p2p_diloco.protocol.network import RoundRecord
+from p2p_diloco.swarm.transport.identity import owner_peer_id
+from p2p_diloco.trust import wire
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ T = TypeVar("T", bound=_Claimed)
 
 RECORD_TTL_S = 90.0  # a peer that stops refreshing its record drops out of the swarm's view after this
 REFRESH_S = 30.0  # live peers re-publish their latest record this often (a heartbeat)
-PROGRESS_TTL_S = 30.0  # progress reports are stale after seconds anyway (rounds.py); they need not live long
+PROGRESS_TTL_S = 30.0  # progress reports are stale after seconds anyway (protocol/budget.py); they need not live long
 MAX_TOKENS_PER_S = 1e9  # a claimed speed beyond this is no GPU's (an H100 trains a 1B model at ~1e5)
 MAX_UNIX_TIME = 4102444800.0  # 2100-01-01
 
@@ -62,7 +62,7 @@ def parse_progress(value: Any) -> Progress | None:
 
 
 def read_progress_report(value: Any) -> Progress:
-    """A progress report (wire.py's parsers: raises WireError if malformed). Its time is a unix
+    """A progress report (trust/wire.py's parsers: raises WireError if malformed). Its time is a unix
     time, within a century of the epoch's 2000s: an infinite one made every estimate infinite."""
     report = wire.mapping(value)
     return Progress(
@@ -180,7 +180,7 @@ def rounds_from(entries: list[tuple[Any, Any]], admit: Admit = everyone) -> dict
 def publish_progress(
     dht: Any, validator: Any, prefix: str, report: Progress, convicted: Collection[str] = (), wait: bool = True
 ) -> Any:
-    """This peer's progress, with the peers it convicted (its accusations, swarm/evidence.py): one
+    """This peer's progress, with the peers it convicted (its accusations, swarm/trust/evidence.py): one
     record that every peer reads every beat anyway."""
     value = {**asdict(report), "convicted": sorted(convicted)[:MAX_CONVICTIONS]}
     return _store(dht, validator, progress_key(prefix), value, ttl=PROGRESS_TTL_S, wait=wait)
@@ -220,7 +220,7 @@ def _convicted_list(value: Any) -> tuple[str, ...]:
 
 def convicted_by(accusations: dict[str, list[str]]) -> dict[str, list[str]]:
     """{accused: the peers that say they convicted it, sorted}. A peer lists only those it convicted
-    in its own audit or after judging the accuser's signed case again (convictions.py)."""
+    in its own audit or after judging the accuser's signed case again (swarm/trust/convictions.py)."""
     out: dict[str, set[str]] = {}
     for accuser, accused in accusations.items():
         for peer in accused:

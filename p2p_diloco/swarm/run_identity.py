@@ -10,12 +10,12 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from p2p_diloco import genesis
 from p2p_diloco.config import Config, diff_shared
 from p2p_diloco.errors import RunConfigMismatch
-from p2p_diloco.genesis import Genesis, Verdict
+from p2p_diloco.protocol import genesis
+from p2p_diloco.protocol.genesis import Genesis, Verdict
 from p2p_diloco.swarm import records
-from p2p_diloco.swarm.gate import Gate
+from p2p_diloco.swarm.trust.gate import Gate
 
 logger = logging.getLogger(__name__)
 

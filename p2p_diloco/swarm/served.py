@@ -1,9 +1,9 @@
 """Reading a served state off the wire: a reply to `rpc_download_state`, for a joiner's averager
-process (averager.py) and for a client without one (state_client.py).
+process (swarm/averaging/averager.py) and for a client without one (state_client.py).
 
 The reply is capped at the size of this model's state: a server that streams without end must not
 exhaust the asker's memory; one that stops sending is given up after `stall_s` of silence
-(deadlines.py: the whole download's deadline follows the state's size, so a hung server must not
+(protocol/deadlines.py: the whole download's deadline follows the state's size, so a hung server must not
 hold it that long). What arrived is untrusted (I4): the caller verifies it against a digest the
 swarm published (`network.download_verified`).
 """
@@ -20,7 +20,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import combine_from_streaming
 
-from p2p_diloco.network import ServedState, served_metadata
+from p2p_diloco.protocol.network import ServedState, served_metadata
 
 
 async def read_served_state(stream: Any, limit: int, peer: Any, stall_s: float) -> ServedState | None:

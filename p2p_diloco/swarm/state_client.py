@@ -1,6 +1,6 @@
 """Downloading a peer's served state without being a peer: the observer and `export --initial-peers`.
 
-A peer serves its current (round, θ, momentum) to admitted askers (averager.py `rpc_download_state`).
+A peer serves its current (round, θ, momentum) to admitted askers (swarm/averaging/averager.py `rpc_download_state`).
 A joiner asks through its own averager process; an observer has none. `StateClient` asks from a
 thread of its own with an event loop, over a replica of the observer's DHT node's libp2p daemon
 (hivemind's `replicate_p2p`), so the state never passes through a pipe between processes.
@@ -19,9 +19,9 @@ from typing import Any
 from hivemind.p2p import PeerID
 from hivemind.proto import averaging_pb2
 
-from p2p_diloco.deadlines import state_bytes
-from p2p_diloco.network import ServedState
-from p2p_diloco.swarm.averager import DiLoCoAverager
+from p2p_diloco.protocol.deadlines import state_bytes
+from p2p_diloco.protocol.network import ServedState
+from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 from p2p_diloco.swarm.served import read_served_state
 
 logger = logging.getLogger(__name__)

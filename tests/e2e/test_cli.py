@@ -12,7 +12,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco import checkpoint, config
+from p2p_diloco import config
+from p2p_diloco.train import checkpoint
 from tests.conftest import TINY
 from tests.unit.full_disk import fill, remount, tmpfs
 
@@ -477,7 +478,7 @@ def test_config_command_prints_the_resolved_config_and_fingerprint():
 
 
 def test_an_export_from_a_certified_swarm_without_a_certified_key_says_what_it_needs_at_once(tmp_path, capsys):
-    from p2p_diloco import admission
+    from p2p_diloco.trust import admission
 
     public = admission.make_run_key(tmp_path / "run.key")
     run_toml = tmp_path / "run.toml"

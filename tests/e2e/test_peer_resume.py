@@ -5,9 +5,10 @@ import threading
 
 import pytest
 
-from p2p_diloco import checkpoint, config
+from p2p_diloco import config
 from p2p_diloco.errors import CheckpointError, ConfigError
 from p2p_diloco.peer import Peer
+from p2p_diloco.train import checkpoint
 
 
 def digests(run_dir):

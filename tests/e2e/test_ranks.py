@@ -9,8 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from p2p_diloco import checkpoint, config, fsdp
+from p2p_diloco import config
 from p2p_diloco.peer import Peer
+from p2p_diloco.train import checkpoint, fsdp
 from tests.conftest import TINY
 from tests.e2e.test_peer_resume import StopAfter, digests, run_peer
 

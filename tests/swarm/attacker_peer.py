@@ -43,12 +43,13 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco import cli, outer, peer
+from p2p_diloco import cli, peer
+from p2p_diloco.protocol import outer
 from p2p_diloco.swarm import Swarm, records
-from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
-from p2p_diloco.swarm.auditor import Auditor
+from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
+from p2p_diloco.swarm.averaging.auditor import Auditor
+from p2p_diloco.swarm.averaging.step import AveragingStep
 from p2p_diloco.swarm.heartbeat import Heartbeat
-from p2p_diloco.swarm.step import AveragingStep
 from tests.swarm.round_gate import install_gate
 
 KIND, X = os.environ["ATTACK"].split(":")

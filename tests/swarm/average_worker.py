@@ -29,11 +29,12 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco import codecs, config
+from p2p_diloco import config
 from p2p_diloco.errors import AveragingError, SwarmError
+from p2p_diloco.protocol import codecs
 from p2p_diloco.swarm import Swarm
-from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
-from p2p_diloco.swarm.averager import DiLoCoAverager
+from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
+from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 
 NUMEL = 1000
 EXACT = 10
@@ -149,7 +150,7 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
             ),
             flush=True,
         )
-        # The others audit this member's span after their last average arrived (auditor.py): stay
+        # The others audit this member's span after their last average arrived (swarm/averaging/auditor.py): stay
         # until the test closes stdin, once it has every member's result (at most a minute).
         select.select([sys.stdin], [], [], 60)
     finally:

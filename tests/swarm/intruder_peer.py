@@ -8,7 +8,7 @@ Run as `python -m tests.swarm.intruder_peer peer ...` (the same arguments as `p2
 import sys
 
 from p2p_diloco import cli
-from p2p_diloco.swarm import gate
+from p2p_diloco.swarm.trust import gate
 
 
 def _no_certificate(self, config):

@@ -1,5 +1,5 @@
 """A peer's processes as a tree: its DHT and averager processes share its process group, but p2pd
-runs in a session of its own (p2p_diloco/swarm/processes.py), so only the parent links find it."""
+runs in a session of its own (p2p_diloco/swarm/transport/processes.py), so only the parent links find it."""
 
 import os
 

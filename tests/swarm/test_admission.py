@@ -11,8 +11,9 @@ import urllib.request
 
 import pytest
 
-from p2p_diloco import admission, config
-from p2p_diloco.swarm.identity import peer_id_of
+from p2p_diloco import config
+from p2p_diloco.swarm.transport.identity import peer_id_of
+from p2p_diloco.trust import admission
 from tests.swarm.conftest import CLI, ENV, SWARM, wait_until
 
 # Enough 1-second rounds that the revoke command (a fresh process: imports, a DHT node, the wait for

@@ -108,7 +108,7 @@ def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
             assert len(r["probes"]) == 2 and all(rate > 0 for rate in r["probes"].values()), r["probes"]
             assert r["link_bps"] > 0
     else:
-        assert residuals == ["codec-loss"] * 3  # the reducer's own part goes through the codec too (audit.py)
+        assert residuals == ["codec-loss"] * 3  # the reducer's own part goes through the codec too (trust/audit.py)
 
 
 @pytest.mark.timeout(180)

@@ -119,7 +119,7 @@ def test_a_signal_to_a_process_group_ends_every_process_cleanly_and_the_others_g
     """Ctrl+C in a terminal (SIGINT to the peer's whole group) in its third all-reduce; what
     `timeout`, `kill -TERM -<group>` and supervisors do (SIGTERM to the group) in another's second
     all-reduce, and to a third during its start-up; then to the bootstrap node's group."""
-    from p2p_diloco import checkpoint
+    from p2p_diloco.train import checkpoint
 
     survivors = [swarm.peer("a", FAST), swarm.peer("b", FAST)]
     ctrl_c = swarm.peer("c", FAST, fault="allreduce:3:INT")

@@ -1,5 +1,5 @@
 """hivemind's children are forked with no garbage collection in flight, and a child that dies or
-does not start is one SwarmError within its deadline, never a hang (swarm/processes.py).
+does not start is one SwarmError within its deadline, never a hang (swarm/transport/processes.py).
 
 bench/fork_stress.py is the long version: many DHT starts from a parent with busy threads."""
 
@@ -17,8 +17,8 @@ import pytest
 
 from p2p_diloco import config
 from p2p_diloco.errors import SwarmError
-from p2p_diloco.swarm.node import SwarmDHT, start_dht
-from p2p_diloco.swarm.processes import quiet_fork, stop_process
+from p2p_diloco.swarm.transport.node import SwarmDHT, start_dht
+from p2p_diloco.swarm.transport.processes import quiet_fork, stop_process
 
 LOOPBACK = ["/ip4/127.0.0.1/tcp/0"]
 FINALIZER_S = 0.5  # how long the finalizer of the collection in flight takes (a child being joined)

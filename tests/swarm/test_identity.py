@@ -9,10 +9,10 @@ from hivemind.utils import logging as hivemind_logging
 
 from p2p_diloco import config
 from p2p_diloco.errors import SwarmError
-from p2p_diloco.network import RoundRecord
+from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.swarm import records
-from p2p_diloco.swarm.identity import make_validator, owner_peer_id
-from p2p_diloco.swarm.node import start_dht
+from p2p_diloco.swarm.transport.identity import make_validator, owner_peer_id
+from p2p_diloco.swarm.transport.node import start_dht
 from tests.swarm.conftest import SWARM
 
 HONEST, FORGED = "a" * 32, "f" * 32
@@ -50,7 +50,7 @@ def test_records_under_ids_their_signer_does_not_own_are_ignored(tmp_path):
 @pytest.mark.timeout(120)
 def test_a_second_node_with_a_running_nodes_key_stops_with_one_line_and_no_daemon_probes_the_router(tmp_path, capfd):
     """Two nodes with one key take each other's messages: the second is refused before its DHT
-    starts (swarm/in_use.py). Every p2pd of both starts, the throwaway one of the check included,
+    starts (swarm/transport/in_use.py). Every p2pd of both starts, the throwaway one of the check included,
     runs with UPnP/NAT-PMP port mapping and AutoNAT off: nothing probes the router outside a lab."""
     cfg = config.load(None, SWARM)
     hivemind_log, handler = logging.getLogger("hivemind"), hivemind_logging._default_handler

@@ -132,7 +132,7 @@ def test_tampered_state_offered_to_a_joiner_is_rejected_and_the_joiner_trains_no
     # then stops with one line, exit 1.
     liar = swarm.peer("liar", {"run.rounds": "1000"}, script=[*swarm_python(), "-m", "tests.swarm.tampering_peer"])
     wait_until(lambda: 1 in swarm.records("liar"), [liar], 120, "liar at round 1")
-    fast = {"swarm.join_timeout_s": "2", "swarm.min_download_mbps": "1000"}  # deadlines.py: the floor, 2 s
+    fast = {"swarm.join_timeout_s": "2", "swarm.min_download_mbps": "1000"}  # protocol/deadlines.py: the floor, 2 s
     joiner = swarm.peer("joiner", {"run.rounds": "1000", **fast})
     assert joiner.wait(timeout=120) == 1, swarm.log("joiner")[-2000:]
     log = swarm.log("joiner")
@@ -178,7 +178,7 @@ def test_client_mode_peers_average_through_one_reachable_peer_and_a_slow_one_end
 def test_whole_swarm_restart_continues_from_the_last_completed_round(swarm):
     import signal
 
-    from p2p_diloco import checkpoint
+    from p2p_diloco.train import checkpoint
 
     long = {"run.rounds": "1000"}
     names = ("a", "b")
@@ -210,7 +210,7 @@ def test_whole_swarm_restart_continues_from_the_last_completed_round(swarm):
 
 @pytest.mark.timeout(240)
 def test_a_finished_run_is_not_trained_again_and_a_new_name_is_told_it_is_new(swarm):
-    from p2p_diloco import checkpoint
+    from p2p_diloco.train import checkpoint
 
     first = [swarm.peer("a"), swarm.peer("b")]  # together: a peer alone waits out every matchmaking window
     wait_until(lambda: all(p.poll() is not None for p in first), first, 120, "the run ends")

@@ -16,13 +16,13 @@ import time
 import pytest
 
 from p2p_diloco import config
-from p2p_diloco.deadlines import ROUND_POLL_S
-from p2p_diloco.network import RoundRecord
+from p2p_diloco.protocol.deadlines import ROUND_POLL_S
+from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.swarm import records
-from p2p_diloco.swarm.gate import Gate
 from p2p_diloco.swarm.heartbeat import Heartbeat
-from p2p_diloco.swarm.identity import make_validator, owner_peer_id
-from p2p_diloco.swarm.node import start_dht
+from p2p_diloco.swarm.transport.identity import make_validator, owner_peer_id
+from p2p_diloco.swarm.transport.node import start_dht
+from p2p_diloco.swarm.trust.gate import Gate
 from tests.swarm.conftest import SWARM
 
 WATCH_S = 12.0  # long enough for several beats, each of which tries the sleeper at least once

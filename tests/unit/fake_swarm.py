@@ -15,11 +15,11 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p_diloco import agreement, outer
 from p2p_diloco.errors import StateDownloadError
-from p2p_diloco.genesis import Genesis, Verdict
-from p2p_diloco.network import STARTED, AllReduced, Made, RoundRecord, ServedState, StateCheck
-from p2p_diloco.rounds import SwarmProgress
+from p2p_diloco.protocol import agreement, outer
+from p2p_diloco.protocol.budget import SwarmProgress
+from p2p_diloco.protocol.genesis import Genesis, Verdict
+from p2p_diloco.protocol.network import STARTED, AllReduced, Made, RoundRecord, ServedState, StateCheck
 
 ME = "12D3KooWfakeme"
 

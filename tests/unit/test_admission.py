@@ -5,9 +5,9 @@ import json
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from p2p_diloco import admission
-from p2p_diloco.admission import Certificate
 from p2p_diloco.errors import AdmissionError
+from p2p_diloco.trust import admission
+from p2p_diloco.trust.admission import Certificate
 
 RUN, PEER, NOW = "public-run", "QmVolunteerPeerId", 1_800_000_000
 

@@ -1,8 +1,8 @@
-"""Agreement and catch-up decisions (agreement.py): pure functions, every expected value worked out by hand."""
+"""Agreement and catch-up decisions (protocol/agreement.py): pure functions, every expected value worked out by hand."""
 
-from p2p_diloco import agreement
-from p2p_diloco.agreement import Reference
-from p2p_diloco.network import RoundRecord
+from p2p_diloco.protocol import agreement
+from p2p_diloco.protocol.agreement import Reference
+from p2p_diloco.protocol.network import RoundRecord
 
 A, B, C = "a" * 32, "b" * 32, "c" * 32
 

@@ -1,4 +1,4 @@
-"""Reducer accountability (audit.py, swarm/ledger.py): the pure checks, with values by hand, and
+"""Reducer accountability (trust/audit.py, swarm/averaging/ledger.py): the pure checks, with values by hand, and
 the signatures with real identity keys."""
 
 import pytest
@@ -7,9 +7,10 @@ from hivemind.averaging.allreduce import AllreduceException
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
-from p2p_diloco import audit, codecs
-from p2p_diloco.swarm import identity
-from p2p_diloco.swarm.ledger import Ledger
+from p2p_diloco.protocol import codecs
+from p2p_diloco.swarm.averaging.ledger import Ledger
+from p2p_diloco.swarm.transport import identity
+from p2p_diloco.trust import audit
 
 FP32 = codecs.get("fp32")
 MEAN = ("mean", 1.0, 2.0)
@@ -109,7 +110,7 @@ def test_a_silent_reducer_is_left_out_for_a_period_that_doubles_up_to_an_hour():
 def test_left_out_names_convictions_and_benches_until_they_expire(monkeypatch):
     import time as clock
 
-    from p2p_diloco.swarm.auditor import Auditor
+    from p2p_diloco.swarm.averaging.auditor import Auditor
 
     audits = Auditor(stub=None, evidence=None, left_out_changed=lambda: None)
     audits.convict("liar")

@@ -340,18 +340,20 @@ def test_healthcheck_needs_only_the_standard_library():
 # Lines the operator's guide quotes, and the source that prints each (a fragment of its literal text).
 QUOTED = {
     "bootstrap node up; give peers this line (any of the addresses works):": "p2p_diloco/cli.py",
-    "[bootstrap] ": "p2p_diloco/swarm/bootstrap.py",
-    " peers in the routing table; run ": "p2p_diloco/swarm/bootstrap.py",
-    "no round records yet": "p2p_diloco/swarm/bootstrap.py",
-    "peers in the routing table (pass --config RUN_TOML to see the run's rounds)": "p2p_diloco/swarm/bootstrap.py",
+    "[bootstrap] ": "p2p_diloco/swarm/transport/bootstrap.py",
+    " peers in the routing table; run ": "p2p_diloco/swarm/transport/bootstrap.py",
+    "no round records yet": "p2p_diloco/swarm/transport/bootstrap.py",
+    "peers in the routing table (pass --config RUN_TOML to see the run's rounds)": (
+        "p2p_diloco/swarm/transport/bootstrap.py"
+    ),
     "stopping the bootstrap node": "p2p_diloco/cli.py",
     "(again to stop now)": "p2p_diloco/cli.py",
     "stopped during start-up": "p2p_diloco/cli.py",
-    "no certificate of it seen yet": "p2p_diloco/swarm/gate.py",
-    "the organiser revoked peer ": "p2p_diloco/swarm/gate.py",
-    "stop what uses it or choose ": "p2p_diloco/swarm/node.py",
-    " is not a private key; it is this bootstrap node's identity": "p2p_diloco/swarm/identity.py",
-    "restore the file from its backup and pass it with": "p2p_diloco/swarm/identity.py",
+    "no certificate of it seen yet": "p2p_diloco/swarm/trust/gate.py",
+    "the organiser revoked peer ": "p2p_diloco/swarm/trust/gate.py",
+    "stop what uses it or choose ": "p2p_diloco/swarm/transport/node.py",
+    " is not a private key; it is this bootstrap node's identity": "p2p_diloco/swarm/transport/identity.py",
+    "restore the file from its backup and pass it with": "p2p_diloco/swarm/transport/identity.py",
 }
 
 
@@ -367,9 +369,9 @@ def test_the_operator_guide_quotes_lines_the_node_prints():
 def test_the_nodes_status_line_counts_only_peers_whose_heartbeat_is_fresh():
     # A round record lives 90 s after its peer stopped: the node said "round 20: 3 peers" of a run
     # that had ended, with an empty routing table.
-    from p2p_diloco.network import RoundRecord
-    from p2p_diloco.rounds import Progress
-    from p2p_diloco.swarm.bootstrap import rounds_seen
+    from p2p_diloco.protocol.budget import Progress
+    from p2p_diloco.protocol.network import RoundRecord
+    from p2p_diloco.swarm.transport.bootstrap import rounds_seen
 
     found = {p: RoundRecord(p, r, "d", 0, 0.0) for p, r in (("a", 20), ("b", 20), ("c", 19), ("d", 20))}
     now = 1000.0

@@ -3,8 +3,10 @@
 import pytest
 import torch
 
-from p2p_diloco import checkpoint, config, outer
+from p2p_diloco import config
 from p2p_diloco.errors import CheckpointError, WriteError
+from p2p_diloco.protocol import outer
+from p2p_diloco.train import checkpoint
 from tests.unit.full_disk import PAGE, fill, remount, tmpfs
 
 

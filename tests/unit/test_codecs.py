@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from p2p_diloco import codecs
+from p2p_diloco.protocol import codecs
 
 
 def heavy_tailed(n: int, seed: int = 0) -> torch.Tensor:

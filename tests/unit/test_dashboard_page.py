@@ -10,11 +10,11 @@ from functools import partial
 
 import pytest
 
-from p2p_diloco.network import RoundRecord
-from p2p_diloco.observatory import REASONS, RunLog
-from p2p_diloco.robust import weighed_tokens
-from p2p_diloco.rounds import Progress
-from p2p_diloco.web import ObserverServer
+from p2p_diloco.observe.run_view import REASONS, RunLog
+from p2p_diloco.observe.web import ObserverServer
+from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.network import RoundRecord
+from p2p_diloco.trust.robust import weighed_tokens
 
 BROWSER = shutil.which("chromium") or shutil.which("chromium-browser") or shutil.which("google-chrome")
 pytestmark = pytest.mark.skipif(BROWSER is None, reason="no Chromium: .ci/run installs it (apt-get install chromium)")

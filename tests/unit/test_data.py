@@ -13,7 +13,8 @@ import pytest
 import torch
 
 from p2p_diloco.config import DataSection
-from p2p_diloco.data import (
+from p2p_diloco.errors import DataError
+from p2p_diloco.train.data import (
     FiniteCorpus,
     TrainStream,
     folder_of,
@@ -25,8 +26,7 @@ from p2p_diloco.data import (
     shard_of,
     sharding,
 )
-from p2p_diloco.errors import DataError
-from p2p_diloco.model import ByteTokenizer
+from p2p_diloco.train.model import ByteTokenizer
 
 
 @pytest.fixture(autouse=True)

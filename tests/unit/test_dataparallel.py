@@ -4,8 +4,9 @@ import re
 
 import pytest
 
-from p2p_diloco import config, dataparallel
+from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.train import dataparallel
 from tests.conftest import TINY
 
 

@@ -1,4 +1,4 @@
-"""Deadlines that follow the work (deadlines.py): a state download's deadline from the state's size,
+"""Deadlines that follow the work (protocol/deadlines.py): a state download's deadline from the state's size,
 and a serving peer's silence, not the whole download, bounded by swarm.join_timeout_s."""
 
 import asyncio
@@ -13,8 +13,9 @@ from hivemind.proto import averaging_pb2
 from hivemind.utils.serializer import MSGPackSerializer
 from hivemind.utils.streaming import split_for_streaming
 
-from p2p_diloco import config, deadlines
+from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.protocol import deadlines
 from p2p_diloco.swarm.served import read_served_state
 
 

@@ -7,8 +7,8 @@ import torch
 
 from p2p_diloco.config import ModelSection
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.model import GPU_SIZED_PARAMETERS, ByteTokenizer, model_config, parameter_count
 from p2p_diloco.peer import auto_device, resolve_device
+from p2p_diloco.train.model import GPU_SIZED_PARAMETERS, ByteTokenizer, model_config, parameter_count
 
 TINY, SMALL, P150M, P1B = 469_632, 25_969_152, 122_982_272, 970_057_728  # the presets (test_model.py)
 

@@ -1,5 +1,5 @@
 """The averager's doors (certified runs), in-process: the certificate a peer shows with its join
-request or in the all-gather (parsed by swarm/gathered.py, tests/unit/test_gathered.py), or
+request or in the all-gather (parsed by swarm/averaging/gathered.py, tests/unit/test_gathered.py), or
 published in the DHT, decides whether it comes in; revocations close every door."""
 
 import asyncio
@@ -9,8 +9,8 @@ import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 from hivemind.averaging.allreduce import AllreduceException
 
-from p2p_diloco import admission
-from p2p_diloco.swarm.doors import Doors
+from p2p_diloco.swarm.trust.doors import Doors
+from p2p_diloco.trust import admission
 
 RUN, ALICE, BOB, MALLORY = "run-a", "QmAlice", "QmBob", "QmMallory"
 KEY = Ed25519PrivateKey.generate()

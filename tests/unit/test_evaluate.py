@@ -1,4 +1,4 @@
-"""The observer's own held-out loss and `export --initial-peers` (p2p_diloco/evaluate.py): states
+"""The observer's own held-out loss and `export --initial-peers` (p2p_diloco/observe/evaluate.py): states
 downloaded from peers that may lie, verified against the agreed digest, evaluated as a peer does.
 The peers here are scripted `fetch` functions; the real download over libp2p is in
 tests/swarm/test_observer.py."""
@@ -11,14 +11,16 @@ import time
 import pytest
 import torch
 
-from p2p_diloco import config, data, outer
-from p2p_diloco import model as model_mod
+from p2p_diloco import config
 from p2p_diloco.errors import StateDownloadError
-from p2p_diloco.evaluate import RETRY_S, Evaluations, HeldOut, RunModel, download_agreed
-from p2p_diloco.network import RoundRecord
-from p2p_diloco.observatory import Target
-from p2p_diloco.observe import fetch_agreed
-from p2p_diloco.rounds import Progress
+from p2p_diloco.observe.evaluate import RETRY_S, Evaluations, HeldOut, RunModel, download_agreed
+from p2p_diloco.observe.run_view import Target
+from p2p_diloco.observe.service import fetch_agreed
+from p2p_diloco.protocol import outer
+from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.network import RoundRecord
+from p2p_diloco.train import data
+from p2p_diloco.train import model as model_mod
 from tests.conftest import TINY
 
 A, B, C = "QmAAAA", "QmBBBB", "QmCCCC"
@@ -108,8 +110,8 @@ def test_evaluations_note_the_loss_of_the_round_and_say_a_failure_only_when_it_r
     target = Target(5, digest, (A,))
     evaluations = Evaluations(held, source, lambda: target, lambda r, d: d == digest, lambda *a: noted.append(a), 5.0)
     clock = [100.0]
-    monkeypatch.setattr("p2p_diloco.evaluate.time.monotonic", lambda: clock[0])
-    with caplog.at_level(logging.DEBUG, logger="p2p_diloco.evaluate"):
+    monkeypatch.setattr("p2p_diloco.observe.evaluate.time.monotonic", lambda: clock[0])
+    with caplog.at_level(logging.DEBUG, logger="p2p_diloco.observe.evaluate"):
         assert not evaluations.once()
         assert not evaluations.once()  # not asked again before RETRY_S
         clock[0] += RETRY_S

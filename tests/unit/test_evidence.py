@@ -1,5 +1,5 @@
-"""A conviction's case (swarm/evidence.py) judged again by anyone, with real identity keys, and
-the peer process's handling of accusations (swarm/convictions.py)."""
+"""A conviction's case (swarm/trust/evidence.py) judged again by anyone, with real identity keys, and
+the peer process's handling of accusations (swarm/trust/convictions.py)."""
 
 from concurrent.futures import Future
 
@@ -7,13 +7,15 @@ import pytest
 import torch
 from hivemind.proto import averaging_pb2
 
-from p2p_diloco import audit, codecs, config
-from p2p_diloco.swarm import identity
-from p2p_diloco.swarm.allreduce import WireCodec
-from p2p_diloco.swarm.convictions import MAX_PENDING, Convictions
-from p2p_diloco.swarm.evidence import Case, judge
-from p2p_diloco.swarm.gate import Gate
-from p2p_diloco.swarm.ledger import part_statement
+from p2p_diloco import config
+from p2p_diloco.protocol import codecs
+from p2p_diloco.swarm.averaging.allreduce import WireCodec
+from p2p_diloco.swarm.averaging.ledger import part_statement
+from p2p_diloco.swarm.transport import identity
+from p2p_diloco.swarm.trust.convictions import MAX_PENDING, Convictions
+from p2p_diloco.swarm.trust.evidence import Case, judge
+from p2p_diloco.swarm.trust.gate import Gate
+from p2p_diloco.trust import audit
 from tests.conftest import TINY
 
 CLIP = ("clip", 1.0, 2.0)
@@ -136,8 +138,8 @@ def test_the_reducer_keeps_a_case_against_every_malformed_signed_part_and_refuse
 
     from hivemind.averaging.allreduce import AllreduceException
 
-    from p2p_diloco.swarm.allreduce import ConsistentAllReduceRunner
-    from p2p_diloco.swarm.ledger import Ledger
+    from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
+    from p2p_diloco.swarm.averaging.ledger import Ledger
 
     ids, private, public = group
     like = torch.zeros(2)
@@ -185,14 +187,14 @@ def _served(case):
 
     from hivemind.utils.serializer import MSGPackSerializer
 
-    from p2p_diloco.swarm import streams
-    from p2p_diloco.swarm.evidence import EvidenceDesk, _case_complete
+    from p2p_diloco.swarm.transport import streams
+    from p2p_diloco.swarm.trust.evidence import EvidenceDesk, _case_complete
 
     evidence = EvidenceDesk(stub=None, serializer=MSGPackSerializer, codec=CODEC, aggregation=CLIP)
     evidence.file("accused", case)
 
     async def collect():
-        # The asker's side of streams.py: the handler lingers until the asker ends its request
+        # The asker's side of swarm/transport/streams.py: the handler lingers until the asker ends its request
         # stream, which it does once it holds the signed average; both ends well within 5 s.
         async def call(requests):
             return evidence.answer(requests, None)

@@ -10,10 +10,11 @@ import time
 import pytest
 import torch
 
-from p2p_diloco import card, config
+from p2p_diloco import config
 from p2p_diloco.errors import ExportError
-from p2p_diloco.export import push_to_hub
-from p2p_diloco.model import ByteTokenizer, export_model, init_model, model_config
+from p2p_diloco.train import card
+from p2p_diloco.train.export import push_to_hub
+from p2p_diloco.train.model import ByteTokenizer, export_model, init_model, model_config
 from tests.conftest import TINY
 from tests.unit.hub_standin import HubStandIn
 from tests.unit.test_round_protocol import make_peer, run

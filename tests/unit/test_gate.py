@@ -8,10 +8,11 @@ from dataclasses import replace
 import pytest
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
-from p2p_diloco import admission, config
+from p2p_diloco import config
 from p2p_diloco.errors import AdmissionError
-from p2p_diloco.swarm.doors import Doors
-from p2p_diloco.swarm.gate import Gate
+from p2p_diloco.swarm.trust.doors import Doors
+from p2p_diloco.swarm.trust.gate import Gate
+from p2p_diloco.trust import admission
 from tests.conftest import TINY
 
 ME, OTHER = "QmThisVolunteer", "QmSomebodyElse"
@@ -42,7 +43,7 @@ def test_an_admitted_peer_shows_its_certificate_to_its_groups(tmp_path):
     gate = Gate(cfg, ME)
     assert gate.gather() == {"cert": cert.to_json()}
     assert gate.averager_check() == (cfg.run.run_id, cfg.admission.organiser_key)
-    # What the averager's doors (doors.py) make of it: this peer's certificate admits this peer only.
+    # What the averager's doors (swarm/trust/doors.py) make of it: this peer's certificate admits this peer only.
     doors = Doors(*gate.averager_check(), published=None)
     assert doors.reason_to_refuse(ME, gate.gather()["cert"]) is None
     assert "for peer QmThisVolunteer, not QmSomebodyElse" in doors.reason_to_refuse(OTHER, gate.gather()["cert"])

@@ -1,4 +1,4 @@
-"""The all-gather's entries (swarm/gathered.py), in-process: one total parser for what each member
+"""The all-gather's entries (swarm/averaging/gathered.py), in-process: one total parser for what each member
 shows its group; a leader refuses an entry that does not parse at its door, and a member that finds
 one in its group leaves out the leader that assembled it. Real keys, hivemind's own serializer."""
 
@@ -15,9 +15,9 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2p_diloco.swarm.gathered import Entry, Gathering, fair, parse_entry
-from p2p_diloco.swarm.identity import owner_peer_id, public_key_bytes
-from p2p_diloco.wire import WireError
+from p2p_diloco.swarm.averaging.gathered import Entry, Gathering, fair, parse_entry
+from p2p_diloco.swarm.transport.identity import owner_peer_id, public_key_bytes
+from p2p_diloco.trust.wire import WireError
 from tests.unit.test_untrusted_records import FUZZ, HOSTILE, hostile_like
 
 KEYS = [RSAPrivateKey() for _ in range(3)]
@@ -25,7 +25,7 @@ PEERS = [owner_peer_id(b"[owner:" + public_key_bytes(k) + b"]") for k in KEYS]
 
 
 def user(i: int, **changes) -> dict:
-    """What step.py shows for peer i: its round, its vouches for the others, its identity key."""
+    """What swarm/averaging/step.py shows for peer i: its round, its vouches for the others, its identity key."""
     return {
         "round": 7,
         "seen": {p: 1e6 * (j + 1) for j, p in enumerate(PEERS) if j != i},
@@ -134,7 +134,7 @@ def test_a_well_formed_group_gives_each_member_its_own_key_and_a_member_with_ano
 
 
 def test_a_leader_refuses_a_join_request_whose_entry_does_not_parse_before_hivemind_sees_it():
-    from p2p_diloco.swarm.averager import DiLoCoAverager
+    from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 
     # The averager's handler with only its all-gather checks: a refused request never reaches
     # hivemind's handler (its `super()` call), which this stand-in could not run.

@@ -1,4 +1,4 @@
-"""A run's genesis (p2p_diloco/genesis.py): what a starting peer makes of the run it found, and a
+"""A run's genesis (p2p_diloco/protocol/genesis.py): what a starting peer makes of the run it found, and a
 peer that comes after the end. Pure decisions with values by hand, then one real peer in-process."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 
 import pytest
 
-from p2p_diloco import genesis, joining
 from p2p_diloco.errors import RunFinished
-from p2p_diloco.genesis import Genesis, Verdict
+from p2p_diloco.protocol import genesis, joining
+from p2p_diloco.protocol.genesis import Genesis, Verdict
 from tests.unit.fake_swarm import FakeSwarm
 from tests.unit.test_round_protocol import make_peer, moved, records, run
 
@@ -72,7 +72,7 @@ def test_the_end_is_the_final_digest_most_publishers_name_at_the_last_round():
         {"fingerprint": MINE, "theta0": T0, "final_round": True, "final_digest": "", "signature": ""},
         {"fingerprint": MINE, "theta0": "x" * 5000, "final_round": -1, "final_digest": "", "signature": ""},
         {"fingerprint": MINE, "theta0": T0, "final_round": -1, "final_digest": "", "signature": "", "shared": []},
-        # what every record's fields must be (wire.py): real digests and fingerprints, configs of sections
+        # what every record's fields must be (trust/wire.py): real digests and fingerprints, configs of sections
         {"fingerprint": MINE, "theta0": "t0", "final_round": -1, "final_digest": "", "signature": ""},
         {"fingerprint": MINE, "theta0": T0, "final_round": 4, "final_digest": "d", "signature": ""},
         {"fingerprint": "x" * 16, "theta0": T0, "final_round": -1, "final_digest": "", "signature": ""},
@@ -124,7 +124,7 @@ def test_a_peer_that_comes_after_the_end_stops_without_training(tmp_path):
 
 
 def test_a_peer_that_comes_while_the_last_peers_linger_downloads_the_end(tmp_path, caplog, monkeypatch):
-    from p2p_diloco import sync
+    from p2p_diloco.protocol import sync
 
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(sync, "SETTLE_S", 0.2)
@@ -137,7 +137,7 @@ def test_a_peer_that_comes_while_the_last_peers_linger_downloads_the_end(tmp_pat
 
 
 def test_a_false_claim_of_the_end_does_not_stop_a_peer_while_peers_train(tmp_path, monkeypatch):
-    from p2p_diloco import sync
+    from p2p_diloco.protocol import sync
 
     monkeypatch.setattr(sync, "SETTLE_S", 0.2)
     fake = FakeSwarm(verdict=Verdict("join", publishers=1, final=Genesis(MINE, "t0", 4, "forged")))
@@ -152,7 +152,7 @@ def test_one_peers_record_of_the_last_round_and_its_finished_genesis_send_no_joi
     # run ended there. The peer between rounds finds p1 ahead of it (round 3; no state the swarm
     # backs yet) and asks whether the run ended: it counted m's record as a live peer at the end
     # and stopped with "run finished", exit 0 (issue 27; in certified runs too, m being a member).
-    from p2p_diloco.network import RoundRecord
+    from p2p_diloco.protocol.network import RoundRecord
 
     forged = "f" * 32
     fake = FakeSwarm()

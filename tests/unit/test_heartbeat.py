@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from p2p_diloco.rounds import Progress
+from p2p_diloco.protocol.budget import Progress
 from p2p_diloco.swarm import heartbeat
 from p2p_diloco.swarm.heartbeat import STALE_S, Heartbeat
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from p2p_diloco import config
-from p2p_diloco.inner import InnerTrainer, lr_at
+from p2p_diloco.train.inner import InnerTrainer, lr_at
 
 
 def inner_cfg(**values):

@@ -10,13 +10,13 @@ import time
 import pytest
 import torch
 
-from p2p_diloco import prefetch
-from p2p_diloco.data import FiniteCorpus, TrainStream
 from p2p_diloco.errors import ConfigError, DataError
-from p2p_diloco.inner import InnerTrainer, adamw
-from p2p_diloco.metrics import Progress
-from p2p_diloco.model import ByteTokenizer
-from p2p_diloco.prefetch import Prefetcher
+from p2p_diloco.train import prefetch
+from p2p_diloco.train.data import FiniteCorpus, TrainStream
+from p2p_diloco.train.inner import InnerTrainer, adamw
+from p2p_diloco.train.metrics import Progress
+from p2p_diloco.train.model import ByteTokenizer
+from p2p_diloco.train.prefetch import Prefetcher
 from tests.unit.test_inner import TinyLM, batch, inner_cfg
 
 DEADLINE_S = 10.0

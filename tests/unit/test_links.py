@@ -4,7 +4,7 @@ import math
 
 import torch
 
-from p2p_diloco import links
+from p2p_diloco.protocol import links
 
 
 def test_lower_median_caps_a_liar():

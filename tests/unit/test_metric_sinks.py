@@ -1,4 +1,4 @@
-"""TensorBoard and W&B (sinks.py): each round's record, read back from the files they write; off by
+"""TensorBoard and W&B (train/sinks.py): each round's record, read back from the files they write; off by
 default, a missing extra is one line at start, and a failing sink never stops training."""
 
 from __future__ import annotations
@@ -12,8 +12,9 @@ from typing import Any
 
 import pytest
 
-from p2p_diloco import config, sinks
+from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.train import sinks
 from tests.unit.fake_swarm import FakeSwarm
 from tests.unit.test_round_protocol import make_peer, records, run
 
@@ -218,12 +219,12 @@ def test_a_failing_sink_is_turned_off_with_one_warning_and_the_peer_keeps_traini
     peer = make_peer(tmp_path, FakeSwarm(), **{"run.rounds": "3"})
     failing, good = Recording("Failing", fail_at=1), Recording("Good")
     peer.sinks.sinks += [failing, good]
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.sinks"):
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.train.sinks"):
         run(peer)
     assert peer.state.round == 3 and [r["round"] for r in records(peer)] == [0, 1, 2, 3]
     assert failing.rounds == [1] and failing.closed == 1  # round 2 failed: closed, not called again
     assert good.rounds == [1, 2, 3] and good.closed == 1  # the others go on, and are closed with the peer
-    warnings = [r.getMessage() for r in caplog.records if r.name == "p2p_diloco.sinks"]
+    warnings = [r.getMessage() for r in caplog.records if r.name == "p2p_diloco.train.sinks"]
     assert warnings == [
         "Failing logging failed (OSError: [Errno 28] No space left on device): turned off for the rest of this run; "
         "metrics.jsonl keeps every round"
@@ -233,7 +234,7 @@ def test_a_failing_sink_is_turned_off_with_one_warning_and_the_peer_keeps_traini
 def test_a_sink_that_fails_to_close_does_not_stop_the_others(caplog):
     first, second = Recording("First", fail_close=True), Recording("Second")
     group = sinks.Sinks([first, second])
-    with caplog.at_level(logging.WARNING, logger="p2p_diloco.sinks"):
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.train.sinks"):
         group.close()
         group.close()  # twice: nothing left to close
     assert (first.closed, second.closed) == (1, 1)

@@ -11,7 +11,7 @@ import pytest
 
 from p2p_diloco import config
 from p2p_diloco.errors import WriteError
-from p2p_diloco.metrics import MetricsLog
+from p2p_diloco.train.metrics import MetricsLog
 from tests.unit.full_disk import fill, tmpfs
 
 
@@ -51,7 +51,7 @@ HUB_AND_DATASETS_WARN = """
 import logging, sys
 import datasets
 from huggingface_hub.utils import http_backoff
-from p2p_diloco.metrics import setup_logging
+from p2p_diloco.train.metrics import setup_logging
 
 setup_logging("info")
 try:
@@ -89,7 +89,7 @@ def test_a_peer_s_averager_process_names_the_peer_in_every_line_of_ours():
     import io
     import logging
 
-    from p2p_diloco.metrics import tag_process_logs
+    from p2p_diloco.train.metrics import tag_process_logs
 
     out = io.StringIO()
     handler = logging.StreamHandler(out)
@@ -98,8 +98,10 @@ def test_a_peer_s_averager_process_names_the_peer_in_every_line_of_ours():
     root.handlers[:] = [handler]  # as in the forked averager process: the peer's one handler
     try:
         tag_process_logs("peer T4fo averager")
-        logging.getLogger("p2p_diloco.swarm.averager").warning("parts of this peer's span: %s", "Qm1: 1 dropped of 1")
-        logging.getLogger("p2p_diloco.swarm.doors").warning("[already tagged] x")
+        logging.getLogger("p2p_diloco.swarm.averaging.averager").warning(
+            "parts of this peer's span: %s", "Qm1: 1 dropped of 1"
+        )
+        logging.getLogger("p2p_diloco.swarm.trust.doors").warning("[already tagged] x")
         logging.getLogger("another_library").warning("theirs")  # (hivemind's loggers do not reach the root)
     finally:
         root.handlers[:] = saved

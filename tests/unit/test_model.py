@@ -1,4 +1,4 @@
-"""Model presets, θ(0) initialisation, tokenizers and export (p2p_diloco.model).
+"""Model presets, θ(0) initialisation, tokenizers and export (p2p_diloco.train.model).
 
 Everything here is local: configs and tokenizers are written to tmp_path, and every
 from_pretrained call is given a local folder with local_files_only=True.
@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer, GPT2Config, PreTra
 
 from p2p_diloco.config import ModelSection
 from p2p_diloco.errors import ModelError
-from p2p_diloco.model import (
+from p2p_diloco.train.model import (
     PRESETS,
     ByteTokenizer,
     count_parameters,

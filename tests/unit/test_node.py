@@ -4,7 +4,7 @@ import pytest
 
 from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.swarm.node import listen_maddrs, parse_initial_peers
+from p2p_diloco.swarm.transport.node import listen_maddrs, parse_initial_peers
 
 PEER = "/ip4/1.2.3.4/tcp/31337/p2p/QmW6jYSj4CRDDYnptoKGFN2nFvhFYYUrynQh5Nsu72XBP8"
 

@@ -1,14 +1,14 @@
-"""The observer's view of a run (p2p_diloco/observatory.py): who counted, why not, verified work.
+"""The observer's view of a run (p2p_diloco/observe/run_view.py): who counted, why not, verified work.
 Every expected value is worked out by hand from the records below."""
 
 from __future__ import annotations
 
 from functools import partial
 
-from p2p_diloco.network import RoundRecord
-from p2p_diloco.observatory import REASONS, RunLog, Target, prometheus
-from p2p_diloco.robust import weighed_tokens
-from p2p_diloco.rounds import Progress
+from p2p_diloco.observe.run_view import REASONS, RunLog, Target, prometheus
+from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.network import RoundRecord
+from p2p_diloco.trust.robust import weighed_tokens
 
 A, B, C, D = "peer-aaaaaaaa", "peer-bbbbbbbb", "peer-cccccccc", "peer-dddddddd"
 D1, D2, D3, D4, X = "1" * 64, "2" * 64, "3" * 64, "4" * 64, "9" * 64
@@ -139,7 +139,7 @@ def test_peers_are_named_as_their_certificates_name_them_and_otherwise_by_their_
 
 
 def test_status_sums_up_the_last_closed_round_not_the_one_still_being_published():
-    from p2p_diloco.observe import status_lines
+    from p2p_diloco.observe.service import status_lines
 
     def round_(r, counted, closed=True):
         return {

@@ -27,9 +27,9 @@ def test_a_poll_interval_that_is_no_positive_time_is_refused_in_one_line(bad, ca
 
 
 def test_observe_polls_at_the_interval_given(tmp_path, monkeypatch):
-    import p2p_diloco.metrics
-    import p2p_diloco.observe
-    import p2p_diloco.swarm.observer
+    import p2p_diloco.observe.service
+    import p2p_diloco.swarm.run_reader
+    import p2p_diloco.train.metrics
 
     config_mod.save(config_mod.load(None, {}), tmp_path / "run.toml")
     polled = {}
@@ -46,10 +46,10 @@ def test_observe_polls_at_the_interval_given(tmp_path, monkeypatch):
     def observe(config, poll, healthy, host, port, stop, emit, poll_s=1.0, evaluate=None):
         polled["poll_s"] = poll_s
 
-    monkeypatch.setattr(p2p_diloco.swarm.observer, "Observer", Reader)
-    monkeypatch.setattr(p2p_diloco.observe, "observe", observe)
-    monkeypatch.setattr(p2p_diloco.observe, "evaluation", lambda *args: None)
-    monkeypatch.setattr(p2p_diloco.metrics, "setup_logging", lambda level: None)
+    monkeypatch.setattr(p2p_diloco.swarm.run_reader, "Observer", Reader)
+    monkeypatch.setattr(p2p_diloco.observe.service, "observe", observe)
+    monkeypatch.setattr(p2p_diloco.observe.service, "evaluation", lambda *args: None)
+    monkeypatch.setattr(p2p_diloco.train.metrics, "setup_logging", lambda level: None)
     monkeypatch.setattr(cli, "_install_stop_handlers", lambda *args, **kwargs: None)
     run = [*RUN, "--poll-s", "7.5"]
     run[2] = str(tmp_path / "run.toml")
@@ -61,14 +61,14 @@ def test_a_newer_rounds_agreed_digest_is_looked_for_polling_between_looks_until_
     import threading
     import time
 
-    from p2p_diloco import observe
+    from p2p_diloco.observe import service
 
     polls, looks = [], iter(["", "", "d1"])
-    assert observe.settled(lambda: next(looks), threading.Lock(), lambda: polls.append(1)) == "d1"
+    assert service.settled(lambda: next(looks), threading.Lock(), lambda: polls.append(1)) == "d1"
     assert len(polls) == 2, "a poll between two looks, none before the first"
     polls.clear()
-    assert observe.settled(lambda: "d0", threading.Lock(), lambda: polls.append(1)) == "d0" and not polls
-    monkeypatch.setattr(observe, "AGREED_WAIT_S", 0.3)
+    assert service.settled(lambda: "d0", threading.Lock(), lambda: polls.append(1)) == "d0" and not polls
+    monkeypatch.setattr(service, "AGREED_WAIT_S", 0.3)
     started = time.monotonic()
-    assert observe.settled(lambda: "", threading.Lock(), lambda: None) == ""
-    assert 0.3 <= time.monotonic() - started < 0.3 + observe.AGREED_POLL_S
+    assert service.settled(lambda: "", threading.Lock(), lambda: None) == ""
+    assert 0.3 <= time.monotonic() - started < 0.3 + service.AGREED_POLL_S

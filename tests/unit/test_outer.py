@@ -3,8 +3,8 @@
 import pytest
 import torch
 
-from p2p_diloco import outer
 from p2p_diloco.errors import PseudoGradError
+from p2p_diloco.protocol import outer
 
 
 def state(values, momentum=None, round_=0):

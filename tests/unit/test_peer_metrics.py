@@ -8,7 +8,7 @@ import urllib.request
 import pytest
 
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.metrics import PHASES, Phase, peer_prometheus
+from p2p_diloco.train.metrics import PHASES, Phase, peer_prometheus
 from tests.unit.fake_swarm import FakeSwarm
 from tests.unit.test_round_protocol import make_peer
 

@@ -19,10 +19,10 @@ from transformers import AutoTokenizer
 
 from p2p_diloco import config
 from p2p_diloco.config import DataSection, ModelSection
-from p2p_diloco.data import TrainStream, heldout_batch, is_heldout, open_corpus, shard_of
 from p2p_diloco.errors import ModelError
-from p2p_diloco.model import export_model, init_model, load_tokenizer, model_config, parameter_count
 from p2p_diloco.peer import Peer
+from p2p_diloco.train.data import TrainStream, heldout_batch, is_heldout, open_corpus, shard_of
+from p2p_diloco.train.model import export_model, init_model, load_tokenizer, model_config, parameter_count
 from tests.unit import standins
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -5,7 +5,7 @@ import torch
 
 from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.ranks import rank_devices
+from p2p_diloco.train.ranks import rank_devices
 from tests.conftest import TINY
 
 

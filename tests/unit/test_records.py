@@ -1,7 +1,7 @@
 """DHT records from other peers are untrusted: malformed ones are dropped; majorities are deterministic."""
 
-from p2p_diloco.agreement import majority
-from p2p_diloco.network import RoundRecord
+from p2p_diloco.protocol.agreement import majority
+from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.swarm.records import convicted_by, round_bits, run_prefix
 
 D1, D2 = "a" * 32, "b" * 32

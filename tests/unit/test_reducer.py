@@ -1,6 +1,6 @@
 """The reducer of the consistent all-reduce, on hivemind's TensorPartReducer: weighted means by
 hand, weight-0 senders (outer.drop_rate: a dropped peer adds nothing, and a part every sender
-dropped averages to 0), and the robust combinations (robust.py) as the reducer runs them."""
+dropped averages to 0), and the robust combinations (trust/robust.py) as the reducer runs them."""
 
 import asyncio
 
@@ -8,7 +8,7 @@ import pytest
 import torch
 from hivemind.averaging.partition import TensorPartReducer
 
-from p2p_diloco.swarm.allreduce import RobustReducer
+from p2p_diloco.swarm.averaging.allreduce import RobustReducer
 
 
 def reduce(parts, weights, aggregation=("mean", 1.0, 2.0), order=None, reducer_out=None):
@@ -63,13 +63,13 @@ def test_every_rpc_handler_of_the_averager_streams_as_hivemind_expects():
 
     from hivemind.p2p.servicer import ServicerBase
 
-    from p2p_diloco.swarm.averager import DiLoCoAverager
+    from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 
     expected = {  # (request streams, answer streams)
         "rpc_probe": (True, True),
         "rpc_join_group": (False, True),
         "rpc_download_state": (False, True),
-        "rpc_audit": (True, True),  # the auditor ends its stream once it holds every part (streams.py)
+        "rpc_audit": (True, True),  # the auditor ends its stream once it holds every part (swarm/transport/streams.py)
         "rpc_evidence": (True, True),
         "rpc_aggregate_part": (True, True),
     }

@@ -1,9 +1,9 @@
-"""The reducer's combinations of a span's parts (robust.py), against values computed by hand."""
+"""The reducer's combinations of a span's parts (trust/robust.py), against values computed by hand."""
 
 import pytest
 import torch
 
-from p2p_diloco import robust
+from p2p_diloco.trust import robust
 
 
 def t(*values):

@@ -1,5 +1,5 @@
 """Readers that poll less often than rounds end (the observer, `status`) miss no round: each round
-record repeats its peer's final records of its last rounds (`RoundRecord.history`, network.py),
+record repeats its peer's final records of its last rounds (`RoundRecord.history`, protocol/network.py),
 bounded and parsed entry by entry (I4), and `RunLog` credits every round from them. Every expected
 value is worked out by hand from the records below."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from p2p_diloco.network import HISTORY_MEMBERS, HISTORY_ROUNDS, PastRound, RoundRecord, history_after
-from p2p_diloco.observatory import REASONS, RunLog
-from p2p_diloco.rounds import Progress
+from p2p_diloco.observe.run_view import REASONS, RunLog
+from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.network import HISTORY_MEMBERS, HISTORY_ROUNDS, PastRound, RoundRecord, history_after
 
 A, B, C = "PeerAaaaaaaa", "PeerBbbbbbbb", "PeerCccccccc"  # base58, as libp2p ids are
 X = "f" * 32  # a digest of C's own (it averaged alone)

@@ -15,11 +15,13 @@ import threading
 import pytest
 import torch
 
-from p2p_diloco import checkpoint, config, deadlines, outer, sync
+from p2p_diloco import config
 from p2p_diloco.errors import AveragingError, CatchUpFailed, RunFinished, SwarmMovedOn
-from p2p_diloco.genesis import Genesis
-from p2p_diloco.network import AllReduced
 from p2p_diloco.peer import Peer
+from p2p_diloco.protocol import deadlines, outer, sync
+from p2p_diloco.protocol.genesis import Genesis
+from p2p_diloco.protocol.network import AllReduced
+from p2p_diloco.train import checkpoint
 from tests.conftest import TINY
 from tests.unit.fake_swarm import ME, FakeSwarm
 
@@ -317,7 +319,7 @@ def test_a_joiner_that_cannot_download_for_its_patience_stops_with_one_line(tmp_
     first.close()
     fake = joiner_of(tmp_path, FakeSwarm(), round5, monkeypatch)
     with pytest.raises(CatchUpFailed) as e:
-        # a fast link: each download's deadline is its floor, join_timeout_s (deadlines.py)
+        # a fast link: each download's deadline is its floor, join_timeout_s (protocol/deadlines.py)
         options = {"run.rounds": "9", "swarm.join_timeout_s": "0.2", "swarm.min_download_mbps": "1e4"}
         make_peer(tmp_path / "joiner", fake, **options)
     assert str(e.value).startswith(

@@ -2,7 +2,7 @@
 
 import pytest
 
-from p2p_diloco.rounds import Progress, estimate, swarm_progress
+from p2p_diloco.protocol.budget import Progress, estimate, swarm_progress
 from p2p_diloco.swarm.records import parse_progress
 
 BUDGET = 1000  # tokens per live peer (H x batch x seq_len)
@@ -100,7 +100,7 @@ def test_the_claim_cap_trades_a_fast_peer_s_overshoot_against_a_liar_s_reach():
 
 
 def test_the_default_cap_follows_the_run_s_admission():
-    from p2p_diloco.rounds import claim_cap
+    from p2p_diloco.protocol.budget import claim_cap
 
     assert claim_cap(0.0, certified=False) == 1.4 and claim_cap(0.0, certified=True) == 4.5
     assert claim_cap(2.0, certified=False) == claim_cap(2.0, certified=True) == 2.0  # as configured

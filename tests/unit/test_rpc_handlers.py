@@ -2,11 +2,11 @@
 and recognises only typing's AsyncIterator: with collections.abc's (what ruff's UP035 rewrites it
 to), a handler that streams is registered as unary and every call to it fails without a log line.
 It happened twice: every link probe failed (rpc_probe), and no group ever formed (rpc_join_group,
-when it moved to swarm/gathered.py). This checks every handler the averager serves."""
+when it moved to swarm/averaging/gathered.py). This checks every handler the averager serves."""
 
 import inspect
 
-from p2p_diloco.swarm.averager import DiLoCoAverager
+from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 
 
 def test_every_averager_rpc_that_yields_is_registered_as_streaming():

@@ -6,7 +6,7 @@ from types import SimpleNamespace
 import pytest
 from hivemind.averaging.control import AveragingStage
 
-from p2p_diloco.swarm.step import AveragingStep, Overtook
+from p2p_diloco.swarm.averaging.step import AveragingStep, Overtook
 
 
 class Control:
@@ -76,7 +76,7 @@ def test_the_next_rounds_key_waits_until_the_last_steps_look_for_a_group_ended()
 
     from hivemind.utils.mpfuture import MPFuture
 
-    from p2p_diloco.swarm.averager import DiLoCoAverager
+    from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 
     async def scenario():
         keys = SimpleNamespace(group_bits="0100")

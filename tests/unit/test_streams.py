@@ -1,10 +1,10 @@
-"""streams.py: a reply stream whose handler ends only once the asker holds every reply."""
+"""swarm/transport/streams.py: a reply stream whose handler ends only once the asker holds every reply."""
 
 import asyncio
 
 import pytest
 
-from p2p_diloco.swarm import streams
+from p2p_diloco.swarm.transport import streams
 
 
 def _pair(replies, handled):

@@ -1,7 +1,7 @@
 """Untrusted input as a class: hostile values in every field of every DHT record kind,
-fed through the real readers (swarm/records.py over wire.py's parsers) and the callers that act on
-what they return: the round wait and catch-up (agreement.py), the heartbeat, run identity, the
-observer and `status` (observatory.RunLog, observe.status_lines, the dashboard's JSON) and the
+fed through the real readers (swarm/records.py over trust/wire.py's parsers) and the callers that act on
+what they return: the round wait and catch-up (protocol/agreement.py), the heartbeat, run identity, the
+observer and `status` (run_view.RunLog, service.status_lines, the dashboard's JSON) and the
 bootstrap node's status line. Pass: nothing raises out of them; the hostile record is dropped
 (logged once), and the honest peers' records still read as published.
 
@@ -25,17 +25,19 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from p2p_diloco import agreement, observe
 from p2p_diloco import config as config_mod
 from p2p_diloco.errors import RunConfigMismatch
-from p2p_diloco.network import RoundRecord
-from p2p_diloco.swarm import entry, records
-from p2p_diloco.swarm.bootstrap import rounds_seen
-from p2p_diloco.swarm.gate import Gate
+from p2p_diloco.observe import service
+from p2p_diloco.protocol import agreement
+from p2p_diloco.protocol.network import RoundRecord
+from p2p_diloco.swarm import records
 from p2p_diloco.swarm.heartbeat import Heartbeat
-from p2p_diloco.swarm.identity import make_validator, owner_peer_id
-from p2p_diloco.swarm.observer import RunReader
 from p2p_diloco.swarm.run_identity import RunIdentity
+from p2p_diloco.swarm.run_reader import RunReader
+from p2p_diloco.swarm.transport import entry
+from p2p_diloco.swarm.transport.bootstrap import rounds_seen
+from p2p_diloco.swarm.transport.identity import make_validator, owner_peer_id
+from p2p_diloco.swarm.trust.gate import Gate
 
 # Cases per test; the suite's run is the same every time (derandomize: CI never meets a new
 # case by chance). P2P_DILOCO_FUZZ=N runs N fresh random cases per test instead.
@@ -228,11 +230,11 @@ def test_the_observer_status_and_dashboard_survive_any_round_or_progress_record(
     reader = RunReader(world.config, dht, world.keys[0], Gate(world.config, dht.peer_id, member=False))
     poll = reader.poll()
     assert_honest_read(world, poll[0])
-    log = observe.run_log(world.config)
+    log = service.run_log(world.config)
     log.ingest(*poll, now=NOW)
     view = log.view(NOW + 1)
     json.dumps(view, allow_nan=False)  # what the dashboard's /api/view sends
-    observe.status_lines(view, world.ids[0])
+    service.status_lines(view, world.ids[0])
     log.to_evaluate(1, NOW + 1)
 
 
@@ -335,8 +337,8 @@ def test_a_served_state_with_malformed_metadata_is_one_problem_line_and_the_next
 
     import torch
 
-    from p2p_diloco import outer
-    from p2p_diloco.network import download_verified
+    from p2p_diloco.protocol import outer
+    from p2p_diloco.protocol.network import download_verified
     from p2p_diloco.swarm.served import read_served_state
     from tests.unit.test_deadlines import served
 

@@ -1,0 +1,230 @@
+"""Starting a DHT node: listen and announce addresses, identity file, initial peers, NAT features.
+
+hivemind's errors (a daemon that does not start, a port in use, a key that is not a key, peers that
+cannot be reached) become SwarmError with a message that names the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+import logging
+import os
+import socket
+import threading
+from collections.abc import Sequence
+from concurrent.futures import TimeoutError as FuturesTimeout
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import hivemind
+from hivemind.utils.multiaddr import Multiaddr
+
+from p2p_diloco.config import SwarmSection
+from p2p_diloco.errors import ConfigError, SwarmError
+from p2p_diloco.swarm.transport.identity import MADE_HERE, not_a_key
+from p2p_diloco.swarm.transport.in_use import in_use
+from p2p_diloco.swarm.transport.processes import children_started, quiet_fork, wait_result, wait_started
+
+logger = logging.getLogger(__name__)
+
+IDENTITY_CHECK_SHARE = 0.25  # of swarm.join_timeout_s, for asking whether the identity is in use
+
+
+class SwarmDHT(hivemind.DHT):
+    """hivemind's DHT, forked with no garbage collection in flight (processes.quiet_fork), and
+    with a deadline and a liveness check on its start and on every call that waits for its answer.
+
+    hivemind waits for the DHT process without a deadline: for it to start, and for each answer
+    (get, store, run_coroutine, hence peer_id and get_visible_maddrs). A DHT process that dies (a
+    segfault while it imports a module, say) would leave its caller waiting forever.
+    `timeout_s` (swarm.join_timeout_s) bounds the start and each call; a dead process is a
+    SwarmError within processes.LIVENESS_S.
+    """
+
+    def __init__(self, *args: Any, timeout_s: float, identity_check: IdentityCheck | None = None, **kwargs: Any):
+        self.timeout_s = timeout_s  # read by run_in_background, which hivemind's __init__ calls
+        self.identity_check = identity_check
+        super().__init__(*args, check_if_identity_free=False, **kwargs)  # in_use.py asks instead
+
+    def run(self) -> None:
+        """The DHT process: first ask whether another node uses this identity (in_use.py)."""
+        check = self.identity_check
+        if check is not None and in_use(check.path, self.initial_peers or (), check.relays, check.timeout_s):
+            self._ready.set_exception(
+                SwarmError(
+                    f"the identity {check.path} is in use by another running node of the swarm (two nodes with "
+                    f"one key take each other's messages): stop that node, or give this peer its own folder or "
+                    f"--identity"
+                )
+            )
+            return
+        super().run()
+
+    def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
+        with quiet_fork("DHT process"):
+            self.start()
+        self._outer_pipe = OneSendAtATime(self._outer_pipe)  # type: ignore[has-type]  # hivemind: untyped
+        if await_ready:
+            wait_started(self, "DHT process", timeout or self.timeout_s)
+
+    def get(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
+        return self._answer(super().get(*args, return_future=True, **kwargs), return_future)
+
+    def store(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
+        return self._answer(super().store(*args, return_future=True, **kwargs), return_future)
+
+    def run_coroutine(self, coro: Any, return_future: bool = False) -> Any:
+        return self._answer(super().run_coroutine(coro, return_future=True), return_future)
+
+    def _answer(self, future: Any, return_future: bool) -> Any:
+        if return_future:
+            return future
+        try:
+            return wait_result(self, future, "DHT process", self.timeout_s)
+        except FuturesTimeout:
+            future.cancel()
+            raise SwarmError(
+                f"the DHT process did not answer within {self.timeout_s:g} s (swarm.join_timeout_s)"
+            ) from None
+
+
+@dataclass(frozen=True)
+class IdentityCheck:
+    path: Path
+    relays: bool  # swarm.nat_traversal: a node reachable only through a relay can be found
+    timeout_s: float
+
+
+class OneSendAtATime:
+    """hivemind's DHT handle writes each call to one pipe and waits for the answer on a future of
+    its own. Two threads writing at once could interleave their bytes, so each write takes this
+    lock, and only the write: a thread waiting for a slow answer (3 s for each try of a node that
+    sleeps) does not hold up the others' calls. A child forked while a write was in flight makes
+    its own lock (the copy would be held for ever)."""
+
+    def __init__(self, pipe: Any):
+        self._pipe, self._pid, self._lock = pipe, os.getpid(), threading.Lock()
+
+    def send(self, message: Any) -> None:
+        if os.getpid() != self._pid:
+            self._pid, self._lock = os.getpid(), threading.Lock()
+        with self._lock:
+            self._pipe.send(message)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._pipe, name)
+
+
+def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
+    """Check each initial peer is a full multiaddr with a /p2p/ peer id, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3..."""
+    for text in maddrs:
+        try:
+            maddr = Multiaddr(text)
+        except Exception as e:  # multiaddr raises several types for malformed text
+            raise ConfigError(
+                f"initial peer {text!r} is not a multiaddr ({e}); copy the line the bootstrap node printed"
+            ) from None
+        if "/p2p/" not in str(maddr):
+            raise ConfigError(
+                f"initial peer {text!r} has no /p2p/<peer id> part; copy the full line the bootstrap node printed"
+            )
+    return list(maddrs)
+
+
+def listen_maddrs(cfg: SwarmSection) -> tuple[list[str], list[str]]:
+    """(host multiaddrs, announce multiaddrs) from the config's host, port and announce_host."""
+    try:
+        version = "ip6" if ipaddress.ip_address(cfg.host).version == 6 else "ip4"
+    except ValueError:
+        raise ConfigError(f"swarm.host {cfg.host!r} is not an IP address; use e.g. 0.0.0.0 or 127.0.0.1") from None
+    if cfg.announce_host and cfg.port == 0:
+        raise ConfigError(
+            "an announced address needs a fixed port: set --port / swarm.port (e.g. 31337) and forward it"
+        )
+    host = [f"/{version}/{cfg.host}/tcp/{cfg.port}"]
+    announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host else []
+    return host, announce
+
+
+def start_dht(
+    cfg: SwarmSection,
+    identity_path: Path | None,
+    initial_peers: Sequence[str],
+    client_mode: bool,
+    validators: Sequence[Any] = (),
+) -> hivemind.DHT:
+    """Start a DHT node in a background process and join the swarm through `initial_peers`."""
+    host, announce = listen_maddrs(cfg)
+    _check_port_free(cfg.host, cfg.port)
+    nat = cfg.nat_traversal
+    check = None
+    if identity_path is not None and identity_path.exists():
+        _check_identity(identity_path)
+        if initial_peers and identity_path.resolve() not in MADE_HERE:  # nobody to ask; a key made just now
+            check = IdentityCheck(identity_path, nat, cfg.join_timeout_s * IDENTITY_CHECK_SHARE)
+    try:
+        with children_started():  # a signal to the peer's group leaves the DHT process to the peer
+            return SwarmDHT(
+                initial_peers=parse_initial_peers(initial_peers),
+                start=True,
+                client_mode=client_mode,
+                host_maddrs=host,
+                announce_maddrs=announce or None,
+                identity_path=str(identity_path) if identity_path else None,
+                record_validators=list(validators),
+                # UPnP/NAT-PMP probing, AutoNAT and relays reach out to the LAN: only when asked for.
+                nat_port_map=nat,
+                auto_nat=nat,
+                use_relay=nat,
+                use_auto_relay=nat,
+                startup_timeout=cfg.join_timeout_s,
+                timeout_s=cfg.join_timeout_s,
+                identity_check=check,
+            )
+    except (SwarmError, ConfigError):
+        raise
+    except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, TimeoutError... with long texts
+        raise SwarmError(_explain(e, cfg, initial_peers)) from None
+
+
+def _check_port_free(host: str, port: int) -> None:
+    """libp2p listens with SO_REUSEPORT, so a second node on a taken port starts and misbehaves
+    instead of failing: check with a plain bind first."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        try:
+            probe.bind((host, port))
+        except OSError as e:
+            raise SwarmError(
+                f"port {port} on {host} is not free ({e.strerror}); stop what uses it or choose "
+                f"another port (0 picks a free one)"
+            ) from None
+
+
+def _check_identity(path: Path) -> None:
+    """The identity file must hold the libp2p private key hivemind wrote there, nothing else."""
+    from hivemind.proto import crypto_pb2
+
+    try:
+        key = crypto_pb2.PrivateKey.FromString(path.read_bytes())
+        ok = bool(key.data)
+    except Exception:  # protobuf raises DecodeError and others on foreign bytes
+        ok = False
+    if not ok:
+        raise SwarmError(not_a_key(path))
+
+
+def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) -> str:
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    lowered = str(error).lower()
+    if "address already in use" in lowered or "bind" in lowered:
+        return f"port {cfg.port} on {cfg.host} is already in use ({text}); choose another --swarm.port or 0 for any"
+    if initial_peers and ("connect" in lowered or "bootstrap" in lowered or "timeout" in lowered or "dial" in lowered):
+        return (
+            f"could not reach any initial peer ({', '.join(initial_peers)}): {text}; check the address and that "
+            f"the bootstrap node is running"
+        )
+    return f"could not start the DHT node: {text}"

@@ -1,0 +1,126 @@
+"""Pure: reducer accountability, the checks behind the audit after every all-reduce.
+
+A reducer answers every sender with one combination of the group's parts of its span
+(robust.aggregate). A lying reducer (its span's average × 100, or random values) would otherwise
+move every honest peer's θ at will, since all members apply the same bytes (I1). So:
+
+1. **Commitments.** Every part a sender sends carries the sender's signature over
+   `part_statement(group, reducer, part index, weight, bytes, size, codec)`; every average a reducer answers
+   carries the reducer's signature over `output_statement(group, reducer, part index, bytes)`.
+   The keys are the peers' libp2p identity keys, bound to their peer ids (swarm/transport/identity.py), so a
+   statement is evidence anyone can check, and nobody can sign for someone else.
+2. **The check's randomness comes after.** Once every average arrived, each member derives the
+   audit `seed` from the group id and the hashes of every average it received. No reducer knows,
+   when it answers, which of its parts will be checked; no reducer can change an answer after.
+3. **The audit.** For each other reducer, every member asks it for every sender's signed part of
+   some of its part indices (`audited_parts`: as many as fit 2 MiB, one of a big model's), checks
+   every signature, recomputes the combination and compares it with the signed average it
+   received (`disagreement`). Every honest member checks the same parts with the same data, so
+   all reach the same verdict.
+
+A reducer whose answer is not the combination of the signed parts is convicted: the round's
+average is discarded (I2), and the members refuse it for the rest of the run. A sender cannot
+frame a reducer: the reducer shows the sender's own signature over what it sent. A reducer that
+does not answer the audit fails the round only (it may be slow, not lying).
+
+Recomputing on another machine may round differently (torch's reductions differ between CPU
+kernels), so the comparison allows `TOLERANCE` of the average's norm, after the codec: a liar can
+bias its span by at most that much per round, the size of the codec's own rounding.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Sequence
+
+import torch
+
+from p2p_diloco.protocol import codecs
+from p2p_diloco.trust import robust
+
+TOLERANCE = 0.01  # of the recomputed average's norm (after the codec)
+AUDIT_BYTES = 2 * 1024 * 1024  # of each reducer's parts checked per audit (one part of a big model)
+_PART = b"p2p-diloco/part/v1"
+_OUTPUT = b"p2p-diloco/average/v1"
+
+
+def digest(payload: bytes) -> bytes:
+    return hashlib.sha256(payload).digest()
+
+
+def _framed(*fields: bytes) -> bytes:
+    """Fields with their lengths, so that no two field lists give the same bytes."""
+    return b"".join(struct.pack(">I", len(f)) + f for f in fields)
+
+
+def part_statement(
+    group_id: bytes, reducer: str, part: int, weight: float, payload: bytes, numel: int = 0, codec: str = ""
+) -> bytes:
+    """What a sender signs for one part it sends: which group, to whom, which part, its weight, its
+    bytes, and how they decode (how many values, which codec), so nobody can make honest bytes
+    look malformed by telling another size or codec."""
+    return _framed(
+        _PART, group_id, reducer.encode(), struct.pack(">QdQ", part, weight, numel), codec.encode(), digest(payload)
+    )
+
+
+def output_statement(group_id: bytes, reducer: str, part: int, payload: bytes) -> bytes:
+    """What a reducer signs for one average it answers."""
+    return _framed(_OUTPUT, group_id, reducer.encode(), struct.pack(">Q", part), digest(payload))
+
+
+def seed(group_id: bytes, output_digests: Sequence[bytes]) -> bytes:
+    """The audit's randomness: fixed only once every average of the group is (in reducer, part order)."""
+    return digest(_framed(b"p2p-diloco/audit/v1", group_id, *output_digests))
+
+
+def audited_parts(audit_seed: bytes, reducer: str, num_parts: int, count: int = 1) -> list[int]:
+    """Which of `reducer`'s parts every member checks (num_parts > 0): `count` of them (all when
+    count >= num_parts), chosen by the seed, in increasing order."""
+    value = int.from_bytes(digest(audit_seed + reducer.encode())[:8], "big")
+    count = max(1, min(count, num_parts))
+    return sorted((value + i * num_parts // count) % num_parts for i in range(count))
+
+
+def parts_to_audit(part_bytes: int, budget_bytes: int = AUDIT_BYTES) -> int:
+    """How many of a reducer's parts each audit checks: as many as fit `budget_bytes`, at least one.
+    A big model's 2 MiB parts: one, a fraction q of a liar's parts caught with probability q per
+    round. A small model cut into small parts (links.part_bytes): its whole span, as when it was one
+    part."""
+    return max(1, budget_bytes // max(1, part_bytes))
+
+
+def disagreement(
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    aggregation: tuple[robust.Aggregator, float, float],
+    codec: codecs.Codec,
+    answered: torch.Tensor,
+) -> str | None:
+    """Why `answered` (the decoded average a reducer signed) is not the combination of `parts`
+    (decoded, with their signed weights) under `aggregation`, or None if it is, within TOLERANCE."""
+    how, clip, cap = aggregation
+    expected = robust.aggregate(parts, weights, how, clip, cap)
+    expected = codec.roundtrip(expected.reshape(-1)).view_as(expected)
+    if answered.shape != expected.shape:
+        return f"an average of shape {tuple(answered.shape)} for parts of shape {tuple(expected.shape)}"
+    if not bool(torch.isfinite(answered).all()):
+        return "a non-finite average"
+    error = float((answered.double() - expected.double()).norm())
+    scale = float(expected.double().norm())
+    if error > TOLERANCE * scale + 1e-12:
+        return f"an average off by {error:.4g} (norm of the true one: {scale:.4g})"
+    return None
+
+
+BENCH_S = 120.0  # a reducer's first unanswered audit: left out of this member's groups this long
+BENCH_MAX_S = 3600.0
+
+
+def bench_s(offences: int) -> float:
+    """How long a reducer is left out after its `offences`-th unanswered audit (1, 2, ...): BENCH_S,
+    doubled at each repeat up to BENCH_MAX_S. Not a conviction (nothing signed says it lied: it may be
+    slow or gone), but a reducer that never answers costs each honest peer one failed round per
+    period, and the periods grow, instead of failing every round."""
+    return min(BENCH_MAX_S, BENCH_S * 2.0 ** max(0, offences - 1))
