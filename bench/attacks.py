@@ -61,7 +61,7 @@ PLAN = [
     ("clip", {"swarm.aggregator": "clip"}, ["clean", "clean (repeat)", *SENDER_ATTACKS]),
     # reducers audited (trust/audit.py): the same clip runs, measured again with the audit in place
     ("clip, audited reducers", {"swarm.aggregator": "clip"}, ["clean", *REDUCER_ATTACKS]),
-    # a sender of signed NaN parts: convicted on its own signature (swarm/trust/evidence.py)
+    # a sender of signed NaN parts: convicted on its own signature (swarm/averaging/evidence.py)
     ("clip, malformed parts", {"swarm.aggregator": "clip"}, ["clean", "garbage:0"]),
     # signed parts with a malformed weight (convicted on its own signature) or of another size than
     # the group's layout (refused by each reducer it sends one to), issue 27

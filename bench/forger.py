@@ -23,9 +23,9 @@ from pathlib import Path
 from p2p_diloco import config
 from p2p_diloco.protocol.budget import Progress
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm import records
 from p2p_diloco.swarm.transport.identity import make_validator, peer_id_of
 from p2p_diloco.swarm.transport.node import start_dht
+from p2p_diloco.swarm.trust import records
 
 FORGED_DIGEST = "f0" * 16
 AHEAD = 50  # rounds ahead of the swarm the forged records claim

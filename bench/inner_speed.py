@@ -96,7 +96,7 @@ class PeerArm:
     def run(self, steps: int) -> None:
         started = time.perf_counter()
 
-        def on_step(step: int, loss: Any, tokens: int) -> None:  # as round.PhaseRunner's
+        def on_step(step: int, loss: Any, tokens: int) -> None:  # as driver.PhaseRunner's
             self.progress.update(loss, tokens / max(time.perf_counter() - started, 1e-9))
 
         self.trainer.run_phase(self.stream.next_batch, steps, on_step=on_step)  # synchronises at its end

@@ -425,7 +425,7 @@ def _install_stop_handlers(
 def cmd_bootstrap(args: argparse.Namespace) -> int:
     from pathlib import Path
 
-    from p2p_diloco.swarm.transport.bootstrap import Bootstrap
+    from p2p_diloco.swarm.bootstrap import Bootstrap
     from p2p_diloco.train.metrics import setup_logging
 
     overrides = {"swarm.host": args.host, "swarm.port": str(args.port), "swarm.announce_host": args.announce}
@@ -580,7 +580,7 @@ def reference_markdown() -> str:
 def cmd_export(args: argparse.Namespace) -> int:
     import transformers
 
-    from p2p_diloco.train.export import check_repo_id, export_run, push_to_hub
+    from p2p_diloco.observe.export import check_repo_id, export_run, push_to_hub
 
     transformers.utils.logging.disable_progress_bar()
     if args.push_to_hub is not None:
@@ -611,9 +611,9 @@ def _export_from_swarm(args: argparse.Namespace) -> Any:
     from pathlib import Path
 
     from p2p_diloco.observe.evaluate import RunModel
+    from p2p_diloco.observe.export import export_agreed
     from p2p_diloco.observe.service import fetch_agreed
     from p2p_diloco.swarm.run_reader import Observer
-    from p2p_diloco.train.export import export_agreed
 
     overrides = {"swarm.initial_peers": ",".join(args.initial_peers), "admission.certificate": args.certificate}
     cfg = config_mod.load(args.config, {k: v for k, v in overrides.items() if v is not None})
@@ -697,7 +697,7 @@ def cmd_admission(args: argparse.Namespace) -> int:
 def _revoke(args: argparse.Namespace, cfg: config_mod.Config) -> int:
     from pathlib import Path
 
-    from p2p_diloco.swarm.transport.bootstrap import publish_revocation
+    from p2p_diloco.swarm.bootstrap import publish_revocation
     from p2p_diloco.trust import admission
 
     out = Path(args.folder) / admission.REVOKED_DIR / f"{args.peer_id}.json"
@@ -718,7 +718,7 @@ def _revoke(args: argparse.Namespace, cfg: config_mod.Config) -> int:
 
 def _convictions(args: argparse.Namespace, cfg: config_mod.Config) -> int:
     """Each convicted peer, by how many peers convicted it, with the command that revokes it."""
-    from p2p_diloco.swarm.transport.bootstrap import read_convictions
+    from p2p_diloco.swarm.bootstrap import read_convictions
 
     reach = config_mod.load(args.config, {"swarm.initial_peers": ",".join(args.initial_peers), "swarm.port": "0"})
     found = read_convictions(reach, args.wait)

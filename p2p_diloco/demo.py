@@ -61,7 +61,7 @@ def run_demo(n_peers: int, rounds: int, folder: str | Path, stop: threading.Even
     """Run the demo until every peer finished `rounds` or `stop` is set; 0 if all peers agreed and exited cleanly."""
     folder = Path(folder)
     prepare_folder(folder)  # before anything slow: a refused folder costs no peer and no import
-    from p2p_diloco.swarm.transport.bootstrap import Bootstrap  # imports hivemind
+    from p2p_diloco.swarm.bootstrap import Bootstrap  # imports hivemind
 
     cfg = demo_config(rounds)
     config_mod.save(cfg, folder / "run.toml")

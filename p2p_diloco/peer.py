@@ -3,8 +3,8 @@
 Alone (no initial peers) the peer's swarm is `Solo`, a swarm of one: the average of one
 pseudo-gradient is itself, which is DiLoCo with k = 1. With initial peers it is the real swarm;
 nothing else in a round changes. The peer builds the parts and runs the loop: its replica of the
-run (protocol/replica.py), the round (protocol/round.py), agreement and catch-up (protocol/sync.py), and the joining
-checks (protocol/joining.py), each handed the replica, the swarm and the config, never the peer.
+run (round/replica.py), the round (round/driver.py), agreement and catch-up (round/sync.py), and the joining
+checks (round/joining.py), each handed the replica, the swarm and the config, never the peer.
 """
 
 from __future__ import annotations
@@ -24,12 +24,13 @@ from p2p_diloco import config as config_mod
 from p2p_diloco import faults
 from p2p_diloco.config import Config
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.protocol import deadlines, joining, outer
+from p2p_diloco.protocol import deadlines, outer
 from p2p_diloco.protocol.agreement import still_finishing
 from p2p_diloco.protocol.network import COPIED, ServedState, Solo, Swarm
-from p2p_diloco.protocol.replica import Display, Replica
-from p2p_diloco.protocol.round import RoundDriver, RoundEnd
-from p2p_diloco.protocol.sync import StateSync
+from p2p_diloco.round import joining
+from p2p_diloco.round.driver import RoundDriver, RoundEnd
+from p2p_diloco.round.replica import Display, Replica
+from p2p_diloco.round.sync import StateSync
 from p2p_diloco.train import checkpoint, data, ranks, sinks
 from p2p_diloco.train import model as model_mod
 from p2p_diloco.train.inner import InnerTrainer
@@ -136,7 +137,7 @@ class Peer:
         sinks.require_packages(config.log)
         self._lock = claim_run_dir(self.run_dir, resume)
         self.progress = Progress(False, "")
-        self.phase = Phase()  # what it does now (its /metrics): set by protocol/round.py and protocol/sync.py
+        self.phase = Phase()  # what it does now (its /metrics): set by round/driver.py and round/sync.py
         self.sinks = sinks.Sinks([])
         self.ranks: ranks.Alone | ranks.Leader = ranks.Alone()
         self._swarm: Swarm | None = None

@@ -1,7 +1,8 @@
-"""The DiLoCo round: its decisions as pure functions, and the round carried out.
+"""The DiLoCo protocol's decisions, as pure functions of what the swarm published, and the seam.
 
-Pure: agreement (whom to wait for, majority, adopt or catch up), budget (when a speed-aware round
-ends), codecs, deadlines, genesis, links, outer (the outer step, digests), pending. Carried out:
-round, averaging, sync and joining, which reach other peers only through network's `Swarm`
-protocol. Nothing here imports hivemind.
+agreement (whom to wait for, the majority, adopt or catch up), budget (when a speed-aware round
+ends), genesis (what a run is beyond its name), outer (the outer step, pseudo-gradients, digests),
+links (who reduces how much), codecs (how a pseudo-gradient travels), deadlines (every wait's
+bound, I3), pending (a result on its way), network (the `Swarm` protocol the round talks to, and
+`Solo`). No I/O of their own: round/ carries them out, swarm/ does the network.
 """

@@ -11,7 +11,7 @@ round's state instead of training a round nobody else is in. This module decides
   peer ran ahead of it (`runs_ahead`);
 - adopt or keep (`should_adopt`, `catch_up_target`);
 - which holders to download from (`download_sources`).
-sync.py carries the decisions out; the `Swarm` (network.py) only reads and writes.
+round/sync.py carries the decisions out; the `Swarm` (network.py) only reads and writes.
 
 Client-mode peers (behind NAT) cannot serve a state, so they never count as a reference while a
 reachable peer's digest is in: they follow the reachable peers.

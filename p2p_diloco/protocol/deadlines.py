@@ -29,7 +29,7 @@ T = TypeVar("T")
 ROUND_POLL_S = 0.2
 # A wait for the swarm to move (a peer ahead waits for the others to train up to its round; a
 # starting peer looks before it follows a state one peer backs) lasts seconds to minutes: it
-# re-reads less often. Also the first pause between two tries of a whole-state download (sync.py).
+# re-reads less often. Also the first pause between two tries of a whole-state download (round/sync.py).
 CATCH_UP_POLL_S = 0.5
 # A one-off command's node (export, revoke, convictions) waits for what peers publish at their
 # heartbeat's pace, one beat a second (progress records with convictions, revocations published

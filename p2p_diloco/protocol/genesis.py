@@ -2,7 +2,7 @@
 
 A run id is only a name: with nothing else, a typo, an edited run.toml or a config retried after a
 refusal would start a second run under it, silently. So a run also has a genesis, published in the DHT under the
-run id by the peers that start it (swarm/records.py), long after their round records expired:
+run id by the peers that start it (swarm/trust/records.py), long after their round records expired:
 - the run's config (its fingerprint; in certified runs with the organiser's signature over it);
 - θ(0)'s digest, what every peer of the config starts from;
 - once a peer finished the last round, the final round and digest.

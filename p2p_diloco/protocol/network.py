@@ -1,6 +1,6 @@
 """The seam between a peer and its swarm: the `Swarm` protocol, what crosses it, and `Solo`.
 
-The peer's round logic (round.py, averaging.py, sync.py) talks to the network only through a
+The peer's round logic (round/driver.py, round/averaging.py, round/sync.py) talks to the network only through a
 `Swarm`. Three things implement it:
 - `p2p_diloco.swarm.Swarm`: real hivemind peers (the only package that imports hivemind);
 - `Solo`: a peer with no initial peers, a swarm of one: nobody publishes, nobody to wait for or

@@ -96,7 +96,7 @@ def points_against(cosine_: float) -> bool:
 def against_own(average: Mapping[str, torch.Tensor], own: Mapping[str, torch.Tensor]) -> float | None:
     """The cosine of `average` with this peer's own Δ if it points against it (a Δ of zero has no
     direction: nothing points against it), else None. The one rule behind both vetoes: an
-    average not applied (averaging.py) and a state not adopted (sync.py)."""
+    average not applied (round/averaging.py) and a state not adopted (round/sync.py)."""
     cosine_ = cosine(average, own)
     return cosine_ if points_against(cosine_) and norm(own) > 0 else None
 

@@ -40,7 +40,6 @@ from p2p_diloco.protocol.network import (
     history_after,
     published_loss,
 )
-from p2p_diloco.swarm import records
 from p2p_diloco.swarm.averaging.allreduce import WireCodec
 from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 from p2p_diloco.swarm.averaging.step import AveragingStep
@@ -50,6 +49,7 @@ from p2p_diloco.swarm.transport import entry
 from p2p_diloco.swarm.transport.identity import load_identity, make_validator, peer_id_of, public_key_bytes
 from p2p_diloco.swarm.transport.node import start_dht
 from p2p_diloco.swarm.transport.processes import children_started, stop_process
+from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
 
 logger = logging.getLogger(__name__)

@@ -17,8 +17,8 @@ from typing import Any
 from p2p_diloco.protocol import agreement
 from p2p_diloco.protocol.budget import STALE_S, Progress, SwarmProgress, swarm_progress
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm import records
 from p2p_diloco.swarm.transport import entry
+from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.convictions import Convictions
 from p2p_diloco.swarm.trust.gate import Gate
 

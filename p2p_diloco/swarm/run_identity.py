@@ -14,7 +14,7 @@ from p2p_diloco.config import Config, diff_shared
 from p2p_diloco.errors import RunConfigMismatch
 from p2p_diloco.protocol import genesis
 from p2p_diloco.protocol.genesis import Genesis, Verdict
-from p2p_diloco.swarm import records
+from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
 
 logger = logging.getLogger(__name__)

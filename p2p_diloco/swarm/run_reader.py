@@ -4,7 +4,7 @@ An observer joins the run's DHT as a client node and publishes nothing: no round
 config record, so no peer ever expects it in a group, counts it in agreement or waits for it. (In
 a certified run, given a certificate of its own, it publishes that: peers serve their state to
 admitted askers only, and the observer downloads the agreed state to evaluate it.) It
-reads what every peer reads (swarm/records.py), filtered as a peer filters it: in a certified run
+reads what every peer reads (swarm/trust/records.py), filtered as a peer filters it: in a certified run
 only admitted peers' records count (swarm/trust/gate.py). A bootstrap node can serve the same view from
 its own DHT node (`RunReader` over its `dht`).
 """
@@ -21,12 +21,12 @@ from p2p_diloco.config import Config
 from p2p_diloco.errors import SwarmError
 from p2p_diloco.protocol.budget import Progress
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm import records
 from p2p_diloco.swarm.heartbeat import Entries
 from p2p_diloco.swarm.state_client import StateClient
 from p2p_diloco.swarm.transport.identity import make_validator, peer_id_of
 from p2p_diloco.swarm.transport.node import start_dht
 from p2p_diloco.swarm.transport.processes import stop_process
+from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
 
 # Each admitted peer's latest round record, their progress reports, {accused: accusers},

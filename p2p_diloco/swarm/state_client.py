@@ -22,7 +22,7 @@ from hivemind.proto import averaging_pb2
 from p2p_diloco.protocol.deadlines import state_bytes
 from p2p_diloco.protocol.network import ServedState
 from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
-from p2p_diloco.swarm.served import read_served_state
+from p2p_diloco.swarm.averaging.served import read_served_state
 
 logger = logging.getLogger(__name__)
 

@@ -45,11 +45,12 @@ import torch
 
 from p2p_diloco import cli, peer
 from p2p_diloco.protocol import outer
-from p2p_diloco.swarm import Swarm, records
+from p2p_diloco.swarm import Swarm
 from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.auditor import Auditor
 from p2p_diloco.swarm.averaging.step import AveragingStep
 from p2p_diloco.swarm.heartbeat import Heartbeat
+from p2p_diloco.swarm.trust import records
 from tests.swarm.round_gate import install_gate
 
 KIND, X = os.environ["ATTACK"].split(":")

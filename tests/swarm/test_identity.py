@@ -10,9 +10,9 @@ from hivemind.utils import logging as hivemind_logging
 from p2p_diloco import config
 from p2p_diloco.errors import SwarmError
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm import records
 from p2p_diloco.swarm.transport.identity import make_validator, owner_peer_id
 from p2p_diloco.swarm.transport.node import start_dht
+from p2p_diloco.swarm.trust import records
 from tests.swarm.conftest import SWARM
 
 HONEST, FORGED = "a" * 32, "f" * 32

@@ -18,10 +18,10 @@ import pytest
 from p2p_diloco import config
 from p2p_diloco.protocol.deadlines import ROUND_POLL_S
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm import records
 from p2p_diloco.swarm.heartbeat import Heartbeat
 from p2p_diloco.swarm.transport.identity import make_validator, owner_peer_id
 from p2p_diloco.swarm.transport.node import start_dht
+from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
 from tests.swarm.conftest import SWARM
 

@@ -340,12 +340,10 @@ def test_healthcheck_needs_only_the_standard_library():
 # Lines the operator's guide quotes, and the source that prints each (a fragment of its literal text).
 QUOTED = {
     "bootstrap node up; give peers this line (any of the addresses works):": "p2p_diloco/cli.py",
-    "[bootstrap] ": "p2p_diloco/swarm/transport/bootstrap.py",
-    " peers in the routing table; run ": "p2p_diloco/swarm/transport/bootstrap.py",
-    "no round records yet": "p2p_diloco/swarm/transport/bootstrap.py",
-    "peers in the routing table (pass --config RUN_TOML to see the run's rounds)": (
-        "p2p_diloco/swarm/transport/bootstrap.py"
-    ),
+    "[bootstrap] ": "p2p_diloco/swarm/bootstrap.py",
+    " peers in the routing table; run ": "p2p_diloco/swarm/bootstrap.py",
+    "no round records yet": "p2p_diloco/swarm/bootstrap.py",
+    "peers in the routing table (pass --config RUN_TOML to see the run's rounds)": ("p2p_diloco/swarm/bootstrap.py"),
     "stopping the bootstrap node": "p2p_diloco/cli.py",
     "(again to stop now)": "p2p_diloco/cli.py",
     "stopped during start-up": "p2p_diloco/cli.py",
@@ -371,7 +369,7 @@ def test_the_nodes_status_line_counts_only_peers_whose_heartbeat_is_fresh():
     # that had ended, with an empty routing table.
     from p2p_diloco.protocol.budget import Progress
     from p2p_diloco.protocol.network import RoundRecord
-    from p2p_diloco.swarm.transport.bootstrap import rounds_seen
+    from p2p_diloco.swarm.bootstrap import rounds_seen
 
     found = {p: RoundRecord(p, r, "d", 0, 0.0) for p, r in (("a", 20), ("b", 20), ("c", 19), ("d", 20))}
     now = 1000.0

@@ -16,7 +16,7 @@ from hivemind.utils.streaming import split_for_streaming
 from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.protocol import deadlines
-from p2p_diloco.swarm.served import read_served_state
+from p2p_diloco.swarm.averaging.served import read_served_state
 
 
 def test_a_state_download_is_given_the_time_its_size_takes_at_the_slowest_link_the_run_accepts():

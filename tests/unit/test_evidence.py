@@ -1,4 +1,4 @@
-"""A conviction's case (swarm/trust/evidence.py) judged again by anyone, with real identity keys, and
+"""A conviction's case (swarm/averaging/evidence.py) judged again by anyone, with real identity keys, and
 the peer process's handling of accusations (swarm/trust/convictions.py)."""
 
 from concurrent.futures import Future
@@ -10,10 +10,10 @@ from hivemind.proto import averaging_pb2
 from p2p_diloco import config
 from p2p_diloco.protocol import codecs
 from p2p_diloco.swarm.averaging.allreduce import WireCodec
+from p2p_diloco.swarm.averaging.evidence import Case, judge
 from p2p_diloco.swarm.averaging.ledger import part_statement
 from p2p_diloco.swarm.transport import identity
 from p2p_diloco.swarm.trust.convictions import MAX_PENDING, Convictions
-from p2p_diloco.swarm.trust.evidence import Case, judge
 from p2p_diloco.swarm.trust.gate import Gate
 from p2p_diloco.trust import audit
 from tests.conftest import TINY
@@ -187,8 +187,8 @@ def _served(case):
 
     from hivemind.utils.serializer import MSGPackSerializer
 
+    from p2p_diloco.swarm.averaging.evidence import EvidenceDesk, _case_complete
     from p2p_diloco.swarm.transport import streams
-    from p2p_diloco.swarm.trust.evidence import EvidenceDesk, _case_complete
 
     evidence = EvidenceDesk(stub=None, serializer=MSGPackSerializer, codec=CODEC, aggregation=CLIP)
     evidence.file("accused", case)

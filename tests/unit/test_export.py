@@ -12,8 +12,8 @@ import torch
 
 from p2p_diloco import config
 from p2p_diloco.errors import ExportError
-from p2p_diloco.train import card
-from p2p_diloco.train.export import push_to_hub
+from p2p_diloco.observe import card
+from p2p_diloco.observe.export import push_to_hub
 from p2p_diloco.train.model import ByteTokenizer, export_model, init_model, model_config
 from tests.conftest import TINY
 from tests.unit.hub_standin import HubStandIn

@@ -141,7 +141,7 @@ def test_an_observer_names_admitted_peers_as_their_certificates_do(tmp_path, mon
     alice = admission.issue(key, cfg.run.run_id, OTHER, "alice", int(time.time()) + 3600)
     stolen = admission.issue(key, cfg.run.run_id, OTHER, "mallory", int(time.time()) + 3600)  # for another id
     published = {OTHER: alice.to_json(), "QmMallory": stolen.to_json()}
-    monkeypatch.setattr("p2p_diloco.swarm.records.read_certificates", lambda dht, prefix: published)
+    monkeypatch.setattr("p2p_diloco.swarm.trust.records.read_certificates", lambda dht, prefix: published)
     gate = Gate(cfg, "QmObserver", member=False)  # an observer: no certificate of its own
     gate.attach(None, None, "prefix", threading.Lock())
     assert gate.admitted({OTHER, "QmMallory"}) == {OTHER}

@@ -9,8 +9,9 @@ import time
 import pytest
 
 from p2p_diloco.errors import RunFinished
-from p2p_diloco.protocol import genesis, joining
+from p2p_diloco.protocol import genesis
 from p2p_diloco.protocol.genesis import Genesis, Verdict
+from p2p_diloco.round import joining
 from tests.unit.fake_swarm import FakeSwarm
 from tests.unit.test_round_protocol import make_peer, moved, records, run
 
@@ -124,7 +125,7 @@ def test_a_peer_that_comes_after_the_end_stops_without_training(tmp_path):
 
 
 def test_a_peer_that_comes_while_the_last_peers_linger_downloads_the_end(tmp_path, caplog, monkeypatch):
-    from p2p_diloco.protocol import sync
+    from p2p_diloco.round import sync
 
     caplog.set_level(logging.INFO)
     monkeypatch.setattr(sync, "SETTLE_S", 0.2)
@@ -137,7 +138,7 @@ def test_a_peer_that_comes_while_the_last_peers_linger_downloads_the_end(tmp_pat
 
 
 def test_a_false_claim_of_the_end_does_not_stop_a_peer_while_peers_train(tmp_path, monkeypatch):
-    from p2p_diloco.protocol import sync
+    from p2p_diloco.round import sync
 
     monkeypatch.setattr(sync, "SETTLE_S", 0.2)
     fake = FakeSwarm(verdict=Verdict("join", publishers=1, final=Genesis(MINE, "t0", 4, "forged")))

@@ -7,8 +7,8 @@ from hivemind.proto import crypto_pb2
 
 from p2p_diloco.errors import SwarmError
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm.records import parse_progress, signed_by_their_peer
 from p2p_diloco.swarm.transport.identity import load_identity, make_validator, owner_peer_id
+from p2p_diloco.swarm.trust.records import parse_progress, signed_by_their_peer
 
 D = "a" * 32
 

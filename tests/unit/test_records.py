@@ -2,7 +2,7 @@
 
 from p2p_diloco.protocol.agreement import majority
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm.records import convicted_by, round_bits, run_prefix
+from p2p_diloco.swarm.trust.records import convicted_by, round_bits, run_prefix
 
 D1, D2 = "a" * 32, "b" * 32
 

@@ -18,9 +18,10 @@ import torch
 from p2p_diloco import config
 from p2p_diloco.errors import AveragingError, CatchUpFailed, RunFinished, SwarmMovedOn
 from p2p_diloco.peer import Peer
-from p2p_diloco.protocol import deadlines, outer, sync
+from p2p_diloco.protocol import deadlines, outer
 from p2p_diloco.protocol.genesis import Genesis
 from p2p_diloco.protocol.network import AllReduced
+from p2p_diloco.round import sync
 from p2p_diloco.train import checkpoint
 from tests.conftest import TINY
 from tests.unit.fake_swarm import ME, FakeSwarm

@@ -3,7 +3,7 @@
 import pytest
 
 from p2p_diloco.protocol.budget import Progress, estimate, swarm_progress
-from p2p_diloco.swarm.records import parse_progress
+from p2p_diloco.swarm.trust.records import parse_progress
 
 BUDGET = 1000  # tokens per live peer (H x batch x seq_len)
 

@@ -1,5 +1,5 @@
 """Untrusted input as a class: hostile values in every field of every DHT record kind,
-fed through the real readers (swarm/records.py over trust/wire.py's parsers) and the callers that act on
+fed through the real readers (swarm/trust/records.py over trust/wire.py's parsers) and the callers that act on
 what they return: the round wait and catch-up (protocol/agreement.py), the heartbeat, run identity, the
 observer and `status` (run_view.RunLog, service.status_lines, the dashboard's JSON) and the
 bootstrap node's status line. Pass: nothing raises out of them; the hostile record is dropped
@@ -30,13 +30,13 @@ from p2p_diloco.errors import RunConfigMismatch
 from p2p_diloco.observe import service
 from p2p_diloco.protocol import agreement
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm import records
+from p2p_diloco.swarm.bootstrap import rounds_seen
 from p2p_diloco.swarm.heartbeat import Heartbeat
 from p2p_diloco.swarm.run_identity import RunIdentity
 from p2p_diloco.swarm.run_reader import RunReader
 from p2p_diloco.swarm.transport import entry
-from p2p_diloco.swarm.transport.bootstrap import rounds_seen
 from p2p_diloco.swarm.transport.identity import make_validator, owner_peer_id
+from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
 
 # Cases per test; the suite's run is the same every time (derandomize: CI never meets a new
@@ -339,7 +339,7 @@ def test_a_served_state_with_malformed_metadata_is_one_problem_line_and_the_next
 
     from p2p_diloco.protocol import outer
     from p2p_diloco.protocol.network import download_verified
-    from p2p_diloco.swarm.served import read_served_state
+    from p2p_diloco.swarm.averaging.served import read_served_state
     from tests.unit.test_deadlines import served
 
     like = {"w": torch.zeros(4)}

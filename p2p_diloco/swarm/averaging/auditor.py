@@ -29,9 +29,9 @@ from hivemind.utils import get_logger
 
 from p2p_diloco import faults
 from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
+from p2p_diloco.swarm.averaging.evidence import Case, EvidenceDesk, judge, sender_case
 from p2p_diloco.swarm.averaging.ledger import Ledger, SignedPart
 from p2p_diloco.swarm.transport import streams
-from p2p_diloco.swarm.trust.evidence import Case, EvidenceDesk, judge, sender_case
 from p2p_diloco.trust import audit
 
 logger = get_logger(__name__)
@@ -197,7 +197,7 @@ class Auditor:
         self, runner: ConsistentAllReduceRunner, j: int, part: int, shown: list[averaging_pb2.AveragingData]
     ) -> tuple[bool, str] | None:
         """The audit's verdict on reducer `j` (see `_audit_one`): a conviction only on what is
-        signed; its case is kept for peers outside the group (swarm/trust/evidence.py)."""
+        signed; its case is kept for peers outside the group (swarm/averaging/evidence.py)."""
         ledger = runner.ledger
         if len(shown) != len(ledger.senders):
             # Nothing signed says so: a stream cut short looks the same (a peer that just resumed,

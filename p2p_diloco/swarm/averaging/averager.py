@@ -4,7 +4,7 @@
 `BoundedAverager` puts a deadline on every wait of the peer's process on the averager process.
 `DiLoCoAverager` holds, as plain objects with their own state, the parts that check and answer
 the other members: the link prober (probes.py), the auditor (auditor.py), the evidence desk
-(swarm/trust/evidence.py), the all-gather's checks (gathered.py) and this member's side of the all-reduce
+(swarm/averaging/evidence.py), the all-gather's checks (gathered.py) and this member's side of the all-reduce
 (`Reduction`). They reach other members through `_stub`, which reads the p2p replica that hivemind
 creates in the averager process after the fork; the averager declares their RPC handlers.
 
@@ -45,16 +45,16 @@ from hivemind.utils.timed_storage import get_dht_time
 from p2p_diloco import faults
 from p2p_diloco.protocol import links
 from p2p_diloco.protocol.deadlines import state_bytes
-from p2p_diloco.swarm import records
 from p2p_diloco.swarm.averaging.allreduce import LOSSY_TENSOR, AllreduceStats, ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.auditor import Auditor
+from p2p_diloco.swarm.averaging.evidence import EvidenceDesk
 from p2p_diloco.swarm.averaging.gathered import Entry, Gathering, LedMatchmaking, fair
 from p2p_diloco.swarm.averaging.ledger import Ledger
 from p2p_diloco.swarm.averaging.probes import LinkProber
-from p2p_diloco.swarm.served import read_served_state
+from p2p_diloco.swarm.averaging.served import read_served_state
 from p2p_diloco.swarm.transport.processes import quiet_fork, wait_result, wait_started
+from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.doors import Doors
-from p2p_diloco.swarm.trust.evidence import EvidenceDesk
 from p2p_diloco.train import metrics
 from p2p_diloco.trust import robust
 

@@ -24,8 +24,8 @@ from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import AveragingError, SwarmError, SwarmMovedOn
 from p2p_diloco.protocol import deadlines, links
 from p2p_diloco.protocol.network import AllReduced
-from p2p_diloco.swarm import records
 from p2p_diloco.swarm.averaging.averager import Averaged, DiLoCoAverager
+from p2p_diloco.swarm.trust import records
 
 # What a failed averaging step raises from inside hivemind; anything else is a bug and propagates.
 HIVEMIND_ERRORS = (

@@ -5,7 +5,7 @@ write under it, but by default it signs with a key of its own, unrelated to the 
 could publish a record that *claims* any peer id. Here the validator signs with the peer's libp2p
 identity key (RSA, as hivemind makes it), so the peer id a record may claim is a function of the
 key that signed it (`owner_peer_id`), and records whose claim does not match are dropped
-(records.py). One key, one id: a process that wants more ids must make more keys.
+(swarm/trust/records.py). One key, one id: a process that wants more ids must make more keys.
 """
 
 from __future__ import annotations

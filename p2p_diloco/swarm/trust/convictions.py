@@ -1,4 +1,4 @@
-"""Convictions in the peer's process: others' accusations checked (swarm/trust/evidence.py).
+"""Convictions in the peer's process: others' accusations checked (swarm/averaging/evidence.py).
 
 Each peer's progress record carries the peers it convicted (records.publish_progress), so the
 heartbeat reads every accusation with the reports it reads anyway, at no extra DHT request. Each

@@ -28,7 +28,7 @@ from typing import Any
 
 from p2p_diloco.config import Config
 from p2p_diloco.errors import AdmissionError
-from p2p_diloco.swarm import records
+from p2p_diloco.swarm.trust import records
 from p2p_diloco.trust import admission
 
 logger = logging.getLogger(__name__)
@@ -162,7 +162,7 @@ class Gate:
         return (self.run_id, admission.public_key_text(self.organiser)) if self.organiser is not None else None
 
     def convict(self, peers: Iterable[str]) -> None:
-        """Peers this peer convicted (swarm/averaging/auditor.py, swarm/trust/evidence.py) or caught signing what
+        """Peers this peer convicted (swarm/averaging/auditor.py, swarm/averaging/evidence.py) or caught signing what
         they did not send (swarm/averaging/ledger.py): their records count no more."""
         new = set(peers) - self.convicted
         for peer in sorted(new):

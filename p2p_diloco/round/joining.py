@@ -12,7 +12,7 @@ from p2p_diloco.protocol.network import RoundRecord, Swarm
 from p2p_diloco.protocol.outer import GlobalState
 
 if TYPE_CHECKING:
-    from p2p_diloco.protocol.replica import Replica
+    from p2p_diloco.round.replica import Replica
 
 
 def refuse_a_finished_run(

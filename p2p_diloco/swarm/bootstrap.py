@@ -23,12 +23,12 @@ from p2p_diloco.config import Config
 from p2p_diloco.protocol.budget import Progress
 from p2p_diloco.protocol.deadlines import COMMAND_POLL_S, poll_until
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm import records
 from p2p_diloco.swarm.heartbeat import STALE_S, Entries
 from p2p_diloco.swarm.transport import entry
 from p2p_diloco.swarm.transport.identity import make_validator
 from p2p_diloco.swarm.transport.node import start_dht
 from p2p_diloco.swarm.transport.processes import stop_process
+from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import REVOCATIONS_POLL_S, Gate
 
 if TYPE_CHECKING:

@@ -180,7 +180,7 @@ def rounds_from(entries: list[tuple[Any, Any]], admit: Admit = everyone) -> dict
 def publish_progress(
     dht: Any, validator: Any, prefix: str, report: Progress, convicted: Collection[str] = (), wait: bool = True
 ) -> Any:
-    """This peer's progress, with the peers it convicted (its accusations, swarm/trust/evidence.py): one
+    """This peer's progress, with the peers it convicted (its accusations, swarm/averaging/evidence.py): one
     record that every peer reads every beat anyway."""
     value = {**asdict(report), "convicted": sorted(convicted)[:MAX_CONVICTIONS]}
     return _store(dht, validator, progress_key(prefix), value, ttl=PROGRESS_TTL_S, wait=wait)

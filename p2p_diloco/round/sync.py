@@ -22,7 +22,7 @@ from p2p_diloco.train.inner import PhaseResult
 
 if TYPE_CHECKING:
     from p2p_diloco.config import OuterSection, SwarmSection
-    from p2p_diloco.protocol.replica import Replica
+    from p2p_diloco.round.replica import Replica
 
 # A starting peer looks this long at the swarm before it follows a state that a single peer backs:
 # peers started at the same moment publish their first records within seconds of each other, and

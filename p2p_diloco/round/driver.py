@@ -22,13 +22,14 @@ from typing import Any, SupportsFloat
 
 from p2p_diloco import faults
 from p2p_diloco.config import Config
-from p2p_diloco.protocol import agreement, averaging, joining, outer
-from p2p_diloco.protocol.averaging import Applied, Outcome, Overtaken
+from p2p_diloco.protocol import agreement, outer
 from p2p_diloco.protocol.budget import SwarmProgress
 from p2p_diloco.protocol.network import COPIED, Made, Swarm
 from p2p_diloco.protocol.pending import Pending
-from p2p_diloco.protocol.replica import Replica
-from p2p_diloco.protocol.sync import StateSync, Unsettled
+from p2p_diloco.round import averaging, joining
+from p2p_diloco.round.averaging import Applied, Outcome, Overtaken
+from p2p_diloco.round.replica import Replica
+from p2p_diloco.round.sync import StateSync, Unsettled
 from p2p_diloco.train.inner import PhaseResult
 
 # A speed-aware peer runs at most this many times H steps in one round: the share of a fast peer in

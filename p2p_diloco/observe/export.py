@@ -16,8 +16,9 @@ from typing import Any
 from p2p_diloco import __version__
 from p2p_diloco import config as config_mod
 from p2p_diloco.errors import CheckpointError, ConfigError, ExportError
+from p2p_diloco.observe import card
 from p2p_diloco.observe.evaluate import held_out_loss
-from p2p_diloco.train import card, checkpoint
+from p2p_diloco.train import checkpoint
 from p2p_diloco.train import model as model_mod
 
 DEFAULT_HUB = "https://huggingface.co"
