@@ -17,7 +17,7 @@ import torch
 
 from p2p_diloco import config
 from p2p_diloco.errors import AveragingError
-from p2p_diloco.swarm import Swarm
+from p2p_diloco.swarm import HivemindSwarm
 
 
 def main(
@@ -44,7 +44,7 @@ def main(
         },
     )
     run_dir.mkdir(parents=True, exist_ok=True)
-    swarm = Swarm(cfg, run_dir, numel, lambda: ({}, []))
+    swarm = HivemindSwarm(cfg, run_dir, numel, lambda: ({}, []))
     try:
         print("ready", flush=True)
         for round_ in range(1_000_000):
@@ -57,7 +57,7 @@ def main(
         swarm.close()
 
 
-def average(swarm: Swarm, delta: torch.Tensor, round_: int, group: int) -> dict:
+def average(swarm: HivemindSwarm, delta: torch.Tensor, round_: int, group: int) -> dict:
     try:
         result = swarm.average(delta, 1.0, round_=round_, expected_group=group)  # starts once all `group` met
     except AveragingError as e:
@@ -75,7 +75,7 @@ def average(swarm: Swarm, delta: torch.Tensor, round_: int, group: int) -> dict:
     }
 
 
-def wait_for_probes(swarm: Swarm) -> dict | None:
+def wait_for_probes(swarm: HivemindSwarm) -> dict | None:
     """The probe sweep this all-reduce started, if any: done before the next "go", so that probes
     never share the links with an all-reduce here (in a real run they overlap the inner phase)."""
     if swarm.probes is None:

@@ -21,7 +21,7 @@ import time
 from pathlib import Path
 
 from p2p_diloco import config
-from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.swarm.transport.identity import make_validator, peer_id_of
 from p2p_diloco.swarm.transport.node import start_dht
@@ -68,7 +68,7 @@ def forge(nodes: list, prefix: str, victims: list[str], deadline: float, stop: t
         records.publish_round(dht, validator, prefix, RoundRecord("QmMadeUpPeer", ahead, FORGED_DIGEST, 10**6, 0.1))
         for node, key, peer in sybils:
             records.publish_round(node, key, prefix, RoundRecord(peer, ahead, FORGED_DIGEST, 10**6, 0.1))
-            records.publish_progress(node, key, prefix, Progress(peer, ahead, 10**6, 1e6, time.time()))
+            records.publish_progress(node, key, prefix, ProgressReport(peer, ahead, 10**6, 1e6, time.time()))
         stop.wait(0.5)
 
 

@@ -52,7 +52,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.train import data
 from p2p_diloco.train import model as model_mod
 from p2p_diloco.train.inner import InnerTrainer, autocast_dtype
-from p2p_diloco.train.metrics import Progress
+from p2p_diloco.train.metrics import ProgressBar
 from p2p_diloco.train.prefetch import Prefetcher
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,7 +91,7 @@ class PeerArm:
         self.device, self.model = device, new_model(cfg, device)
         self.trainer = InnerTrainer(self.model, cfg.inner, 10**6, device)  # the schedule only needs a length
         self.stream = Prefetcher(train_stream(cfg), cfg.inner.batch_size, pin_memory=device.type == "cuda")
-        self.progress = Progress(False, "")  # the peer's bar, off (not a terminal)
+        self.progress = ProgressBar(False, "")  # the peer's bar, off (not a terminal)
 
     def run(self, steps: int) -> None:
         started = time.perf_counter()

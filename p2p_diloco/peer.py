@@ -34,7 +34,7 @@ from p2p_diloco.round.sync import StateSync
 from p2p_diloco.train import checkpoint, data, ranks, sinks
 from p2p_diloco.train import model as model_mod
 from p2p_diloco.train.inner import InnerTrainer
-from p2p_diloco.train.metrics import MetricsLog, PeerLogger, Phase, Progress
+from p2p_diloco.train.metrics import MetricsLog, PeerLogger, Phase, ProgressBar
 from p2p_diloco.train.prefetch import Prefetcher
 
 logger = logging.getLogger(__name__)
@@ -96,7 +96,7 @@ def join_swarm(config: Config, run_dir: Path, state: outer.GlobalState, serve: C
     """The real swarm if the config names initial peers, else `Solo`."""
     if not config.swarm.initial_peers:
         return Solo(run_dir)
-    from p2p_diloco.swarm import Swarm as HivemindSwarm  # imports hivemind: only peers that join a swarm pay for it
+    from p2p_diloco.swarm import HivemindSwarm  # imports hivemind: only peers that join a swarm pay for it
 
     lossy, exact = outer.split_exact(state.params)
     return HivemindSwarm(
@@ -136,7 +136,7 @@ class Peer:
             parse_initial_peers(config.swarm.initial_peers)
         sinks.require_packages(config.log)
         self._lock = claim_run_dir(self.run_dir, resume)
-        self.progress = Progress(False, "")
+        self.progress = ProgressBar(False, "")
         self.phase = Phase()  # what it does now (its /metrics): set by round/driver.py and round/sync.py
         self.sinks = sinks.Sinks([])
         self.ranks: ranks.Alone | ranks.Leader = ranks.Alone()
@@ -175,7 +175,7 @@ class Peer:
         self.sinks = sinks.open_sinks(config, self.run_dir, self.peer_id)
         self.metrics = MetricsLog(self.run_dir / "metrics.jsonl", self.sinks)
         self._serve_metrics()
-        self.progress = Progress(config.log.progress, self.peer_id[-4:])
+        self.progress = ProgressBar(config.log.progress, self.peer_id[-4:])
         display = Display(self.log, self.phase, self.progress)
         self.replica = Replica(
             state, self.trainer, self.stream, self.ranks, self.metrics, config, self.peer_id, display, heldout

@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from p2p_diloco.protocol.budget import STALE_S, Progress
+from p2p_diloco.protocol.budget import STALE_S, ProgressReport
 from p2p_diloco.protocol.network import PastRound, RoundRecord
 from p2p_diloco.train.metrics import prometheus_label
 
@@ -108,7 +108,7 @@ class RunLog:
     def ingest(
         self,
         records: Mapping[str, RoundRecord],
-        progress: Iterable[Progress],
+        progress: Iterable[ProgressReport],
         convicted: Mapping[str, list[str]],
         names: Mapping[str, str] | None = None,
         revoked: Mapping[str, tuple[str, float]] | None = None,

@@ -40,7 +40,7 @@ def claim_cap(configured: float, certified: bool) -> float:
 
 
 @dataclass(frozen=True)
-class Progress:
+class ProgressReport:
     """One peer's report of its current round."""
 
     peer: str
@@ -63,7 +63,7 @@ class SwarmProgress:
         return self.tokens >= self.target
 
 
-def estimate(report: Progress, now: float) -> float:
+def estimate(report: ProgressReport, now: float) -> float:
     """Tokens the peer has trained by `now`, extrapolated from its last report at its own rate."""
     elapsed = max(0.0, now - report.time)  # a clock ahead of ours must not make a peer look slower
     return report.tokens + max(0.0, report.tokens_per_s) * elapsed
@@ -73,7 +73,7 @@ def swarm_progress(
     me: str,
     round_: int,
     my_tokens: int,
-    reports: Iterable[Progress],
+    reports: Iterable[ProgressReport],
     now: float,
     tokens_per_peer: int,
     stale_s: float,

@@ -2,7 +2,7 @@
 
 The peer's round logic (round/driver.py, round/averaging.py, round/sync.py) talks to the network only through a
 `Swarm`. Three things implement it:
-- `p2p_diloco.swarm.Swarm`: real hivemind peers (the only package that imports hivemind);
+- `p2p_diloco.swarm.HivemindSwarm`: real hivemind peers (the only package that imports hivemind);
 - `Solo`: a peer with no initial peers, a swarm of one: nobody publishes, nobody to wait for or
   download from. The round logic asks it one question (`solo`: is there anybody to average with?)
   and otherwise runs the same path as with a real swarm;

@@ -24,7 +24,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.protocol import outer
 from p2p_diloco.train import checkpoint
 from p2p_diloco.train.inner import InnerTrainer, PhaseResult, lr_at
-from p2p_diloco.train.metrics import MetricsLog, Phase, Progress
+from p2p_diloco.train.metrics import MetricsLog, Phase, ProgressBar
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Display:
 
     log: Any  # metrics.PeerLogger: `round` and `step` name the line's place in the run
     phase: Phase
-    progress: Progress
+    progress: ProgressBar
 
 
 class Replica:

@@ -1,4 +1,4 @@
-"""The swarm: the only package that imports hivemind. `Swarm` implements network.Swarm for real peers.
+"""The swarm: the only package that imports hivemind. `HivemindSwarm` implements network.Swarm for real peers.
 
 A peer's swarm has three kinds of traffic:
 - **records** in the DHT, signed by their owner (I4): the run's configs (so a peer with another
@@ -57,7 +57,7 @@ logger = logging.getLogger(__name__)
 PART_SIZE_BYTES = 2 * 1024 * 1024  # faster than hivemind's 512 KiB default (docs/design.md §7)
 
 
-class Swarm:
+class HivemindSwarm:
     """One peer's membership of a run's swarm."""
 
     solo = False
@@ -317,4 +317,4 @@ class Swarm:
         self._started = []
 
 
-__all__ = ["Swarm"]
+__all__ = ["HivemindSwarm"]

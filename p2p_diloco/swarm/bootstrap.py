@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import Config
-from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.deadlines import COMMAND_POLL_S, poll_until
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.swarm.heartbeat import STALE_S, Entries
@@ -151,7 +151,7 @@ async def _routing_table_size(_dht: DHT, node: DHTNode) -> int:
     return len(node.protocol.routing_table.uid_to_peer_id)
 
 
-def rounds_seen(found: dict[str, RoundRecord], reports: list[Progress], now: float) -> str:
+def rounds_seen(found: dict[str, RoundRecord], reports: list[ProgressReport], now: float) -> str:
     """The run's peers by round, counting only those whose heartbeat is fresh (`STALE_S`): a round
     record lives records.RECORD_TTL_S (90 s) after its peer stopped, so records alone would show a
     run that ended as training. Stopped peers are counted apart. By reports alone, not

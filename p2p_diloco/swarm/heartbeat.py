@@ -15,7 +15,7 @@ from dataclasses import replace
 from typing import Any
 
 from p2p_diloco.protocol import agreement
-from p2p_diloco.protocol.budget import STALE_S, Progress, SwarmProgress, swarm_progress
+from p2p_diloco.protocol.budget import STALE_S, ProgressReport, SwarmProgress, swarm_progress
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.swarm.transport import entry
 from p2p_diloco.swarm.trust import records
@@ -53,8 +53,8 @@ class Heartbeat:
         self._dht_lock = dht_lock  # hivemind's DHT handle is one pipe: this thread and the peer's take turns
         self._last_record: RoundRecord | None = None
         self._last_refresh = 0.0
-        self._my_progress: Progress | None = None
-        self._reports: list[Progress] = []
+        self._my_progress: ProgressReport | None = None
+        self._reports: list[ProgressReport] = []
         self._rounds_seen: dict[str, RoundRecord] = {}
         self._started = time.time()
         self._read_at = self._started  # when the last beat read the swarm's records
@@ -125,12 +125,12 @@ class Heartbeat:
         self._last_record, self._last_refresh = record, time.time()
         mine = self._my_progress
         if mine is None or mine.round < record.round:
-            self._my_progress = Progress(self.peer_id, record.round, 0, 0.0, time.time())
+            self._my_progress = ProgressReport(self.peer_id, record.round, 0, 0.0, time.time())
 
     def report_progress(self, round_: int, tokens: int, tokens_per_s: float) -> None:
         """This peer's progress in its round; the next beat publishes it (with rate 0 once the inner
         phase ended, so nobody extrapolates tokens that will never come)."""
-        self._my_progress = Progress(self.peer_id, round_, tokens, tokens_per_s, time.time())
+        self._my_progress = ProgressReport(self.peer_id, round_, tokens, tokens_per_s, time.time())
 
     def round_progress(self, round_: int, my_tokens: int, tokens_per_peer: int, cap: float) -> SwarmProgress:
         """The swarm's progress in `round_` as of the last beat, claims counted up to `cap` x the

@@ -19,7 +19,7 @@ from typing import Any
 
 from p2p_diloco.config import Config
 from p2p_diloco.errors import SwarmError
-from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.swarm.heartbeat import Entries
 from p2p_diloco.swarm.state_client import StateClient
@@ -32,7 +32,9 @@ from p2p_diloco.swarm.trust.gate import Gate
 # Each admitted peer's latest round record, their progress reports, {accused: accusers},
 # {peer: name} from the organiser's certificates and {revoked peer: (reason, unix time issued)}
 # (certified runs; both empty in open ones). Revoked peers' records are in, for the view to mark.
-Poll = tuple[dict[str, RoundRecord], list[Progress], dict[str, list[str]], dict[str, str], dict[str, tuple[str, float]]]
+Poll = tuple[
+    dict[str, RoundRecord], list[ProgressReport], dict[str, list[str]], dict[str, str], dict[str, tuple[str, float]]
+]
 
 
 class RunReader:

@@ -3,7 +3,7 @@
 - `MetricsLog`: `metrics.jsonl` in the run dir, one JSON record per round (copied to TensorBoard or
   W&B when configured: sinks.py).
 - `Phase`: what the peer is doing now (inner, averaging, agreement, catch-up, idle), for its /metrics.
-- `Progress`: the live progress bar of the inner phase (loss, tokens/s), on stderr.
+- `ProgressBar`: the live progress bar of the inner phase (loss, tokens/s), on stderr.
 - `PeerLogger`: every log line says who and when: `[peer ab12 round 7 step 120/500] ...`.
 """
 
@@ -135,7 +135,7 @@ class PeerLogger(logging.LoggerAdapter):
         return f"[{where}] {msg}", kwargs
 
 
-class Progress:
+class ProgressBar:
     """One bar per inner phase; does nothing when disabled or when stderr is not a terminal."""
 
     LOSS_EVERY_S = 0.5  # how often the bar reads the loss: each read waits for the GPU's step

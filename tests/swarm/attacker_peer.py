@@ -45,7 +45,7 @@ import torch
 
 from p2p_diloco import cli, peer
 from p2p_diloco.protocol import outer
-from p2p_diloco.swarm import Swarm
+from p2p_diloco.swarm import HivemindSwarm
 from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.auditor import Auditor
 from p2p_diloco.swarm.averaging.step import AveragingStep
@@ -58,7 +58,7 @@ X = float(X)
 
 
 def lie_as_sender() -> None:
-    original = Swarm.average
+    original = HivemindSwarm.average
     first: dict = {}
 
     def average(self, delta, weight, round_, retry=False, expected_group=0, exact=None):
@@ -75,7 +75,7 @@ def lie_as_sender() -> None:
         exact = None if exact is None else exact * factor
         return original(self, delta, weight, round_, retry, expected_group, exact)
 
-    Swarm.average = average
+    HivemindSwarm.average = average
 
 
 def lie_in_parts() -> None:
@@ -165,7 +165,7 @@ def lie_about_progress_without_bounds() -> None:
 
 def lie_about_rounds() -> None:
     me: list[peer.Peer] = []
-    original_init, original_publish = peer.Peer.__init__, Swarm.publish_round
+    original_init, original_publish = peer.Peer.__init__, HivemindSwarm.publish_round
 
     def init(self, *args, **kwargs):
         me.append(self)
@@ -184,7 +184,7 @@ def lie_about_rounds() -> None:
         lie = made_up()
         return {"round": lie.round, "digest": lie.digest()}, [outer.flatten(lie.params), outer.flatten(lie.momentum)]
 
-    peer.Peer.__init__, Swarm.publish_round, peer.Peer.serve_state = init, publish_round, serve_state
+    peer.Peer.__init__, HivemindSwarm.publish_round, peer.Peer.serve_state = init, publish_round, serve_state
 
 
 def serve_bad_states() -> None:

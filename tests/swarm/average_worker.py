@@ -32,7 +32,7 @@ import torch
 from p2p_diloco import config
 from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.protocol import codecs
-from p2p_diloco.swarm import Swarm
+from p2p_diloco.swarm import HivemindSwarm
 from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 
@@ -83,7 +83,7 @@ def known_exact(index: int) -> torch.Tensor:
     return (index + 1) * (torch.arange(EXACT, dtype=torch.float32) + 1) / 1000
 
 
-def describe_residual(swarm: Swarm, delta: torch.Tensor, codec: str) -> str:
+def describe_residual(swarm: HivemindSwarm, delta: torch.Tensor, codec: str) -> str:
     """What error feedback kept: nothing (this peer reduced its own values), exactly the codec's
     loss on Δ (it sent Δ to a reducer), or something else (a bug)."""
     if swarm.residual is None:
@@ -107,7 +107,7 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
         },
     )
     Path(run_dir).mkdir(parents=True)
-    swarm = Swarm(cfg, Path(run_dir), numel, lambda: ({}, []), exact_numel=EXACT)
+    swarm = HivemindSwarm(cfg, Path(run_dir), numel, lambda: ({}, []), exact_numel=EXACT)
     try:
         print("ready", flush=True)
         assert sys.stdin.readline().strip() == "go"

@@ -64,7 +64,7 @@ def wait_until(condition, procs, timeout_s, what):
             pass
 
 
-class Swarm:
+class ProcessSwarm:
     """Starts processes and remembers them, so the fixture can end every one of them."""
 
     def __init__(self, folder: Path):
@@ -211,7 +211,7 @@ CHAOS = {kind for kind in os.environ.get("P2P_DILOCO_CHAOS", "").split(",") if k
 CHAOS_KINDS = {"hog", "quota", "pauses"}
 
 
-def _with_chaos(s: Swarm, stack: ExitStack) -> None:
+def _with_chaos(s: ProcessSwarm, stack: ExitStack) -> None:
     from bench.chaos_kinds import CpuQuota, Hog, Pauses  # only when asked for
 
     if CHAOS - CHAOS_KINDS:
@@ -236,7 +236,7 @@ def _with_chaos(s: Swarm, stack: ExitStack) -> None:
 
 @pytest.fixture
 def swarm(tmp_path):
-    s = Swarm(tmp_path)
+    s = ProcessSwarm(tmp_path)
     with ExitStack() as chaos:  # ended after end_all: SIGCONT, the hog killed, the cgroup removed
         if CHAOS:
             _with_chaos(s, chaos)

@@ -92,9 +92,9 @@ def tokens_of(swarm, name: str, round_: int, unlogged: int) -> int:
 @pytest.mark.timeout(300)
 @pytest.mark.skipif(BROWSER is None, reason="no Chromium: .ci/run installs it with apt-get (apt-get install chromium)")
 def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_counted(tmp_path):
-    from tests.swarm.conftest import Swarm
+    from tests.swarm.conftest import ProcessSwarm
 
-    swarm, peers = Swarm(tmp_path), {}
+    swarm, peers = ProcessSwarm(tmp_path), {}
     try:
         extra = {"run.rounds": "1000", "swarm.speed_aware": "false", "inner.steps": "6"}  # rounds of about 1.5 s
         swarm.bootstrap(observe=True, run=extra, observe_poll_s=OBSERVER_POLL_S)

@@ -60,10 +60,10 @@ def test_reads_of_the_swarm_never_wait_behind_the_heartbeats_stores_while_a_memb
         deadline = time.monotonic() + WATCH_S
         while time.monotonic() < deadline:
             asked = time.monotonic()
-            with lock:  # as Swarm.peers reads the swarm
+            with lock:  # as HivemindSwarm.peers reads the swarm
                 waits.append(time.monotonic() - asked)
                 seen |= set(records.rounds_from(records.read_entries(a, records.rounds_key(prefix))))
-            time.sleep(ROUND_POLL_S)  # as Swarm.wait_for_round polls (the heartbeat may take the lock meanwhile)
+            time.sleep(ROUND_POLL_S)  # as HivemindSwarm.wait_for_round polls (the heartbeat may hold the lock)
         assert seen == {ids["a"], ids["c"]}, "the reads must have found both records, or they proved nothing"
         print("WAITS", sorted(waits)[-5:], len(waits), "beats read_at", beat._read_at - time.time())
         assert max(waits) < LOCK_WAIT_S, f"a read waited {max(waits):.1f} s for the DHT lock"

@@ -367,18 +367,18 @@ def test_the_operator_guide_quotes_lines_the_node_prints():
 def test_the_nodes_status_line_counts_only_peers_whose_heartbeat_is_fresh():
     # A round record lives 90 s after its peer stopped: the node said "round 20: 3 peers" of a run
     # that had ended, with an empty routing table.
-    from p2p_diloco.protocol.budget import Progress
+    from p2p_diloco.protocol.budget import ProgressReport
     from p2p_diloco.protocol.network import RoundRecord
     from p2p_diloco.swarm.bootstrap import rounds_seen
 
     found = {p: RoundRecord(p, r, "d", 0, 0.0) for p, r in (("a", 20), ("b", 20), ("c", 19), ("d", 20))}
     now = 1000.0
     reports = [
-        Progress("a", 20, 0, 0.0, now - 1),
-        Progress("b", 20, 0, 0.0, now - 9),
-        Progress("c", 19, 0, 0.0, now - 2),
+        ProgressReport("a", 20, 0, 0.0, now - 1),
+        ProgressReport("b", 20, 0, 0.0, now - 9),
+        ProgressReport("c", 19, 0, 0.0, now - 2),
     ]
-    reports.append(Progress("d", 20, 0, 0.0, now - 11))  # d stopped 11 s ago
+    reports.append(ProgressReport("d", 20, 0, 0.0, now - 11))  # d stopped 11 s ago
     assert rounds_seen(found, reports, now) == "round 19: 1 peer, round 20: 2 peers; 1 stopped (no heartbeat for 10 s)"
     assert rounds_seen(found, [], now) == "4 stopped (no heartbeat for 10 s)"
     assert rounds_seen({}, [], now) == "no round records yet"

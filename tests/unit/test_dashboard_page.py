@@ -12,7 +12,7 @@ import pytest
 
 from p2p_diloco.observe.run_view import REASONS, RunLog
 from p2p_diloco.observe.web import ObserverServer
-from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.trust.robust import weighed_tokens
 
@@ -49,7 +49,7 @@ def run_log() -> RunLog:
         if REVOKED_AT <= r < REVOKED_AT + 2:
             records[C] = RoundRecord(C, 7, digest(7), 100, 2.3, group=(A, B, C), outcome="averaged")
         revoked = {C: ("sold its slot twice", 10.0 * REVOKED_AT - 1)} if r >= REVOKED_AT else {}
-        reports = [Progress(p, r, 0, 30.0 if p == B else 10.0, 10.0 * r) for p in members]
+        reports = [ProgressReport(p, r, 0, 30.0 if p == B else 10.0, 10.0 * r) for p in members]
         log.ingest(records, reports, {}, revoked=revoked, now=10.0 * r)
         if r in (5, 10, ROUNDS):
             log.note_evaluation(r, digest(r), 2.5 - r / 20)

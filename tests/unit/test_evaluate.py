@@ -17,7 +17,7 @@ from p2p_diloco.observe.evaluate import RETRY_S, Evaluations, HeldOut, RunModel,
 from p2p_diloco.observe.run_view import Target
 from p2p_diloco.observe.service import fetch_agreed
 from p2p_diloco.protocol import outer
-from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.train import data
 from p2p_diloco.train import model as model_mod
@@ -131,7 +131,7 @@ def test_export_from_the_swarm_takes_the_newest_agreed_state_within_its_wait(cfg
 
     def poll():
         records = {p: RoundRecord(p, 2, digest, 10, 2.0, group=(A, B), outcome="averaged") for p in (A, B)}
-        return records, [Progress(A, 2, 0, 1.0, time.time())], {}  # B sends no heartbeat: not asked
+        return records, [ProgressReport(A, 2, 0, 1.0, time.time())], {}  # B sends no heartbeat: not asked
 
     found = fetch_agreed(cfg, poll, Source({A: (metadata, tensors), B: None}), model, wait_s=5)
     assert (found.round, found.digest, found.served_by) == (2, digest, A)

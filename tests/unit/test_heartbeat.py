@@ -5,7 +5,7 @@ import threading
 
 import pytest
 
-from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.swarm import heartbeat
 from p2p_diloco.swarm.heartbeat import STALE_S, Heartbeat
 
@@ -48,7 +48,7 @@ def test_a_peer_whose_own_reads_fail_judges_nobody_stale_on_what_it_could_not_re
         return []
 
     monkeypatch.setattr(heartbeat.records, "read_entries", read_entries)
-    progress = lambda entries, admit: ([Progress("holder", 3, 0, 0.0, holder["time"]())], {})  # noqa: E731
+    progress = lambda entries, admit: ([ProgressReport("holder", 3, 0, 0.0, holder["time"]())], {})  # noqa: E731
     monkeypatch.setattr(heartbeat.records, "progress_from", progress)
     monkeypatch.setattr(heartbeat.records, "rounds_from", lambda entries, admit: {})
     beat = Heartbeat(None, None, "run", "me", threading.Lock(), Gate(), Entries())
@@ -73,7 +73,7 @@ def test_ids_that_arrive_after_a_starting_peer_knew_the_swarm_are_new_to_it(cloc
     # ids that arrived while it started outvoted the peers it knew (the threat model said less).
     present: list[str] = []
     monkeypatch.setattr(heartbeat.records, "read_entries", lambda dht, key: [])
-    reports = lambda entries, admit: ([Progress(p, 3, 0, 0.0, clock[0]) for p in present], {})  # noqa: E731
+    reports = lambda entries, admit: ([ProgressReport(p, 3, 0, 0.0, clock[0]) for p in present], {})  # noqa: E731
     monkeypatch.setattr(heartbeat.records, "progress_from", reports)
     monkeypatch.setattr(heartbeat.records, "rounds_from", lambda entries, admit: {})
     beat = Heartbeat(None, None, "run", "me", threading.Lock(), Gate(), Entries())

@@ -14,7 +14,7 @@ from p2p_diloco.errors import ConfigError, DataError
 from p2p_diloco.train import prefetch
 from p2p_diloco.train.data import FiniteCorpus, TrainStream
 from p2p_diloco.train.inner import InnerTrainer, adamw
-from p2p_diloco.train.metrics import Progress
+from p2p_diloco.train.metrics import ProgressBar
 from p2p_diloco.train.model import ByteTokenizer
 from p2p_diloco.train.prefetch import Prefetcher
 from tests.unit.test_inner import TinyLM, batch, inner_cfg
@@ -216,7 +216,7 @@ class Bar:
 
 
 def test_the_progress_bar_reads_the_loss_at_most_twice_a_second():
-    progress, loss = Progress(False, "ab12"), CountingLoss()
+    progress, loss = ProgressBar(False, "ab12"), CountingLoss()
     progress.start(0, 100)
     progress.bar = Bar()  # a terminal's bar, without the terminal
     for _ in range(100):

@@ -6,7 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 from p2p_diloco.observe.run_view import REASONS, RunLog, Target, prometheus
-from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.trust.robust import weighed_tokens
 
@@ -19,7 +19,7 @@ def rec(peer, round_, digest, tokens=100, group=(), outcome="averaged", copied=F
 
 
 def beat(peer, t, tokens_per_s=50.0):
-    return Progress(peer, 0, 0, tokens_per_s, t)
+    return ProgressReport(peer, 0, 0, tokens_per_s, t)
 
 
 def four_rounds() -> RunLog:

@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import asdict, replace
 
 from p2p_diloco.observe.run_view import REASONS, RunLog
-from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.network import HISTORY_MEMBERS, HISTORY_ROUNDS, PastRound, RoundRecord, history_after
 
 A, B, C = "PeerAaaaaaaa", "PeerBbbbbbbb", "PeerCccccccc"  # base58, as libp2p ids are
@@ -20,7 +20,7 @@ def digest(round_: int) -> str:
 
 
 def beat(peer, t):
-    return Progress(peer, 0, 0, 50.0, t)
+    return ProgressReport(peer, 0, 0, 50.0, t)
 
 
 class Publisher:

@@ -2,20 +2,20 @@
 
 import pytest
 
-from p2p_diloco.protocol.budget import Progress, estimate, swarm_progress
+from p2p_diloco.protocol.budget import ProgressReport, estimate, swarm_progress
 from p2p_diloco.swarm.trust.records import parse_progress
 
 BUDGET = 1000  # tokens per live peer (H x batch x seq_len)
 
 
 def test_other_peers_are_extrapolated_at_their_reported_rate():
-    assert estimate(Progress("b", 3, 200, 50.0, time=100.0), now=102.0) == 300.0
+    assert estimate(ProgressReport("b", 3, 200, 50.0, time=100.0), now=102.0) == 300.0
     # A clock ahead of ours never makes a peer look slower than its report.
-    assert estimate(Progress("b", 3, 200, 50.0, time=105.0), now=102.0) == 200.0
+    assert estimate(ProgressReport("b", 3, 200, 50.0, time=105.0), now=102.0) == 200.0
 
 
 def test_a_round_ends_when_the_live_peers_together_reach_their_budget():
-    reports = [Progress("b", 3, 600, 100.0, time=10.0), Progress("c", 3, 200, 20.0, time=10.0)]
+    reports = [ProgressReport("b", 3, 600, 100.0, time=10.0), ProgressReport("c", 3, 200, 20.0, time=10.0)]
     # At t = 10: 900 (me) + 600 + 200 = 1700 of 3 x 1000.
     at_10 = swarm_progress("a", 3, 900, reports, now=10.0, tokens_per_peer=BUDGET, stale_s=5.0)
     assert (at_10.tokens, at_10.target, at_10.peers, at_10.done) == (1700.0, 3000, 3, False)
@@ -26,9 +26,9 @@ def test_a_round_ends_when_the_live_peers_together_reach_their_budget():
 
 def test_stale_peers_and_other_rounds_do_not_count():
     reports = [
-        Progress("b", 3, 900, 100.0, time=0.0),  # last heard of 11 s ago: dead, hung or asleep
-        Progress("c", 2, 900, 100.0, time=11.0),  # still at the previous round
-        Progress("a", 3, 5000, 100.0, time=11.0),  # my own old report: my live count is used instead
+        ProgressReport("b", 3, 900, 100.0, time=0.0),  # last heard of 11 s ago: dead, hung or asleep
+        ProgressReport("c", 2, 900, 100.0, time=11.0),  # still at the previous round
+        ProgressReport("a", 3, 5000, 100.0, time=11.0),  # my own old report: my live count is used instead
     ]
     view = swarm_progress("a", 3, 999, reports, now=11.0, tokens_per_peer=BUDGET, stale_s=10.0)
     assert (view.tokens, view.target, view.peers, view.done) == (999.0, 1000, 1, False)
@@ -42,7 +42,7 @@ def test_a_lone_peer_ends_its_round_at_exactly_its_budget():
 
 def test_progress_reports_from_the_dht_are_untrusted():
     good = {"peer": "12D3x", "round": 2, "tokens": 4096, "tokens_per_s": 812.5, "time": 1.7e9}
-    assert parse_progress(good) == Progress("12D3x", 2, 4096, 812.5, 1.7e9)
+    assert parse_progress(good) == ProgressReport("12D3x", 2, 4096, 812.5, 1.7e9)
     for bad in [
         None,
         [],
@@ -63,14 +63,14 @@ def test_one_peer_claiming_huge_progress_cannot_end_the_round_by_itself():
     # me 100 tokens, two honest peers 100 each, a liar 10**18: it counts 2 x the lower median (200),
     # so 500 of the 4 x 400 budget: the round goes on. The honest peers end it at 320 each
     # (3 x 320 + 640 = 1600), a fifth early, not at once.
-    liar = Progress("liar", 3, 10**18, 0.0, 100.0)
-    honest = [Progress(p, 3, 100, 0.0, 100.0) for p in ("b", "c")]
+    liar = ProgressReport("liar", 3, 10**18, 0.0, 100.0)
+    honest = [ProgressReport(p, 3, 100, 0.0, 100.0) for p in ("b", "c")]
     progress = swarm_progress("me", 3, 100, [liar, *honest], 100.0, 400, 10.0)
     assert progress.tokens == 500 and progress.target == 1600 and not progress.done
-    honest = [Progress(p, 3, 320, 0.0, 100.0) for p in ("b", "c")]
+    honest = [ProgressReport(p, 3, 320, 0.0, 100.0) for p in ("b", "c")]
     assert swarm_progress("me", 3, 320, [liar, *honest], 100.0, 400, 10.0).done
     # A fast honest peer still counts up to twice a median one.
-    fast = swarm_progress("me", 3, 100, [Progress("f", 3, 300, 0.0, 100.0), *honest[:1]], 100.0, 400, 10.0)
+    fast = swarm_progress("me", 3, 100, [ProgressReport("f", 3, 300, 0.0, 100.0), *honest[:1]], 100.0, 400, 10.0)
     assert fast.tokens == 100 + 300 + 320
 
 
@@ -79,7 +79,7 @@ def end_of_round(speeds: list[float], cap: float, tokens_per_peer: int = 1000) -
     other peer reports each 0.01 s, so nothing is extrapolated."""
     for tick in range(1, 100_000):
         t = tick / 100
-        reports = [Progress(f"p{i}", 3, int(s * t), 0.0, t) for i, s in enumerate(speeds) if i]
+        reports = [ProgressReport(f"p{i}", 3, int(s * t), 0.0, t) for i, s in enumerate(speeds) if i]
         if swarm_progress("p0", 3, int(speeds[0] * t), reports, t, tokens_per_peer, 10.0, cap).done:
             return t
     raise AssertionError("the round never ended")

@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeVar
 
 from hivemind.utils import get_dht_time
 
-from p2p_diloco.protocol.budget import Progress
+from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.genesis import Genesis
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.swarm.transport.identity import owner_peer_id
@@ -56,16 +56,16 @@ def round_bits(round_: int) -> str:
     return format(round_, "032b")
 
 
-def parse_progress(value: Any) -> Progress | None:
+def parse_progress(value: Any) -> ProgressReport | None:
     """A progress report from the DHT, or None if it is malformed (untrusted, like every record)."""
     return wire.parse_or_none(read_progress_report, value, "progress report")
 
 
-def read_progress_report(value: Any) -> Progress:
+def read_progress_report(value: Any) -> ProgressReport:
     """A progress report (trust/wire.py's parsers: raises WireError if malformed). Its time is a unix
     time, within a century of the epoch's 2000s: an infinite one made every estimate infinite."""
     report = wire.mapping(value)
-    return Progress(
+    return ProgressReport(
         wire.field(report, "peer", wire.peer_id),
         wire.field(report, "round", wire.integer),
         wire.field(report, "tokens", wire.integer),
@@ -178,7 +178,7 @@ def rounds_from(entries: list[tuple[Any, Any]], admit: Admit = everyone) -> dict
 
 
 def publish_progress(
-    dht: Any, validator: Any, prefix: str, report: Progress, convicted: Collection[str] = (), wait: bool = True
+    dht: Any, validator: Any, prefix: str, report: ProgressReport, convicted: Collection[str] = (), wait: bool = True
 ) -> Any:
     """This peer's progress, with the peers it convicted (its accusations, swarm/averaging/evidence.py): one
     record that every peer reads every beat anyway."""
@@ -186,17 +186,17 @@ def publish_progress(
     return _store(dht, validator, progress_key(prefix), value, ttl=PROGRESS_TTL_S, wait=wait)
 
 
-def read_progress(dht: Any, prefix: str, admit: Admit = everyone) -> tuple[list[Progress], dict[str, list[str]]]:
+def read_progress(dht: Any, prefix: str, admit: Admit = everyone) -> tuple[list[ProgressReport], dict[str, list[str]]]:
     """`progress_from` the run's progress records as read now."""
     return progress_from(read_entries(dht, progress_key(prefix)), admit)
 
 
 def progress_from(
     entries: list[tuple[Any, Any]], admit: Admit = everyone
-) -> tuple[list[Progress], dict[str, list[str]]]:
+) -> tuple[list[ProgressReport], dict[str, list[str]]]:
     """Every admitted peer's latest progress report (one per peer id, the freshest), and their
     accusations ({accuser, by the key that signed them: the peers it says it convicted})."""
-    out: dict[str, Progress] = {}
+    out: dict[str, ProgressReport] = {}
     for report in signed_by_their_peer(entries, parse_progress, admit):
         if report.peer not in out or report.time > out[report.peer].time:
             out[report.peer] = report
