@@ -27,7 +27,7 @@ import re
 from collections import Counter
 from collections.abc import Iterable, Mapping
 from dataclasses import asdict, dataclass, field, replace
-from typing import Any
+from typing import Any, Literal
 
 from p2p_diloco.trust import wire
 
@@ -42,7 +42,7 @@ class Genesis:
 
     fingerprint: str
     theta0: str  # digest of θ(0)
-    final_round: int = -1  # -1 while the run is not finished
+    final_round: int | None = None  # None while the run is not finished (-1 on the wire)
     final_digest: str = ""
     signature: str = ""  # the organiser's over (run id, fingerprint) in certified runs
     shared: Mapping[str, Any] = field(default_factory=dict, compare=False)  # the config's shared fields
@@ -56,9 +56,10 @@ class Genesis:
     def read(value: Any) -> Genesis:
         """A genesis from the DHT (trust/wire.py's parsers: raises WireError if malformed)."""
         record = wire.mapping(value)
-        final = wire.field(record, "final_round", lambda v: wire.integer(v, -1))
+        final_on_wire = wire.field(record, "final_round", lambda v: wire.integer(v, -1))
+        final = None if final_on_wire == -1 else final_on_wire
         final_digest = wire.field(record, "final_digest", lambda v: "" if v == "" else wire.digest(v))
-        if (final >= 0) != bool(final_digest):
+        if (final is not None) != bool(final_digest):
             raise wire.WireError("a final round without its digest, or a digest without its round")
         return Genesis(
             wire.field(record, "fingerprint", lambda v: wire.text(v, 64, _FINGERPRINT)),
@@ -70,17 +71,23 @@ class Genesis:
         )
 
     def as_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "shared": dict(self.shared)}
+        final = -1 if self.final_round is None else self.final_round
+        return {**asdict(self), "final_round": final, "shared": dict(self.shared)}
 
     def finished_at(self, round_: int, digest: str) -> Genesis:
         return replace(self, final_round=round_, final_digest=digest)
+
+
+# join: the run is live under this peer's config; other: it is another config's (refused, I5);
+# dormant: the run exists, nobody is live; new: no run of this id was found.
+VerdictKind = Literal["join", "other", "dormant", "new"]
 
 
 @dataclass(frozen=True)
 class Verdict:
     """What a starting peer makes of the run it found."""
 
-    kind: str  # "join" | "other" | "dormant" | "new"
+    kind: VerdictKind
     rival: str = ""  # "other": the fingerprint of the run's config
     publishers: int = 0  # peers that published the run's genesis (of `rival` for "other")
     final: Genesis | None = None  # a claim that the run finished (any kind but "other" and "new")

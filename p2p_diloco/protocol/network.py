@@ -21,7 +21,7 @@ import secrets
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Literal, Protocol, get_args
 
 import torch
 
@@ -101,7 +101,8 @@ def download_verified(
 MAX_GROUP = 64  # members listed in a round record
 # How a peer's round went: averaged in a group, alone, all-reduce failed (own Δ), or the state it
 # started from (θ(0), a checkpoint, a catch-up: no round trained).
-OUTCOMES = ("averaged", "alone", "failed", "start")
+RoundOutcome = Literal["averaged", "alone", "failed", "start"]
+OUTCOMES: tuple[RoundOutcome, ...] = get_args(RoundOutcome)
 
 # A record repeats its peer's final records of its latest past rounds (`RoundRecord.history`): a
 # reader that polls less often than rounds end (the observer, `status`) still sees every round each
@@ -252,7 +253,7 @@ class Made:
     (its own outer step), or a copy (downloaded by catch-up or agreement)."""
 
     group: tuple[str, ...] = ()
-    outcome: str = "start"  # one of OUTCOMES
+    outcome: RoundOutcome = "start"
     copied: bool = False
 
 

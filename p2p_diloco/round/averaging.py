@@ -22,7 +22,7 @@ import torch
 from p2p_diloco.config import Config
 from p2p_diloco.errors import AveragingError, SwarmMovedOn
 from p2p_diloco.protocol import outer
-from p2p_diloco.protocol.network import AllReduced, Swarm
+from p2p_diloco.protocol.network import AllReduced, RoundOutcome, Swarm
 
 
 @dataclass(frozen=True)
@@ -103,7 +103,7 @@ class GroupFailed:
 Attempt = AllReduced | NobodyCame | GroupFailed | Overtaken  # what the group's all-reduce came to
 
 
-def outcome_kind(outcome: Applied) -> str:
+def outcome_kind(outcome: Applied) -> RoundOutcome:
     """The round's outcome as a round record says it (network.OUTCOMES)."""
     if isinstance(outcome, Failed):
         return "failed"

@@ -113,6 +113,7 @@ class RoundDriver:
         if state is None:
             self.refuse_a_finished_run(self.replica.state)
             return False
+        self.replica.offer(state)  # served before its record says so: peers may download it from here
         self.swarm.publish_round(state.round, state.digest(), 0, float("nan"), COPIED)
         self.replica.adopt(state, self.replica.start_record(state))
         return True

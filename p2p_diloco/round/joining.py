@@ -39,6 +39,7 @@ def refuse_a_finished_run(
     # group was the minority and the majority's holders left).
     if (
         final is None
+        or final.final_round is None
         or held.round > final.final_round
         or (held.round == final.final_round and held.digest() == final.final_digest)
         or not end_is_backed(seen, swarm.fresh_peers(), final, _own_record(replica.peer_id, held))

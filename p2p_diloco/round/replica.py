@@ -106,9 +106,11 @@ class Replica:
         return self._offered or self._state
 
     def offer(self, state: outer.GlobalState) -> None:
-        """`state`, made by this peer's outer step, is published and served while the group agrees
-        on the round: other peers may download it as the majority's. Not committed: a crash here
-        leaves the last checkpoint, and `commit` or `adopt` ends the offer."""
+        """Serve `state` from now on, before it is committed: the state of this peer's outer step
+        while the group agrees on the round, or a verified download about to be adopted. Its
+        record is published first, and a peer that reads it may download the state from this one
+        at once. Not committed: a crash here leaves the last checkpoint; `commit` or `adopt` ends
+        the offer."""
         self._offered = state
 
     @property

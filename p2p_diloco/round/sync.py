@@ -1,8 +1,9 @@
 """Agreement and catch-up, carried out: publish, wait, compare, download, adopt.
 
 agreement.py decides (whom to wait for, the majority, adopt or keep, whom to download from);
-this module does what it says through the peer's `Swarm`. It never changes the replica: it returns
-the whole verified state to adopt, and the caller adopts it (`Replica.adopt`).
+this module does what it says through the peer's `Swarm`. It never commits: it returns the whole
+verified state to adopt, and the caller adopts it (`Replica.adopt`). A majority's state it
+publishes as held is offered first (`Replica.offer`), so that it serves what it publishes.
 """
 
 from __future__ import annotations
@@ -182,6 +183,7 @@ class StateSync:
         if adopted is None:
             log.warning("keeping this peer's own state (round %d)", held.round)
             return None
+        self.replica.offer(adopted)  # served before its record says so: peers may download it from here
         self.swarm.publish_round(adopted.round, adopted.digest(), phase.tokens, phase.mean_loss, COPIED)
         return adopted
 

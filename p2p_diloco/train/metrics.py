@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, SupportsFloat
+from typing import TYPE_CHECKING, Any, Literal, SupportsFloat, get_args
 
 from tqdm import tqdm
 
@@ -94,7 +94,8 @@ def _append_whole(f: io.FileIO, line: bytes) -> None:
         raise
 
 
-PHASES = ("inner", "averaging", "agreement", "catch-up", "idle")
+PhaseName = Literal["inner", "averaging", "agreement", "catch-up", "idle"]
+PHASES: tuple[PhaseName, ...] = get_args(PhaseName)
 
 
 class Phase:
@@ -105,7 +106,7 @@ class Phase:
         self._lock = threading.Lock()
         self._name, self._since = "idle", clock()
 
-    def set(self, name: str) -> None:
+    def set(self, name: PhaseName) -> None:
         """Enter phase `name` (one of PHASES); entering the current phase again keeps its start."""
         if name not in PHASES:
             raise ValueError(f"unknown phase {name!r}; one of {', '.join(PHASES)}")
