@@ -459,7 +459,7 @@ def _observatory(cfg: config_mod.Config, node: Any, args: argparse.Namespace) ->
     from p2p_diloco.observe.service import Observatory, evaluation
     from p2p_diloco.swarm.run_reader import RunReader
 
-    reader = RunReader(cfg, node.dht, node.validator, node.gate)
+    reader = RunReader(cfg, node.run_dht, node.gate)
     observatory = Observatory(cfg, reader.healthy, args.observe_host, args.observe_port)
     observatory.reader, observatory.poll_s = reader, args.observe_poll_s
     fix = f"--certificate FILE, for this node's peer id {node.dht.peer_id}, from the organiser's admission admit"

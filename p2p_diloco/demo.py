@@ -133,7 +133,7 @@ class _Dashboard:
         from p2p_diloco.observe.service import Observatory, evaluation
         from p2p_diloco.swarm.run_reader import RunReader
 
-        reader = RunReader(cfg, boot.dht, boot.validator, boot.gate)
+        reader = RunReader(cfg, boot.run_dht, boot.gate)
         self.observatory = Observatory(cfg, reader.healthy, "127.0.0.1", 0)
         # The held-out loss of the agreed state of every round (the tiny model's takes milliseconds).
         self.observatory.evaluate(evaluation(cfg, reader, 1, emit), 1.0)

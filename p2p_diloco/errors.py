@@ -110,9 +110,10 @@ class RankLost(P2PDilocoError):
 
 class StateDownloadError(P2PDilocoError):
     """No peer served a state that matches the digest the swarm published. `served`: what each peer
-    that sent a state sent instead, (round, digest) by peer id (a liar, or a holder that moved on)."""
+    that sent a state sent instead, (round, digest) by peer id (a liar, or a holder that moved on);
+    the digest is None where the state was malformed (not even this model's shape)."""
 
-    def __init__(self, message: str, served: dict[str, tuple[int, str]] | None = None):
+    def __init__(self, message: str, served: dict[str, tuple[int, str | None]] | None = None):
         super().__init__(message)
         self.served = dict(served or {})
 

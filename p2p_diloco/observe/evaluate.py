@@ -46,7 +46,8 @@ class RunModel:
         self.like = {name: p.detach() for name, p in self.model.named_parameters()}
         self.numel = sum(t.numel() for t in self.like.values())
 
-    def digest(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:
+    def digest(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str | None:
+        """The digest of a served state, or None if it is malformed (outer.served_digest)."""
         return outer.served_digest(metadata, tensors, self.like)
 
     def params(self, state: ServedState) -> outer.Tensors:

@@ -44,10 +44,14 @@ def served_metadata(value: Any) -> dict[str, Any]:
     return {"round": wire.field(meta, "round", wire.integer), "digest": wire.field(meta, "digest", wire.digest)}
 
 
-# Checks a downloaded state: returns the digest of what arrived (or "malformed").
-StateCheck = Callable[[dict[str, Any], list[torch.Tensor]], str]
+# Checks a downloaded state: returns the digest of what arrived, or None if it is malformed (it
+# does not even have this model's shape: outer.served_digest).
+StateCheck = Callable[[dict[str, Any], list[torch.Tensor]], str | None]
 # Asks one peer (by id) for the state it serves now, within a timeout: None if it sent none.
 Fetch = Callable[[str, float], "ServedState | None"]
+
+
+MALFORMED = "malformed (not this model's shape)"  # how a state whose StateCheck is None is named
 
 
 class StateSource(Protocol):
@@ -68,11 +72,12 @@ def download_verified(
     say: Callable[..., None] = logger.info,
 ) -> tuple[str, ServedState]:
     """(the peer, the state): the first state one of `from_peers` serves whose (round, digest) is `wanted`, the digest
-    computed by `verify` from what arrived. A peer that fails or sends anything else is skipped,
-    and `say` it (INFO: the caller asks again, and says so if it gives up; a joiner whose first
-    try met a peer not yet routable alarmed volunteers with WARNs); StateDownloadError naming each
-    one's problem if none served one."""
-    problems, served = [], {}
+    computed by `verify` from what arrived. A peer that fails, sends a malformed state (`verify`
+    returns None: named MALFORMED) or anything else is skipped, and `say` it (INFO: the caller
+    asks again, and says so if it gives up; a joiner whose first try met a peer not yet routable
+    alarmed volunteers with WARNs); StateDownloadError naming each one's problem if none served one."""
+    problems: list[str] = []
+    served: dict[str, tuple[int, str | None]] = {}
     for peer in from_peers:
         try:
             got = fetch(peer, timeout)
@@ -87,14 +92,18 @@ def download_verified(
         metadata, tensors = got
         actual = verify(metadata, tensors)
         round_ = metadata.get("round")
-        if isinstance(round_, int) and wanted(round_, actual):
+        if isinstance(round_, int) and actual is not None and wanted(round_, actual):
             return peer, (metadata, tensors)
-        problems.append(
-            f"{peer[-6:]}: state of round {round_} digest {actual[:12]} does not match {describe} (rejected)"
-        )
+        shown = MALFORMED if actual is None else f"digest {actual[:12]}"
+        problems.append(f"{peer[-6:]}: state of round {round_} {shown} does not match {describe} (rejected)")
         if isinstance(round_, int):
             served[peer] = (round_, actual)
-        say("rejected the state offered by %s: round %s digest %s", peer, round_, actual)
+        say(
+            "rejected the state offered by %s: round %s %s",
+            peer,
+            round_,
+            shown if actual is None else f"digest {actual}",
+        )
     raise StateDownloadError(f"no peer served {describe}: {'; '.join(problems) or 'no peers'}", served)
 
 

@@ -158,14 +158,14 @@ def digest(round_: int, params: Mapping[str, torch.Tensor], momentum: Mapping[st
 
 def served_digest(
     metadata: Mapping[str, Any], tensors: Sequence[torch.Tensor], like: Mapping[str, torch.Tensor]
-) -> str:
+) -> str | None:
     """The digest of a state another peer served ({"round": r, ...}, [θ, momentum] flat), shaped like
-    `like`; "malformed" if it does not even have this model's shape (untrusted, I4)."""
+    `like`; None if it is malformed: it does not even have this model's shape (untrusted, I4)."""
     try:
         theta, momentum = tensors
         return digest(int(metadata["round"]), unflatten(theta.float(), like), unflatten(momentum.float(), like))
     except (ValueError, KeyError, TypeError, OverflowError, RuntimeError, IndexError, struct.error):
-        return "malformed"
+        return None
 
 
 def flatten(tensors: Mapping[str, torch.Tensor]) -> torch.Tensor:

@@ -357,6 +357,7 @@ class StateSync:
             return None
         return outer.against_own(implied, noted.own)
 
-    def verify_state(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str:
-        """The digest of a downloaded state, or "malformed" if it does not even have this model's shape."""
+    def verify_state(self, metadata: dict[str, Any], tensors: list[torch.Tensor]) -> str | None:
+        """The digest of a downloaded state, or None if it is malformed: it does not even have this
+        model's shape (the download names it so, and asks the next holder)."""
         return outer.served_digest(metadata, tensors, self.replica.state.params)

@@ -15,7 +15,6 @@ protocol/agreement.py: this class only does the I/O.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Callable
 from functools import partial
@@ -51,6 +50,7 @@ from p2p_diloco.swarm.transport.node import start_dht
 from p2p_diloco.swarm.transport.processes import children_started, stop_process
 from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 
 logger = logging.getLogger(__name__)
 
@@ -69,18 +69,19 @@ class HivemindSwarm:
         """`numel` values travel through the run's codec, `exact_numel` more (norms, biases) exact."""
         sc = config.swarm
         self.config = config
-        self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
         identity = Path(sc.identity_path) if sc.identity_path else run_dir / "identity.key"
         # Admission first: a peer that a certified run would refuse stops before it touches the network.
         self.gate = Gate(config, peer_id_of(identity))
-        self.validator = make_validator(identity)  # the peer id signs its records: one key, one id
+        validator = make_validator(identity)  # the peer id signs its records: one key, one id
         self._signer = load_identity(identity)  # ... and every part and average it sends (swarm/averaging/ledger.py)
         # The entry nodes given, then the peers this run dir saw last time (swarm/transport/entry.py): a peer finds
         # the swarm even if its entry nodes are down when it restarts.
         initial = list(dict.fromkeys([*sc.initial_peers, *entry.remembered(identity)]))
-        self.dht = start_dht(sc, identity, initial, sc.client_mode, [self.validator])
+        self.dht = start_dht(sc, identity, initial, sc.client_mode, [validator])
         self._started: list[Any] = [self.dht]  # what close() stops, last started first
         try:
+            # The run's records: this peer's threads take turns with them (RunDHT's lock discipline).
+            self.run_dht = RunDHT.of_run(self.dht, validator, config)
             self._join(config, identity, numel, exact_numel, state_provider)
         except BaseException:  # also Ctrl+C during start-up: never leave a child process behind
             self.close()
@@ -98,13 +99,10 @@ class HivemindSwarm:
         # Shared memory: the averager process writes it after each successful all-reduce.
         lossy = sc.compression in codecs.LOSSY and sc.error_feedback
         self.residual = torch.zeros(numel, dtype=torch.float32).share_memory_() if lossy else None
-        self._dht_lock = threading.Lock()  # hivemind's DHT handle is one pipe: threads take turns
-        self.gate.attach(self.dht, self.validator, self.prefix, self._dht_lock)
-        self.run = RunIdentity(config, self.dht, self.validator, self.gate, self._dht_lock, self.peer_id)
+        self.gate.attach(self.run_dht)
+        self.run = RunIdentity(config, self.run_dht, self.gate, self.peer_id)
         entries = Entries(self.dht, list(sc.initial_peers), identity)
-        self.heartbeat = Heartbeat(
-            self.dht, self.validator, self.prefix, self.peer_id, self._dht_lock, self.gate, entries
-        )
+        self.heartbeat = Heartbeat(self.run_dht, self.peer_id, self.gate, entries)
         self._started.insert(0, self.heartbeat)
         self.averager = self._start_averager(state_provider)
         self._started.insert(0, self.averager)
@@ -128,7 +126,7 @@ class HivemindSwarm:
             tensors,
             self.dht,
             start=True,
-            prefix=self.prefix,
+            prefix=self.run_dht.prefix,
             min_group_size=2,
             min_matchmaking_time=sc.matchmaking_time_s,
             request_timeout=min(3.0, sc.matchmaking_time_s / 2),
@@ -177,8 +175,8 @@ class HivemindSwarm:
     # --- records -----------------------------------------------------------------------------
 
     def visible_maddrs(self) -> list[str]:
-        with self._dht_lock:
-            return [str(m) for m in self.dht.get_visible_maddrs()]
+        with self.run_dht.turn() as dht:
+            return [str(m) for m in dht.get_visible_maddrs()]
 
     def check_config(self, theta0: str) -> Verdict:
         return self.run.check(theta0)
@@ -203,15 +201,13 @@ class HivemindSwarm:
             outcome=made.outcome,
             history=history_after(self._last_record, round_),
         )
-        with self._dht_lock:
-            records.publish_round(self.dht, self.validator, self.prefix, record)
+        self.run_dht.publish_round(record)
         self._last_record = record
         self.heartbeat.published(record)
 
     def peers(self) -> dict[str, RoundRecord]:
         """The latest round record of every live peer of this run, by peer id."""
-        with self._dht_lock:
-            entries = records.read_entries(self.dht, records.rounds_key(self.prefix))
+        (entries,) = self.run_dht.read(records.rounds_key)
         return records.rounds_from(entries, self.gate.admitted)  # admitted peers' only, none else parsed
 
     def wait_for_round(self, round_: int, timeout: float) -> bool:

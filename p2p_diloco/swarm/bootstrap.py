@@ -30,6 +30,7 @@ from p2p_diloco.swarm.transport.node import start_dht
 from p2p_diloco.swarm.transport.processes import stop_process
 from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import REVOCATIONS_POLL_S, Gate
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 
 if TYPE_CHECKING:
     from hivemind import DHT
@@ -52,22 +53,24 @@ class Bootstrap:
 
     def _watch(self, validator: Any, identity_path: Path) -> None:
         config = self.config
-        self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
+        # The run's records, read and written by this node's loop (`serve`), and in turns with it
+        # by an observer over this node (cli's --observe-port, the demo's dashboard: RunReader).
+        self.run_dht = RunDHT.of_run(self.dht, validator, config)
         # A certified run's bootstrap node counts only admitted peers and logs the ones it refused.
         # Given a certificate of its own (`bootstrap --certificate`), it publishes that, so that
         # peers serve its observer their state to evaluate.
         self.gate = Gate(config, str(self.dht.peer_id), member=bool(config.admission.certificate))
-        self.gate.attach(self.dht, validator, self.prefix, threading.Lock())
+        self.gate.attach(self.run_dht)
         # Other entry nodes (--initial-peers) are pinged every entry.REATTACH_S, and so are the
         # peers this node saw before a restart: it knows the swarm again within seconds (entry.py).
         self.entries = Entries(self.dht, list(config.swarm.initial_peers), identity_path)
         self.remembered = tuple(entry.remembered(identity_path))
-        self.validator, self._run_id_published, self._certificate_published = validator, -math.inf, time.monotonic()
+        self._run_id_published, self._certificate_published = -math.inf, time.monotonic()
 
     def _publish_run_id(self) -> None:
         """The run this node watches is a run id that a peer with a typo is pointed at (protocol/genesis.py)."""
         if self.watch_run and time.monotonic() - self._run_id_published > records.RUNS_TTL_S / 4:
-            records.publish_run_id(self.dht, self.validator, self.config.run.run_id)
+            self.run_dht.publish_run_id(self.config.run.run_id)
             self._run_id_published = time.monotonic()
 
     def initial_peers(self) -> list[str]:
@@ -79,8 +82,9 @@ class Bootstrap:
         known = self.dht.run_coroutine(_routing_table_size)
         if not self.watch_run:
             return f"{known} peers in the routing table (pass --config RUN_TOML to see the run's rounds)"
-        found = records.read_rounds(self.dht, self.prefix, self.gate.admitted)
-        reports, _ = records.read_progress(self.dht, self.prefix, self.gate.admitted)
+        round_entries, progress_entries = self.run_dht.read_now(records.rounds_key, records.progress_key)
+        found = records.rounds_from(round_entries, self.gate.admitted)
+        reports, _ = records.progress_from(progress_entries, self.gate.admitted)
         seen = rounds_seen(found, reports, time.time())
         return f"{known} peers in the routing table; run {self.config.run.run_id!r}: {seen}"
 
@@ -100,7 +104,7 @@ class Bootstrap:
             if observatory is not None and time.monotonic() - last_poll >= observatory.poll_s - 0.05:
                 observatory.ingest(observatory.reader.poll())
                 last_poll = time.monotonic()
-            seen = records.read_rounds(self.dht, self.prefix, self.gate.admitted) if self.watch_run else {}
+            seen = self._rounds() if self.watch_run else {}
             self.entries.tend(time.time(), seen, str(self.dht.peer_id), also=self.remembered)
             if self.watch_run:
                 self.gate.refresh_revocations()
@@ -112,6 +116,10 @@ class Bootstrap:
                 logger.info("[bootstrap] %s", self.status())
                 last_report = time.monotonic()
 
+    def _rounds(self) -> dict[str, RoundRecord]:
+        (entries,) = self.run_dht.read_now(records.rounds_key)
+        return records.rounds_from(entries, self.gate.admitted)
+
     def close(self) -> None:
         stop_process(self.dht, "DHT process")
 
@@ -120,14 +128,14 @@ def publish_revocation(config: Config, revocation: str, timeout_s: float) -> set
     """Publish the organiser's `revocation` (JSON) into the run's DHT from a throwaway client node,
     and wait up to `timeout_s` until peers of the run publish it again (each verified it). Returns
     those peers' ids (empty if none did in time)."""
-    prefix = records.run_prefix(config.run.run_id, config.fingerprint())
     with tempfile.TemporaryDirectory() as folder:
         identity = Path(folder) / "organiser-node.key"
         validator = make_validator(identity)
         dht = start_dht(config.swarm, identity, config.swarm.initial_peers, True, [validator])
         try:
-            records.publish_revocations(dht, validator, prefix, [revocation])
-            holders = lambda: records.revocation_holders(dht, prefix, revocation) - {str(dht.peer_id)}  # noqa: E731
+            run_dht = RunDHT.of_run(dht, validator, config)
+            run_dht.publish_revocations([revocation])
+            holders = lambda: records.revocation_holders(dht, run_dht.prefix, revocation) - {run_dht.peer_id}  # noqa: E731
             return poll_until(holders, bool, time.monotonic() + timeout_s, COMMAND_POLL_S)
         finally:
             stop_process(dht, "DHT process")

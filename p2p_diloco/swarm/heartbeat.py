@@ -21,6 +21,7 @@ from p2p_diloco.swarm.transport import entry
 from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.convictions import Convictions
 from p2p_diloco.swarm.trust.gate import Gate
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 
 logger = logging.getLogger(__name__)
 
@@ -36,21 +37,12 @@ SETTLE_S = 10.0
 class Heartbeat:
     """This peer's published round and progress, and the latest view of everyone's."""
 
-    def __init__(
-        self,
-        dht: Any,
-        validator: Any,
-        prefix: str,
-        peer_id: str,
-        dht_lock: threading.Lock,
-        gate: Gate,
-        entries: Entries | None = None,
-    ):
-        self.dht, self.validator, self.prefix, self.peer_id = dht, validator, prefix, peer_id
-        self.entries = entries or Entries(dht)  # the entry nodes to ping, and the address book to keep
+    def __init__(self, run_dht: RunDHT, peer_id: str, gate: Gate, entries: Entries | None = None):
+        """`run_dht`: the run's records; this thread never holds its lock while it waits (RunDHT)."""
+        self.run_dht, self.peer_id = run_dht, peer_id
+        self.entries = entries or Entries(run_dht.dht)  # the entry nodes to ping, and the address book to keep
         self.gate = gate  # only admitted peers' records count (certified runs), and not the convicted
         self.convictions = Convictions(gate, peer_id)
-        self._dht_lock = dht_lock  # hivemind's DHT handle is one pipe: this thread and the peer's take turns
         self._last_record: RoundRecord | None = None
         self._last_refresh = 0.0
         self._my_progress: ProgressReport | None = None
@@ -83,22 +75,16 @@ class Heartbeat:
         now = time.time()
         mine = self._my_progress
         refresh = self._last_record is not None and now - self._last_refresh >= records.REFRESH_S
-        # Stores are not waited for, and nothing here holds the DHT lock while it waits (the DHT
-        # handle's writes are serialised by node.OneSendAtATime): with a member asleep, a store
-        # waits 3 s for each try of it, and under the lock every read of the swarm by the peer, a
-        # survivor's catch-up too, would wait behind it (docs/design.md §4, I3).
+        # Stores are not waited for, and nothing here holds the DHT lock while it waits (RunDHT's
+        # discipline): with a member asleep, a store waits 3 s for each try of it, and under the
+        # lock every read of the swarm by the peer, a survivor's catch-up too, would wait behind
+        # it (docs/design.md §4, I3).
         if refresh and self._last_record is not None and self._sent("round"):
-            self._sending["round"] = records.publish_round(
-                self.dht, self.validator, self.prefix, self._last_record, wait=False
-            )
+            self._sending["round"] = self.run_dht.send_round(self._last_record)
             self._last_refresh = now
         if mine is not None and self._sent("progress"):
-            convicted = self.gate.convicted
-            self._sending["progress"] = records.publish_progress(
-                self.dht, self.validator, self.prefix, replace(mine, time=now), convicted, wait=False
-            )
-        progress_entries = records.read_entries(self.dht, records.progress_key(self.prefix))
-        round_entries = records.read_entries(self.dht, records.rounds_key(self.prefix))
+            self._sending["progress"] = self.run_dht.send_progress(replace(mine, time=now), self.gate.convicted)
+        progress_entries, round_entries = self.run_dht.read_now(records.progress_key, records.rounds_key)
         if refresh:
             self.gate.publish()
         self.gate.refresh_revocations()
@@ -107,7 +93,7 @@ class Heartbeat:
         self._rounds_seen = records.rounds_from(round_entries, self.gate.admitted)
         self.convictions.refresh(accusations)
         self._read_at = now
-        with self._dht_lock:
+        with self.run_dht.turn():
             self.entries.tend(now, self._rounds_seen, self.peer_id)
         seen = {r.peer for r in self._reports} | set(self._rounds_seen)
         if self._knew_swarm_at is None and seen - {self.peer_id}:

@@ -5,7 +5,6 @@ name is refused, one that comes after the end is told, one with a new name is to
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from dataclasses import replace
 from typing import Any
@@ -16,6 +15,7 @@ from p2p_diloco.protocol import genesis
 from p2p_diloco.protocol.genesis import Genesis, Verdict
 from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 
 logger = logging.getLogger(__name__)
 
@@ -26,9 +26,9 @@ LOOKS = 3  # reads of another config's live peers before a refused peer is told 
 class RunIdentity:
     """One peer's view of its run's configs and genesis."""
 
-    def __init__(self, config: Config, dht: Any, validator: Any, gate: Gate, dht_lock: threading.Lock, peer_id: str):
-        self.config, self.dht, self.validator, self.gate = config, dht, validator, gate
-        self._dht_lock, self.peer_id = dht_lock, peer_id
+    def __init__(self, config: Config, run_dht: RunDHT, gate: Gate, peer_id: str):
+        """`run_dht`: its records are those of every config of the run id, read and written in turns."""
+        self.config, self.run_dht, self.gate, self.peer_id = config, run_dht, gate, peer_id
         self.genesis = Genesis(config.fingerprint(), "", shared=config.shared_dict())
 
     def check(self, theta0: str) -> Verdict:
@@ -36,13 +36,13 @@ class RunIdentity:
         they hold another config, or in place of another config's run (I5); then publish this
         peer's config, its genesis record (`theta0`: the digest of its θ(0)) and its run id."""
         run_id, mine = self.config.run.run_id, self.config.fingerprint()
-        with self._dht_lock:
-            published = records.read_configs(self.dht, run_id)
-            found = records.read_geneses(self.dht, run_id)
-            seen_runs = records.read_run_ids(self.dht)
+        with self.run_dht.turn() as dht:  # one turn: believes_config checks a signature, reads nothing
+            published = records.read_configs(dht, run_id)
+            found = records.read_geneses(dht, run_id)
+            seen_runs = records.read_run_ids(dht)
             counted = [c for c in published.values() if self.gate.believes_config(c.signature, c.fingerprint)]
             fingerprints = [mine] + [c.fingerprint for c in counted if c.fingerprint != mine][:MAX_CONFIGS]
-            live = {fp: len(records.live_peers(self.dht, run_id, fp) - {self.peer_id}) for fp in fingerprints}
+            live = {fp: len(records.live_peers(dht, run_id, fp) - {self.peer_id}) for fp in fingerprints}
         if len(published) > len(counted):
             logger.warning(
                 "ignored %d config(s) published under run %r without the organiser's signature",
@@ -64,8 +64,7 @@ class RunIdentity:
         and a refused peer would be told "none is live now" of a run that trains."""
         for _ in range(LOOKS):
             time.sleep(1.0)  # a DHT re-read interval, bounded by LOOKS
-            with self._dht_lock:
-                found = len(records.live_peers(self.dht, run_id, fingerprint) - {self.peer_id})
+            found = len(self.run_dht.live_peers(run_id, fingerprint) - {self.peer_id})
             if found:
                 return found
         return 0
@@ -102,21 +101,16 @@ class RunIdentity:
         config, run_id = self.config, self.config.run.run_id
         shared, signature = config.shared_dict(), config.admission.config_signature
         self.genesis = Genesis(config.fingerprint(), theta0, signature=signature, shared=shared)
-        with self._dht_lock:
-            records.publish_config(
-                self.dht, self.validator, run_id, records.PublishedConfig(config.fingerprint(), shared, signature)
-            )
-            if genesis.should_publish(geneses, self.genesis):
-                records.publish_genesis(self.dht, self.validator, run_id, self.genesis)
-            records.publish_run_id(self.dht, self.validator, run_id)
+        published = records.PublishedConfig(config.fingerprint(), shared, signature)
+        start = self.genesis if genesis.should_publish(geneses, self.genesis) else None
+        self.run_dht.publish_start(run_id, published, start)
 
     def publish_final(self, round_: int, digest: str) -> None:
         """This peer finished the run's last round with `digest`: the run's genesis says so from
         now on (a peer that comes later is told the run is over instead of training it alone)."""
         final = self.genesis.finished_at(round_, digest)
         if genesis.should_publish(self._geneses(), final):
-            with self._dht_lock:
-                records.publish_genesis(self.dht, self.validator, self.config.run.run_id, final)
+            self.run_dht.publish_genesis(self.config.run.run_id, final)
 
     def final_state(self) -> Genesis | None:
         """The run's end as the genesis records claim it (genesis.final_claim), if any."""
@@ -126,6 +120,4 @@ class RunIdentity:
         """The run's genesis records that count. Read under the DHT lock, judged after it: in a
         certified run the gate reads the certificates of publishers it does not know yet, under
         the same lock (not reentrant: taken inside, it would deadlock every certified peer's start)."""
-        with self._dht_lock:
-            found = records.read_geneses(self.dht, self.config.run.run_id)
-        return self._believed(found)
+        return self._believed(self.run_dht.read_geneses(self.config.run.run_id))

@@ -6,16 +6,14 @@ a certified run, given a certificate of its own, it publishes that: peers serve 
 admitted askers only, and the observer downloads the agreed state to evaluate it.) It
 reads what every peer reads (swarm/trust/records.py), filtered as a peer filters it: in a certified run
 only admitted peers' records count (swarm/trust/gate.py). A bootstrap node can serve the same view from
-its own DHT node (`RunReader` over its `dht`).
+its own DHT node (`RunReader` over its `run_dht`).
 """
 
 from __future__ import annotations
 
 import tempfile
-import threading
 import time
 from pathlib import Path
-from typing import Any
 
 from p2p_diloco.config import Config
 from p2p_diloco.errors import SwarmError
@@ -28,6 +26,7 @@ from p2p_diloco.swarm.transport.node import start_dht
 from p2p_diloco.swarm.transport.processes import stop_process
 from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 
 # Each admitted peer's latest round record, their progress reports, {accused: accusers},
 # {peer: name} from the organiser's certificates and {revoked peer: (reason, unix time issued)}
@@ -40,20 +39,18 @@ Poll = tuple[
 class RunReader:
     """Reads one run's round records, progress reports and convictions from a DHT node."""
 
-    def __init__(self, config: Config, dht: Any, validator: Any, gate: Gate | None = None):
-        self.config, self.dht = config, dht
-        self.prefix = records.run_prefix(config.run.run_id, config.fingerprint())
-        self._lock = threading.Lock()  # hivemind's DHT handle is one pipe: threads take turns
+    def __init__(self, config: Config, run_dht: RunDHT, gate: Gate | None = None):
+        """`run_dht`: the records of `config`'s run, on a node whose threads take turns with it
+        (a bootstrap node's, with its `gate`)."""
+        self.config, self.run_dht = config, run_dht
         if gate is None:  # with a certificate of its own, a certified run's peers serve it their state
-            gate = Gate(config, str(dht.peer_id), member=bool(config.admission.certificate))
-            gate.attach(dht, validator, self.prefix, self._lock)
+            gate = Gate(config, run_dht.peer_id, member=bool(config.admission.certificate))
+            gate.attach(run_dht)
         self.gate = gate
 
     def poll(self) -> Poll:
         """One read of the run's records (`Poll`)."""
-        with self._lock:
-            round_entries = records.read_entries(self.dht, records.rounds_key(self.prefix))
-            progress_entries = records.read_entries(self.dht, records.progress_key(self.prefix))
+        round_entries, progress_entries = self.run_dht.read(records.rounds_key, records.progress_key)
         self.gate.refresh_revocations(publish=False)  # a bootstrap node's own loop publishes them
 
         def admit(peers: set[str]) -> set[str]:  # revoked members are shown, marked
@@ -71,12 +68,12 @@ class RunReader:
         )
 
     def healthy(self) -> tuple[bool, str]:
-        return (True, "") if self.dht.is_alive() else (False, "the DHT process is not running")
+        return (True, "") if self.run_dht.dht.is_alive() else (False, "the DHT process is not running")
 
     def state_client(self, numel: int) -> StateClient:
         """Downloads the states peers serve, over this node (its caller closes it). In a certified
         run, peers serve admitted askers only: the observer needs a certificate of its own."""
-        return StateClient(self.dht, self.prefix, numel, self._lock, self.config.swarm.join_timeout_s)
+        return StateClient(self.run_dht, numel, self.config.swarm.join_timeout_s)
 
 
 class Observer(RunReader):
@@ -91,7 +88,7 @@ class Observer(RunReader):
         dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, True, [validator])
         self._published = time.monotonic()
         try:
-            super().__init__(config, dht, validator)
+            super().__init__(config, RunDHT.of_run(dht, validator, config))
             self.entries = Entries(dht, list(config.swarm.initial_peers), identity_path)
         except BaseException:
             stop_process(dht, "DHT process")
@@ -99,15 +96,15 @@ class Observer(RunReader):
 
     def poll(self) -> Poll:
         found = super().poll()
-        with self._lock:  # re-attach to restarted entry nodes
-            self.entries.tend(time.time(), found[0], str(self.dht.peer_id))
+        with self.run_dht.turn():  # re-attach to restarted entry nodes
+            self.entries.tend(time.time(), found[0], self.run_dht.peer_id)
         if time.monotonic() - self._published >= records.REFRESH_S:  # its certificate, if it has one
             self.gate.publish()
             self._published = time.monotonic()
         return found
 
     def close(self) -> None:
-        stop_process(self.dht, "DHT process")
+        stop_process(self.run_dht.dht, "DHT process")
         if self._folder is not None:
             self._folder.cleanup()
 

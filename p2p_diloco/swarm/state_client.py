@@ -23,6 +23,7 @@ from p2p_diloco.protocol.deadlines import state_bytes
 from p2p_diloco.protocol.network import ServedState
 from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 from p2p_diloco.swarm.averaging.served import read_served_state
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 
 logger = logging.getLogger(__name__)
 
@@ -30,12 +31,12 @@ logger = logging.getLogger(__name__)
 class StateClient:
     """Fetches served states over the libp2p daemon of a DHT node in this process's care."""
 
-    def __init__(self, dht: Any, prefix: str, numel: int, dht_lock: threading.Lock, stall_s: float):
-        self.prefix, self.limit, self.stall_s = prefix, state_bytes(numel), stall_s
+    def __init__(self, run_dht: RunDHT, numel: int, stall_s: float):
+        self.prefix, self.limit, self.stall_s = run_dht.prefix, state_bytes(numel), stall_s
         self._loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._loop.run_forever, name="state-client", daemon=True)
         self._thread.start()
-        with dht_lock:  # replicate_p2p asks the DHT process once, through its pipe
+        with run_dht.turn() as dht:  # replicate_p2p asks the DHT process once, through its pipe
             self._p2p = self._run(dht.replicate_p2p(), timeout=30.0)
 
     def fetch(self, peer: str, timeout: float) -> ServedState | None:

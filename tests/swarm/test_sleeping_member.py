@@ -10,7 +10,6 @@ handle's writes whole). Real DHT processes, a real SIGSTOP."""
 import os
 import signal
 import subprocess
-import threading
 import time
 
 import pytest
@@ -23,6 +22,7 @@ from p2p_diloco.swarm.transport.identity import make_validator, owner_peer_id
 from p2p_diloco.swarm.transport.node import start_dht
 from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 from tests.swarm.conftest import SWARM
 
 WATCH_S = 12.0  # long enough for several beats, each of which tries the sleeper at least once
@@ -52,15 +52,15 @@ def test_reads_of_the_swarm_never_wait_behind_the_heartbeats_stores_while_a_memb
         stopped = _with_children(c.pid)  # its DHT process and its p2pd
         for pid in stopped:
             os.kill(pid, signal.SIGSTOP)
-        lock = threading.Lock()
-        beat = Heartbeat(a, keys["a"], prefix, ids["a"], lock, Gate(cfg, ids["a"]))
+        run_dht = RunDHT(a, keys["a"], prefix)
+        beat = Heartbeat(run_dht, ids["a"], Gate(cfg, ids["a"]))
         beat.report_progress(4, 100, 50.0)  # something to store every beat
         beat.start()
         waits, seen = [], set()
         deadline = time.monotonic() + WATCH_S
         while time.monotonic() < deadline:
             asked = time.monotonic()
-            with lock:  # as HivemindSwarm.peers reads the swarm
+            with run_dht.turn():  # as HivemindSwarm.peers reads the swarm (RunDHT.read)
                 waits.append(time.monotonic() - asked)
                 seen |= set(records.rounds_from(records.read_entries(a, records.rounds_key(prefix))))
             time.sleep(ROUND_POLL_S)  # as HivemindSwarm.wait_for_round polls (the heartbeat may hold the lock)

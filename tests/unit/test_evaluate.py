@@ -18,7 +18,7 @@ from p2p_diloco.observe.run_view import Target
 from p2p_diloco.observe.service import fetch_agreed
 from p2p_diloco.protocol import outer
 from p2p_diloco.protocol.budget import ProgressReport
-from p2p_diloco.protocol.network import RoundRecord
+from p2p_diloco.protocol.network import RoundRecord, download_verified
 from p2p_diloco.train import data
 from p2p_diloco.train import model as model_mod
 from tests.conftest import TINY
@@ -67,9 +67,9 @@ def test_the_digest_of_a_served_state_is_computed_not_read_and_a_malformed_one_i
     tampered = [tensors[0].clone(), tensors[1]]
     tampered[0][0] += 1e-6
     assert held.digest(metadata, tampered) != digest
-    assert held.digest(metadata, [tensors[0][:-1], tensors[1]]) == "malformed"
-    assert held.digest({"round": "x"}, tensors) == "malformed"
-    assert held.digest(metadata, [tensors[0]]) == "malformed"
+    assert held.digest(metadata, [tensors[0][:-1], tensors[1]]) is None  # malformed: not this model's shape
+    assert held.digest({"round": "x"}, tensors) is None
+    assert held.digest(metadata, [tensors[0]]) is None
 
 
 def test_a_lying_holder_is_skipped_and_the_next_ones_verified_state_is_taken(cfg, held):
@@ -87,6 +87,21 @@ def test_a_lying_holder_is_skipped_and_the_next_ones_verified_state_is_taken(cfg
     with pytest.raises(StateDownloadError) as error:
         download_agreed(held, fetch, Target(4, digest, (A, B)), lambda r, d: (r, d) == (4, digest), 5.0)
     assert "QmAAAA: state of round 4 digest" in str(error.value) and "QmBBBB: sent nothing" in str(error.value)
+
+
+def test_a_state_of_another_shape_is_named_malformed_and_the_next_holders_state_is_taken(cfg, held):
+    metadata, tensors, digest = served(cfg, 4, seed=7)
+    answers = {A: (metadata, [tensors[0][:-1], tensors[1]]), C: (metadata, tensors)}
+    said = []
+    fetch = lambda peer, timeout: answers[peer]  # noqa: E731
+    wanted = lambda r, d: (r, d) == (4, digest)  # noqa: E731
+    found = download_agreed(held, fetch, Target(4, digest, (A, C)), wanted, 5.0)
+    assert (found.round, found.digest, found.served_by) == (4, digest, C)
+    with pytest.raises(StateDownloadError) as error:
+        download_verified(fetch, [A], 5.0, held.digest, wanted, "round 4", lambda *a: said.append(a[0] % a[1:]))
+    assert "QmAAAA: state of round 4 malformed (not this model's shape) does not match round 4" in str(error.value)
+    assert said == ["rejected the state offered by QmAAAA: round 4 malformed (not this model's shape)"]
+    assert error.value.served == {A: (4, None)}  # a catch-up asks that holder for that state no more
 
 
 class Source:

@@ -1,7 +1,6 @@
 """The door of a certified run on this peer's side: without a valid certificate for its own id a
 peer stops before it touches the network, with one line that names the fix."""
 
-import threading
 import time
 from dataclasses import replace
 
@@ -12,6 +11,7 @@ from p2p_diloco import config
 from p2p_diloco.errors import AdmissionError
 from p2p_diloco.swarm.trust.doors import Doors
 from p2p_diloco.swarm.trust.gate import Gate
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 from p2p_diloco.trust import admission
 from tests.conftest import TINY
 
@@ -143,6 +143,6 @@ def test_an_observer_names_admitted_peers_as_their_certificates_do(tmp_path, mon
     published = {OTHER: alice.to_json(), "QmMallory": stolen.to_json()}
     monkeypatch.setattr("p2p_diloco.swarm.trust.records.read_certificates", lambda dht, prefix: published)
     gate = Gate(cfg, "QmObserver", member=False)  # an observer: no certificate of its own
-    gate.attach(None, None, "prefix", threading.Lock())
+    gate.attach(RunDHT(None, None, "prefix"))
     assert gate.admitted({OTHER, "QmMallory"}) == {OTHER}
     assert gate.names == {OTHER: "alice"}

@@ -1,13 +1,12 @@
 """Liveness as the heartbeat judges it (swarm/heartbeat.py), with the DHT replaced by a scripted
 read: the judgement is as of this peer's last read of the swarm, never of reads that failed."""
 
-import threading
-
 import pytest
 
 from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.swarm import heartbeat
 from p2p_diloco.swarm.heartbeat import STALE_S, Heartbeat
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 
 
 class Gate:
@@ -51,7 +50,7 @@ def test_a_peer_whose_own_reads_fail_judges_nobody_stale_on_what_it_could_not_re
     progress = lambda entries, admit: ([ProgressReport("holder", 3, 0, 0.0, holder["time"]())], {})  # noqa: E731
     monkeypatch.setattr(heartbeat.records, "progress_from", progress)
     monkeypatch.setattr(heartbeat.records, "rounds_from", lambda entries, admit: {})
-    beat = Heartbeat(None, None, "run", "me", threading.Lock(), Gate(), Entries())
+    beat = Heartbeat(RunDHT(None, None, "run"), "me", Gate(), Entries())
     beat.convictions.refresh = lambda accusations: None
     beat._beat()
     reads["ok"] = False
@@ -76,7 +75,7 @@ def test_ids_that_arrive_after_a_starting_peer_knew_the_swarm_are_new_to_it(cloc
     reports = lambda entries, admit: ([ProgressReport(p, 3, 0, 0.0, clock[0]) for p in present], {})  # noqa: E731
     monkeypatch.setattr(heartbeat.records, "progress_from", reports)
     monkeypatch.setattr(heartbeat.records, "rounds_from", lambda entries, admit: {})
-    beat = Heartbeat(None, None, "run", "me", threading.Lock(), Gate(), Entries())
+    beat = Heartbeat(RunDHT(None, None, "run"), "me", Gate(), Entries())
     beat.convictions.refresh = lambda accusations: None
     beat._beat()  # alone for a minute: nobody known yet, nobody new
     clock[0] += 60

@@ -32,3 +32,25 @@ def test_bad_addresses_name_the_fix():
     with pytest.raises(ConfigError, match="is not a multiaddr"):
         parse_initial_peers(["1.2.3.4:31337"])
     assert parse_initial_peers([PEER]) == [PEER]
+
+
+def test_a_dht_that_did_not_start_is_explained_by_hiveminds_text_alone():
+    """hivemind raises P2PDaemonError for a taken port and for unreachable peers alike, with the
+    daemon's output as its text (these two as hivemind 1.1.12's p2pd wrote them): only the text
+    chooses the fix named (node.start_failure)."""
+    from hivemind.p2p import P2PDaemonError
+
+    from p2p_diloco.swarm.transport.node import _explain, start_failure
+
+    taken = P2PDaemonError(
+        "Daemon failed to start: 2026/12/05 23:49:35 failed to listen on any addresses: "
+        "[listen tcp4 127.0.0.1:56231: bind: address already in use]"
+    )
+    unreachable = P2PDaemonError("Daemon failed to start: 2026/12/05 23:49:22 failed to connect to bootstrap peers")
+    late = P2PDaemonError("Daemon failed to start in 10.0 seconds")
+    assert [start_failure(e) for e in (taken, unreachable, late)] == ["port in use", "peers unreachable", "other"]
+    cfg = swarm(host="127.0.0.1", port=56231)
+    assert _explain(taken, cfg, [PEER]).startswith("port 56231 on 127.0.0.1 is already in use")
+    assert _explain(unreachable, cfg, [PEER]).startswith(f"could not reach any initial peer ({PEER})")
+    assert _explain(unreachable, cfg, []).startswith("could not start the DHT node: Daemon failed to start")
+    assert _explain(late, cfg, [PEER]) == "could not start the DHT node: Daemon failed to start in 10.0 seconds"

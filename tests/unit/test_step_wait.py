@@ -92,3 +92,38 @@ def test_the_next_rounds_key_waits_until_the_last_steps_look_for_a_group_ended()
 
     seen, after, answer = asyncio.run(scenario())
     assert seen == ["0100"] * 5 and after == "0101" and answer is None
+
+
+def test_a_step_that_found_no_group_is_told_from_a_failed_all_reduce_by_hiveminds_text():
+    """hivemind's own `_step`, given a matchmaking that found nobody by the step's deadline, sets
+    the AllreduceException an all-reduce that failed raises too: only its text says no group
+    formed (step.found_no_group). A hivemind that words it otherwise fails here, not in a swarm
+    where every lonely round would become a failed one."""
+    import asyncio
+
+    from hivemind.averaging.allreduce import AllreduceException
+    from hivemind.averaging.averager import DecentralizedAverager
+    from hivemind.averaging.control import StepControl
+    from hivemind.averaging.matchmaking import MatchmakingException
+    from hivemind.utils import get_dht_time
+    from hivemind.utils.mpfuture import MPFuture
+
+    from p2p_diloco.swarm.averaging.step import found_no_group
+
+    class NobodyCame:  # hivemind's Matchmaking when its look ends at the deadline with no group
+        async def look_for_group(self, step):
+            step.allow_allreduce()  # as start_step does: no trigger to wait for
+            return None
+
+    async def step_without_a_group():
+        init = MPFuture()  # the first future made in a process starts hivemind's backend (not a subclass)
+        averager = SimpleNamespace(_matchmaking=NobodyCame(), _pending_groups_registered=asyncio.Event())
+        step = StepControl(get_dht_time(), get_dht_time() + 5.0, allow_retries=False, weight=1.0, data_for_gather=b"")
+        await asyncio.wait_for(DecentralizedAverager._step(averager, step=step, future_for_init=init), 5.0)
+        return step
+
+    error = asyncio.run(step_without_a_group()).exception(timeout=1.0)
+    assert type(error) is AllreduceException and found_no_group(error), repr(error)
+    failed = AllreduceException("QmPeer sent AVERAGED_DATA_WRONG_SIZE")  # hivemind's runner: a group that failed
+    assert not found_no_group(failed)
+    assert not found_no_group(MatchmakingException("Unable to run All-Reduce: could not find a group"))

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import os
-import threading
 import time
 from concurrent.futures import Future
 from dataclasses import asdict
@@ -38,6 +37,7 @@ from p2p_diloco.swarm.transport import entry
 from p2p_diloco.swarm.transport.identity import make_validator, owner_peer_id
 from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 
 # Cases per test; the suite's run is the same every time (derandomize: CI never meets a new
 # case by chance). P2P_DILOCO_FUZZ=N runs N fresh random cases per test instead.
@@ -212,7 +212,7 @@ def test_the_round_wait_catch_up_and_heartbeat_survive_any_round_or_progress_rec
     agreement.runs_ahead(state, found, counted, 3, D1)
     agreement.still_finishing(found, set(), 8, D1)
     entry.addresses_of(found, ia)
-    beat = Heartbeat(dht, world.keys[0], world.prefix, ia, threading.Lock(), Gate(world.config, ia), _NoEntries())
+    beat = Heartbeat(RunDHT(dht, world.keys[0], world.prefix), ia, Gate(world.config, ia), _NoEntries())
     beat._beat()
     progress = beat.round_progress(4, 10, 1000, 2.0)
     assert 10 <= progress.tokens < float("inf") and progress.peers in (1, 2, 3)
@@ -227,7 +227,9 @@ def test_the_observer_status_and_dashboard_survive_any_round_or_progress_record(
 ):
     signed_as_m(world, rounds_m, progress_m)
     dht = FakeDHT(run_entries(world, rounds_m, progress_m), expiration)
-    reader = RunReader(world.config, dht, world.keys[0], Gate(world.config, dht.peer_id, member=False))
+    reader = RunReader(
+        world.config, RunDHT.of_run(dht, world.keys[0], world.config), Gate(world.config, dht.peer_id, member=False)
+    )
     poll = reader.poll()
     assert_honest_read(world, poll[0])
     log = service.run_log(world.config)
@@ -263,7 +265,7 @@ def test_run_identity_survives_any_config_genesis_or_run_id_record(world, config
         }
     )
     ia = world.ids[0]
-    identity = RunIdentity(world.config, dht, world.keys[0], Gate(world.config, ia), threading.Lock(), ia)
+    identity = RunIdentity(world.config, RunDHT(dht, world.keys[0], world.prefix), Gate(world.config, ia), ia)
     try:
         verdict = identity.check(D1)
     except RunConfigMismatch as e:  # a well-formed genesis of another config, nobody live: refused

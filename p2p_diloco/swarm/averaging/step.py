@@ -43,6 +43,19 @@ CANCEL_POLL_S = 0.05  # how often a cancelled step's stage is read while the ave
 STEP_MARGIN_S = 30.0  # the averager process's hand-over and wrap-up, beyond the step's own deadlines
 
 
+def found_no_group(error: BaseException) -> bool:
+    """Whether hivemind failed the step only because matchmaking found no group in time (the peer
+    then averages alone: `Swarm.average` returns None), not because a group's all-reduce failed.
+
+    hivemind says which by its message alone: when `Matchmaking.look_for_group` gives up at the
+    step's deadline (it returns None), `DecentralizedAverager._step` sets
+    `AllreduceException("Averaging step failed: could not find a group")` on the step: the type
+    that an all-reduce that failed raises too (hivemind's runner, and allreduce.py's), with no
+    attribute or subclass of its own (hivemind 1.1). The text is the only signal;
+    tests/unit/test_step_wait.py runs hivemind's own `_step` so that a change of it shows."""
+    return isinstance(error, AllreduceException) and "could not find a group" in str(error).lower()
+
+
 class Overtook(Exception):
     """The swarm finished the round while this peer's step was still in matchmaking."""
 
@@ -139,7 +152,7 @@ class AveragingStep:
                     f"(matchmaking {timeout:g} s + all-reduce {self.sc.averaging_timeout_s:g} s); "
                     f"nothing applied"
                 ) from None
-            if "could not find a group" in str(e).lower() or isinstance(e, TimeoutError):
+            if found_no_group(e) or isinstance(e, TimeoutError):  # nobody to average with in time
                 return None
             raise AveragingError(f"round {round_} all-reduce failed: {type(e).__name__}: {str(e)[:200]}") from None
 

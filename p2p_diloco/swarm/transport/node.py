@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import hivemind
 from hivemind.utils.multiaddr import Multiaddr
@@ -217,12 +217,31 @@ def _check_identity(path: Path) -> None:
         raise SwarmError(not_a_key(path))
 
 
-def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) -> str:
-    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+StartFailure = Literal["port in use", "peers unreachable", "other"]
+
+
+def start_failure(error: BaseException) -> StartFailure:
+    """Why hivemind's DHT did not start, as far as its message says: hivemind raises P2PDaemonError
+    for every way its libp2p daemon fails to start, with the daemon's own output as the text
+    ("Daemon failed to start: ... failed to listen on any addresses: [... bind: address already
+    in use]", "... failed to connect to bootstrap peers"; hivemind 1.1), and RuntimeError or
+    TimeoutError from elsewhere in its start. No type or attribute tells a taken port from peers
+    that cannot be reached: the text is the only signal. It only chooses the fix that the one line
+    names (`_explain`); the error is a SwarmError whatever it says."""
     lowered = str(error).lower()
     if "address already in use" in lowered or "bind" in lowered:
+        return "port in use"
+    if "connect" in lowered or "bootstrap" in lowered or "timeout" in lowered or "dial" in lowered:
+        return "peers unreachable"
+    return "other"
+
+
+def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) -> str:
+    text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
+    cause = start_failure(error)
+    if cause == "port in use":
         return f"port {cfg.port} on {cfg.host} is already in use ({text}); choose another --swarm.port or 0 for any"
-    if initial_peers and ("connect" in lowered or "bootstrap" in lowered or "timeout" in lowered or "dial" in lowered):
+    if initial_peers and cause == "peers unreachable":
         return (
             f"could not reach any initial peer ({', '.join(initial_peers)}): {text}; check the address and that "
             f"the bootstrap node is running"

@@ -20,15 +20,14 @@ In `open` mode every door is open and this class admits everyone.
 from __future__ import annotations
 
 import logging
-import threading
 import time
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from p2p_diloco.config import Config
 from p2p_diloco.errors import AdmissionError
 from p2p_diloco.swarm.trust import records
+from p2p_diloco.swarm.trust.run_dht import RunDHT
 from p2p_diloco.trust import admission
 
 logger = logging.getLogger(__name__)
@@ -54,7 +53,7 @@ class Gate:
         self.convicted: set[str] = set()  # reducers this peer convicted in an audit (swarm/averaging/auditor.py)
         self.names: dict[str, str] = {}  # peer id -> the name its certificate gives (certified runs)
         self._revocations_read = self._revocations_published = 0.0
-        self._io: tuple[Any, Any, str, threading.Lock] | None = None
+        self._dht: RunDHT | None = None  # once attached: the run's records, in the node's turns
 
     def _own_certificate(self, config: Config) -> admission.Certificate:
         """This peer's certificate, checked: AdmissionError (exit 2) naming the fix if there is none."""
@@ -123,12 +122,10 @@ class Gate:
         """Read the run's revocations (every REVOCATIONS_POLL_S); publish those verified again
         (not `publish`: an observer, which publishes nothing of the run's)."""
         now = time.time()
-        if not self.certified or self._io is None or now - self._revocations_read < REVOCATIONS_POLL_S:
+        if not self.certified or self._dht is None or now - self._revocations_read < REVOCATIONS_POLL_S:
             return
         self._revocations_read = now
-        dht, validator, prefix, lock = self._io
-        with lock:
-            texts = records.read_revocations(dht, prefix)
+        texts = self._dht.read_revocations()
         assert self.organiser is not None
         found = admission.revoked_ids(texts, self.organiser, self.run_id)
         new = set(found) - set(self._revocations)
@@ -137,21 +134,18 @@ class Gate:
             self._admitted_until.pop(peer, None)
         self._revocations.update(found)
         if publish and self._revocations and (new or now - self._revocations_published >= records.REFRESH_S):
-            with lock:
-                records.publish_revocations(dht, validator, prefix, list(self._revocations.values()))
+            self._dht.publish_revocations(list(self._revocations.values()))
             self._revocations_published = now
 
-    def attach(self, dht: Any, validator: Any, prefix: str, dht_lock: threading.Lock) -> None:
+    def attach(self, dht: RunDHT) -> None:
         """The DHT is up: publish this peer's certificate (again every records.REFRESH_S)."""
-        self._io = (dht, validator, prefix, dht_lock)
+        self._dht = dht
         self.publish()
 
     def publish(self) -> None:
-        if self.certificate is None or self._io is None:
+        if self.certificate is None or self._dht is None:
             return
-        dht, validator, prefix, lock = self._io
-        with lock:
-            records.publish_certificate(dht, validator, prefix, self.certificate.to_json())
+        self._dht.publish_certificate(self.certificate.to_json())
 
     def gather(self) -> dict[str, str]:
         """What this peer adds to a group's all-gather: its certificate (certified runs)."""
@@ -191,11 +185,9 @@ class Gate:
 
     def _look_up(self, unknown: set[str], now: float) -> None:
         """Read the run's published certificates and check those of `unknown` peers."""
-        if self._io is None:
+        if self._dht is None:
             return
-        dht, _, prefix, lock = self._io
-        with lock:
-            published = records.read_certificates(dht, prefix)
+        published = self._dht.read_certificates()
         assert self.organiser is not None
         for peer in unknown:
             try:
