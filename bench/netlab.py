@@ -56,12 +56,11 @@ class Host:
 class NetLab:
     """N hosts behind one bridge; `links[i]` = (upload, download) of host i in Mbit/s."""
 
-    def __init__(self, links: list[tuple[float | None, float | None]]):
-        self.prefix = f"pdl{os.getpid()}-"
+    def __init__(self, links: list[tuple[float | None, float | None]], tag: str = "pdl"):
+        """`tag`: the namespaces' prefix before the pid (a lab of another shape has its own)."""
+        self.prefix = f"{tag}{os.getpid()}-"
         self.bridge_ns = self.prefix + "br"
-        self.hosts = [
-            Host(i, f"{self.prefix}h{i}", f"{SUBNET}.{i + 1}", up, down) for i, (up, down) in enumerate(links)
-        ]
+        self.hosts = self._hosts(links)
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []  # namespaces this lab created, deleted in reverse on close
         _delete_namespaces(self.prefix)  # what a crashed run with our pid left (this prefix only)
@@ -77,20 +76,27 @@ class NetLab:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
+    def _hosts(self, links: list[tuple[float | None, float | None]]) -> list[Host]:
+        return [Host(i, f"{self.prefix}h{i}", f"{SUBNET}.{i + 1}", up, down) for i, (up, down) in enumerate(links)]
+
     def _build(self) -> None:
         self._add_netns(self.bridge_ns)
         _ip(self.bridge_ns, "link", "add", "br0", "type", "bridge")
         _ip(self.bridge_ns, "link", "set", "br0", "up")
         for host in self.hosts:
             self._add_netns(host.netns)
-            port = f"v{host.index}"  # the bridge end of the host's veth pair
             _ip(host.netns, "link", "set", "lo", "up")
-            _ip(host.netns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.bridge_ns)
-            _ip(self.bridge_ns, "link", "set", port, "master", "br0", "up")
-            _ip(host.netns, "addr", "add", f"{host.ip}/24", "dev", "eth0")
-            _ip(host.netns, "link", "set", "eth0", "up")
-            _limit(host.netns, "eth0", host.up_mbit)
-            _limit(self.bridge_ns, port, host.down_mbit)
+            self._plug(host.netns, f"v{host.index}", f"{host.ip}/24", host.up_mbit, host.down_mbit)
+
+    def _plug(self, netns: str, port: str, address: str, up: float | None, down: float | None) -> None:
+        """A veth pair from `netns` (its end `eth0`, with `address`) into the bridge (its end `port`),
+        rate-limited both ways."""
+        _ip(netns, "link", "add", "eth0", "type", "veth", "peer", "name", port, "netns", self.bridge_ns)
+        _ip(self.bridge_ns, "link", "set", port, "master", "br0", "up")
+        _ip(netns, "addr", "add", address, "dev", "eth0")
+        _ip(netns, "link", "set", "eth0", "up")
+        _limit(netns, "eth0", up)
+        _limit(self.bridge_ns, port, down)
 
     def _add_netns(self, name: str) -> None:
         _run("ip", "netns", "add", name)

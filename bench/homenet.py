@@ -1,0 +1,243 @@
+"""An emulated internet of home routers, on one machine: public hosts on an "internet" bridge, and
+homes whose one host sits behind a NAT router (nftables masquerade), each in a network namespace.
+
+    with HomeNet(public=2, homes=[Home("cone"), Home("symmetric"), Home("double"), Home("cone", forward=4000)]) as net:
+        net.popen(net.home_host(0), [...])      # a process in the first home, behind its router
+        net.hosts[0].ip                         # 11.0.0.10: the first public host
+
+Kinds of home:
+- `cone`: endpoint-independent mapping (Linux masquerade keeps a flow's source port where it can,
+  the same for every destination), replies only: nothing reaches the host unasked;
+- `symmetric`: `masquerade random,fully-random`: each flow gets a random port, per destination;
+- `double`: a carrier-grade NAT (100.64.0.0/10) in front of the home router: two masquerades;
+- `forward=PORT`: the router also forwards PORT (TCP and UDP) to the home's host.
+Each home's link is shaped at its router's WAN port with tbf, `up` and `down` Mbit/s apart.
+
+Addresses: the internet side uses 11.0.0.0/24, public-looking (libp2p hole-punches only between
+public addresses), but only inside the namespaces made here: nothing has a route to the host's
+interfaces, so no packet leaves the lab. Homes are 192.168.<j+1>.0/24 (the host is .2). Needs root,
+iproute2 and nftables. Like NetLab (netlab.py), it ends every process it started and deletes every
+namespace it made on close, also when the code inside it fails.
+
+    python bench/homenet.py selftest    # what each kind of home shows a public host
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from typing import Literal
+
+if __package__:  # imported as bench.homenet (the tests)
+    from .netlab import Host, NetLab, _ip, _limit, _run, available, line_reader, next_line
+else:  # run as a script, bench/ on sys.path
+    from netlab import Host, NetLab, _ip, _limit, _run, available, line_reader, next_line
+
+INTERNET = "11.0.0"  # public-looking, lab-only (see the module's docstring)
+CARRIER = "100.64"  # RFC 6598 shared address space: a carrier's NAT
+PUBLIC_BASE, ROUTER_BASE, CARRIER_BASE = 10, 100, 150  # last octets on the internet bridge
+
+
+@dataclass(frozen=True)
+class Home:
+    nat: Literal["cone", "symmetric", "double"] = "cone"
+    forward: int | None = None  # a port the router forwards to the home's host
+    up: float | None = 10.0  # Mbit/s the home sends (None: no limit)
+    down: float | None = 50.0
+
+
+def lab_available() -> str | None:
+    """Why a home-network lab cannot be built here, or None if it can."""
+    return available() or (None if shutil.which("nft") else "nft (nftables) not found")
+
+
+class HomeNet(NetLab):
+    """`public` hosts on the internet bridge (hosts 0 … public-1), then one host per home."""
+
+    def __init__(self, public: int, homes: list[Home], public_link: tuple[float | None, float | None] = (None, None)):
+        self.public, self.homes = public, homes
+        super().__init__([public_link] * public + [(h.up, h.down) for h in homes], tag="phn")
+
+    def home_host(self, j: int) -> int:
+        """The host index of home `j`'s host."""
+        return self.public + j
+
+    def wan_ip(self, j: int) -> str:
+        """The address home `j` shows the internet: its router's, or its carrier's."""
+        base = CARRIER_BASE if self.homes[j].nat == "double" else ROUTER_BASE
+        return f"{INTERNET}.{base + j}"
+
+    def _hosts(self, links: list[tuple[float | None, float | None]]) -> list[Host]:
+        public = [Host(i, f"{self.prefix}p{i}", f"{INTERNET}.{PUBLIC_BASE + i}", *links[i]) for i in range(self.public)]
+        homes = [
+            Host(self.public + j, f"{self.prefix}h{j}", f"192.168.{j + 1}.2", *links[self.public + j])
+            for j in range(len(self.homes))
+        ]
+        return public + homes
+
+    def _build(self) -> None:
+        self._add_netns(self.bridge_ns)
+        _ip(self.bridge_ns, "link", "add", "br0", "type", "bridge")
+        _ip(self.bridge_ns, "link", "set", "br0", "up")
+        for host in self.hosts[: self.public]:
+            self._add_netns(host.netns)
+            _ip(host.netns, "link", "set", "lo", "up")
+            self._plug(host.netns, f"p{host.index}", f"{host.ip}/24", host.up_mbit, host.down_mbit)
+        for j, home in enumerate(self.homes):
+            self._build_home(j, home, self.hosts[self.public + j])
+
+    def _build_home(self, j: int, home: Home, host: Host) -> None:
+        """Router (and carrier) namespaces, the home's host behind them, and their NAT rules."""
+        router = f"{self.prefix}r{j}"
+        self._add_netns(router)
+        self._add_netns(host.netns)
+        for ns in (router, host.netns):
+            _ip(ns, "link", "set", "lo", "up")
+        if home.nat == "double":
+            carrier = f"{self.prefix}c{j}"
+            self._add_netns(carrier)
+            _ip(carrier, "link", "set", "lo", "up")
+            self._plug(carrier, f"c{j}", f"{INTERNET}.{CARRIER_BASE + j}/24", None, None)
+            cgn = f"{CARRIER}.{j + 1}"
+            _link(carrier, "cgn0", f"{cgn}.1/24", router, "eth0", f"{cgn}.2/24")
+            _ip(router, "route", "add", "default", "via", f"{cgn}.1")
+            _route_and_nat(carrier, "cgn0", "", None, None)
+        else:
+            self._plug(router, f"r{j}", f"{INTERNET}.{ROUTER_BASE + j}/24", None, None)
+        _limit(router, "eth0", home.up)  # the home's upload: what leaves its router
+        lan = f"192.168.{j + 1}"
+        _link(router, "lan0", f"{lan}.1/24", host.netns, "eth0", f"{host.ip}/24")
+        _limit(router, "lan0", home.down)  # the home's download: what its router hands in
+        _ip(host.netns, "route", "add", "default", "via", f"{lan}.1")
+        random = " random,fully-random" if home.nat == "symmetric" else ""
+        _route_and_nat(router, "lan0", random, home.forward, host.ip)
+
+
+def _link(ns_a: str, dev_a: str, addr_a: str, ns_b: str, dev_b: str, addr_b: str) -> None:
+    """A veth pair between two namespaces, addressed and up."""
+    _ip(ns_a, "link", "add", dev_a, "type", "veth", "peer", "name", dev_b, "netns", ns_b)
+    for ns, dev, addr in ((ns_a, dev_a, addr_a), (ns_b, dev_b, addr_b)):
+        _ip(ns, "addr", "add", addr, "dev", dev)
+        _ip(ns, "link", "set", dev, "up")
+
+
+def _route_and_nat(router: str, lan: str, random: str, forward: int | None, inside: str | None) -> None:
+    """A NAT router: forwards, masquerades what leaves its WAN port (`eth0`), lets in replies only,
+    and (`forward`) one port to `inside`."""
+    _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
+    dnat = ""
+    if forward is not None:
+        dnat = f'iifname "eth0" meta l4proto {{ tcp, udp }} th dport {forward} dnat to {inside}'
+    rules = f"""
+table ip nat {{
+  chain prerouting {{
+    type nat hook prerouting priority -100;
+    {dnat}
+  }}
+  chain postrouting {{
+    type nat hook postrouting priority 100;
+    oifname "eth0" masquerade{random}
+  }}
+}}
+table ip filter {{
+  chain forward {{
+    type filter hook forward priority 0; policy drop;
+    ct state established,related accept
+    iifname "{lan}" accept
+    ct status dnat accept
+  }}
+}}
+"""
+    result = subprocess.run(
+        ["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules, capture_output=True, text=True, timeout=30
+    )
+    if result.returncode != 0:
+        raise RuntimeError(f"nft in {router} failed: {result.stderr.strip()}")
+
+
+# --- what a public host sees of a connection ---------------------------------------------------------
+
+
+def seen_from(net: HomeNet, src: int, dst: int, connections: int = 1, src_port: int = 0) -> list[str]:
+    """The `ip:port` that public host `dst` sees for each of `connections` TCP connections that host
+    `src` opens to it (from local port `src_port`, if given: the same local port each time)."""
+    listener = net.popen(dst, [sys.executable, __file__, "_listen", net.hosts[dst].ip, str(connections)], **_pipe())
+    out = line_reader(listener)
+    port = next_line(out, 30, "listener's port")
+    connect = [sys.executable, __file__, "_connect", net.hosts[dst].ip, port, str(connections), str(src_port)]
+    net.popen(src, connect).wait(timeout=60)
+    seen = [next_line(out, 30, f"connection {i} seen") for i in range(connections)]
+    listener.wait(timeout=30)
+    return seen
+
+
+def reachable(net: HomeNet, src: int, ip: str, port: int, timeout_s: float = 2.0) -> bool:
+    """Whether host `src` can open a TCP connection to `ip:port` (something must listen there)."""
+    probe = [sys.executable, "-c", _PROBE, ip, str(port), str(timeout_s)]
+    return net.popen(src, probe).wait(timeout=timeout_s + 30) == 0
+
+
+def listen_forever(net: HomeNet, host: int, port: int) -> subprocess.Popen:
+    """A TCP listener on all of `host`'s addresses at `port`, until the lab ends it."""
+    return net.popen(host, [sys.executable, __file__, "_serve", str(port)])
+
+
+_PROBE = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), float(sys.argv[3])).close()"
+
+
+def _pipe() -> dict:
+    return {"stdout": subprocess.PIPE, "text": True}
+
+
+def _listen(ip: str, connections: int) -> None:
+    import socket
+
+    with socket.create_server((ip, 0)) as server:
+        print(server.getsockname()[1], flush=True)
+        server.settimeout(30)
+        for _ in range(connections):
+            conn, (peer_ip, peer_port) = server.accept()
+            conn.close()
+            print(f"{peer_ip}:{peer_port}", flush=True)
+
+
+def _connect(ip: str, port: int, connections: int, src_port: int) -> None:
+    import socket
+
+    for _ in range(connections):
+        with socket.socket() as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            s.bind(("0.0.0.0", src_port))
+            s.settimeout(30)
+            s.connect((ip, port))
+
+
+def _serve(port: int) -> None:
+    import socket
+
+    with socket.create_server(("0.0.0.0", port)) as server:
+        while True:
+            conn, _ = server.accept()
+            conn.close()
+
+
+def selftest() -> None:
+    homes = [Home("cone"), Home("symmetric"), Home("double"), Home("cone", forward=4000)]
+    with HomeNet(public=2, homes=homes) as net:
+        for j, home in enumerate(homes):
+            seen = [seen_from(net, net.home_host(j), dst, src_port=40000 + j)[0] for dst in (0, 1)]
+            print(f"home {j} ({home.nat}{', forwards 4000' if home.forward else ''}): public hosts see {seen}")
+
+
+if __name__ == "__main__":
+    command = sys.argv[1]
+    if command == "_listen":
+        _listen(sys.argv[2], int(sys.argv[3]))
+    elif command == "_connect":
+        _connect(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]), int(sys.argv[5]))
+    elif command == "_serve":
+        _serve(int(sys.argv[2]))
+    elif command == "selftest":
+        selftest()
