@@ -1,0 +1,85 @@
+"""A training swarm in the home-network lab (homenet.py): a bootstrap node and a public peer on the
+"internet", and volunteers behind home routers, every one a real `p2p-diloco` process.
+
+    python bench/homeswarm.py [--homes cone,cone] [--rounds 10] [--set key=value ...]
+
+Reports, per peer and round, the size of the group its round was averaged in, how many all-reduce
+attempts failed (and what the log said), whether every peer holds the same digest every round, and
+the time. Writes bench/results/homeswarm.json (one entry per scenario, keyed by its homes and settings).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import re
+import tempfile
+import time
+from pathlib import Path
+
+from homenet import Home, HomeNet
+from netswarm import NetSwarm
+
+HERE = Path(__file__).resolve().parent
+RESULTS = HERE / "results" / "homeswarm.json"
+TINY = {
+    "model.preset": "tiny",
+    "model.seq_len": "64",
+    "inner.steps": "10",
+    "inner.batch_size": "8",
+    "inner.micro_batch_size": "8",
+    "run.eval_every_rounds": "0",
+}
+FAILED_TRY = re.compile(r"attempt \d of \d\)?; retrying|all-reduce failed|a sender was dropped")
+
+
+def run(homes: list[Home], rounds: int, settings: dict[str, str], folder: Path) -> dict:
+    """One scenario: returns what each peer's records and log say."""
+    overrides = {**TINY, "run.rounds": str(rounds), "run.run_id": "homeswarm", **settings}
+    with HomeNet(public=2, homes=homes) as net:
+        swarm = NetSwarm(net, folder, overrides, bootstrap_host=0)
+        peers = [1, *(net.home_host(j) for j in range(len(homes)))]
+        wall_s = swarm.run_peers(peers, timeout_s=60 * rounds + 300)
+        records = {host: swarm.records(host) for host in peers}
+        logs = {host: (folder / f"peer{host}.log").read_text() for host in peers}
+    names = {1: "public", **{net.home_host(j): f"home{j}-{h.nat}" for j, h in enumerate(homes)}}
+    digests_agree = all(len({records[h][r]["digest"] for h in peers}) == 1 for r in range(1, rounds + 1))
+    return {
+        "wall_s": round(wall_s, 1),
+        "digests_agree": digests_agree,
+        "peers": {
+            names[h]: {
+                "group_sizes": [records[h][r].get("group_size", 0) for r in range(1, rounds + 1)],
+                "adopted_rounds": sum(bool(records[h][r].get("adopted")) for r in range(1, rounds + 1)),
+                "failed_tries": len(FAILED_TRY.findall(logs[h])),
+                "first_failure": next((line for line in logs[h].splitlines() if FAILED_TRY.search(line)), ""),
+            }
+            for h in peers
+        },
+    }
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--homes", default="cone,cone", help="kinds of home: cone, symmetric, double")
+    parser.add_argument("--rounds", type=int, default=10)
+    parser.add_argument("--set", action="append", default=[], help="a config override key=value (repeat)")
+    parser.add_argument("--folder", type=Path, help="keep the peers' logs and run dirs here (default: a temporary one)")
+    args = parser.parse_args()
+    homes = [Home(kind) for kind in args.homes.split(",")]
+    settings = dict(s.split("=", 1) for s in args.set)
+    if args.folder is not None:
+        result = run(homes, args.rounds, settings, args.folder)
+    else:
+        with tempfile.TemporaryDirectory(prefix="homeswarm-") as folder:
+            result = run(homes, args.rounds, settings, Path(folder))
+    key = f"{args.homes} {' '.join(args.set)}".strip()
+    results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
+    results[key] = {**result, "rounds": args.rounds, "machine": platform.machine(), "when": time.strftime("%Y-%m-%d")}
+    RESULTS.write_text(json.dumps(results, indent=1) + "\n")
+    print(json.dumps(results[key], indent=1))
+
+
+if __name__ == "__main__":
+    main()
