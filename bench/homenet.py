@@ -50,7 +50,9 @@ class Home:
 
 def lab_available() -> str | None:
     """Why a home-network lab cannot be built here, or None if it can."""
-    return available() or (None if shutil.which("nft") else "nft (nftables) not found")
+    if shutil.which("nft") is None:
+        return "nft not found: apt-get install nftables (.ci/run installs it)"
+    return available()
 
 
 class HomeNet(NetLab):

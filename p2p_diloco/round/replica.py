@@ -14,7 +14,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -220,7 +220,7 @@ class Replica:
         self._load(self._state.params)
         self._trainer.load_state_dict(payload["trainer"])
         self._stream.load_state_dict(payload["data"])
-        self._totals = replace(Totals(), **payload["totals"])
+        self._totals = Totals(**payload["totals"])
         torch.set_rng_state(payload["rng"]["torch"])
         self.log.round = self._state.round
         self._metrics.truncate_after(self._state.round)
