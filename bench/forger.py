@@ -49,7 +49,7 @@ def main() -> None:
         nodes = []
         for key in keys:
             validator = make_validator(key)
-            nodes.append((start_dht(cfg.swarm, key, [args.maddr], True, [validator]), validator, peer_id_of(key)))
+            nodes.append((start_dht(cfg.swarm, key, [args.maddr], "private", [validator]), validator, peer_id_of(key)))
         print(f"forging as {len(nodes)} node(s)", flush=True)
         try:
             forge(nodes, prefix, args.victims, time.monotonic() + args.seconds, stop)

@@ -106,7 +106,7 @@ def start_hivemind(_cfg: config.Config, _folder: Path) -> hivemind.DHT:
 
 
 def start_ours(cfg: config.Config, folder: Path) -> hivemind.DHT:
-    return start_dht(cfg.swarm, None, [], False)
+    return start_dht(cfg.swarm, None, [], "public")
 
 
 def one_start(start: object, cfg: config.Config, folder: Path) -> str:

@@ -20,7 +20,10 @@ from pathlib import Path
 
 from p2p_diloco import config
 
-from netlab import NetLab, line_reader, next_line
+if __package__:  # imported as bench.netswarm (the tests)
+    from .netlab import NetLab, line_reader, next_line
+else:  # run as a script, bench/ on sys.path
+    from netlab import NetLab, line_reader, next_line
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # peers share the machine's cores

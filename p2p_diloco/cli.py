@@ -85,6 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     _add_export_command(sub)
     _add_observe_commands(sub)
     _add_id_command(sub)
+    _add_check_network_command(sub)
     _add_admission_command(sub)
     return parser
 
@@ -127,6 +128,7 @@ def _add_observe_commands(sub: _Commands) -> None:
 # (1 s would not; see docs/benchmarks.md, Observer load). The dashboard redraws every 2 s; a peer
 # shows offline after 10 s without news (run_view.ONLINE_S).
 OBSERVE_POLL_S = 5.0
+PRIVATE_EXIT = 3  # check-network: others cannot dial this machine
 
 
 def _seconds(text: str) -> float:
@@ -165,6 +167,16 @@ def _add_id_command(sub: _Commands) -> None:
         "--run.dir", dest="run_dir", default="runs/default", help="the peer's run dir (default: %(default)s)"
     )
     ident.add_argument("--identity", help="the peer's identity key file (default: identity.key in the run dir)")
+
+
+def _add_check_network_command(sub: _Commands) -> None:
+    check = sub.add_parser(
+        "check-network",
+        help="ask a run's entry nodes whether they can dial this machine: prints its tier (exit 0 public, 3 private)",
+    )
+    check.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="the run's entry nodes")
+    check.add_argument("--host", default="0.0.0.0", help="IP address the peer will listen on (default: %(default)s)")
+    check.add_argument("--port", type=int, default=0, help="TCP port the peer will listen on (0: any)")
 
 
 def _add_admission_command(sub: _Commands) -> None:
@@ -659,6 +671,18 @@ def cmd_id(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_check_network(args: argparse.Namespace) -> int:
+    from p2p_diloco.protocol import reachability
+    from p2p_diloco.swarm.transport.node import ask_reachability
+    from p2p_diloco.train.metrics import setup_logging
+
+    cfg = config_mod.load(None, {"swarm.host": args.host, "swarm.port": str(args.port)})
+    setup_logging("warning")
+    reach = ask_reachability(cfg.swarm, args.initial_peers)
+    print(reachability.line(reach))
+    return 0 if reach.serves else PRIVATE_EXIT
+
+
 def cmd_admission(args: argparse.Namespace) -> int:
     from pathlib import Path
 
@@ -746,6 +770,7 @@ COMMANDS = {
     "observe": cmd_observe,
     "status": cmd_status,
     "id": cmd_id,
+    "check-network": cmd_check_network,
     "admission": cmd_admission,
 }
 

@@ -41,6 +41,7 @@ Source = Literal["stdlib", "files", "hub"]
 ShardBy = Literal["document", "folder"]
 Precision = Literal["auto", "fp32", "bf16"]
 Overlap = Literal["off", "delayed", "eager"]
+ReachabilitySetting = Literal["auto", "public", "private"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 AdmissionMode = Literal["open", "certified"]
 WandbMode = Literal["online", "offline"]
@@ -152,8 +153,15 @@ class SwarmSection:
         "probe the group's peers' links every few rounds (1-8 MiB each, while training) "
         "and announce the figure, so that faster peers reduce larger spans",
     )
-    client_mode: bool = local(False, "for peers others cannot reach (behind NAT): send and receive, never reduce")
-    nat_traversal: bool = local(False, "UPnP/NAT-PMP port mapping, AutoNAT and relays (they probe the LAN)")
+    reachability: ReachabilitySetting = local(
+        "auto",
+        "auto: ask the entry nodes to dial this peer back at start; public: others can dial it (it reduces "
+        "and serves); private: behind NAT, it sends and receives through public peers, never reduces",
+    )
+    upnp: bool = local(False, "ask the home router for a port mapping (UPnP/NAT-PMP; it probes the LAN)")
+    hole_punching: bool = local(
+        False, "AutoNAT, relays at the entry nodes and hole punching (libp2p; experimental, not yet measured)"
+    )
     compression: codecs.CodecName = shared(
         codecs.DEFAULT,
         "pseudo-gradient codec on the wire: fp32 (exact), bf16, scaled-fp16, "
@@ -379,7 +387,15 @@ def _coerce(value: Any, typ: type, where: str) -> Any:
     return value
 
 
+RENAMED = {  # keys of earlier versions, and what replaced them
+    "client_mode": 'swarm.reachability = "private" (or "auto", the default, which finds out at start)',
+    "nat_traversal": "swarm.upnp (port mapping) and swarm.hole_punching (AutoNAT, relays, hole punching)",
+}
+
+
 def _unknown(kind: str, name: str, choices: list[str], where: str) -> ConfigError:
+    if name in RENAMED:
+        return ConfigError(f"{name!r} in {where} was replaced by {RENAMED[name]}")
     close = difflib.get_close_matches(name, choices, n=1)
     hint = f"; did you mean {close[0]!r}?" if close else f"; valid: {', '.join(choices)}"
     return ConfigError(f"unknown {kind} {name!r} in {where}{hint}")
@@ -691,6 +707,12 @@ def _validate_swarm(s: SwarmSection) -> None:
         "swarm.overlap",
         f"must be one of {', '.join(OVERLAP)}, got {s.overlap!r}",
         "off blocks each round on its all-reduce",
+    )
+    _require(
+        s.reachability in typing.get_args(ReachabilitySetting),
+        "swarm.reachability",
+        f"must be one of {', '.join(typing.get_args(ReachabilitySetting))}, got {s.reachability!r}",
+        "auto finds out at start whether others can dial this peer",
     )
     _require(
         s.aggregator in robust.AGGREGATORS,

@@ -227,7 +227,7 @@ class Peer:
         (`fresh`: θ(0), no checkpoint)."""
         replica, swarm = self.replica, self.swarm
         swarm.publish_round(self.state.round, self.state.digest(), 0, float("nan"))
-        if self.config.swarm.client_mode:
+        if not swarm.serves:
             swarm.wait_for_reachable_peer()
         faults.reached(faults.FaultPoint.LOOK)
         caught_up = self.sync.catch_up(starting=True)

@@ -292,6 +292,7 @@ class Swarm(Protocol):
 
     peer_id: str
     solo: bool  # True only for `Solo`: there is nobody to average with
+    serves: bool  # others can dial this peer: it reduces and serves its state (protocol/reachability.py)
 
     def check_config(self, theta0: str) -> Verdict:
         """Judge the run this peer found (genesis.py): raise RunConfigMismatch if the run's peers,
@@ -376,6 +377,7 @@ class Solo:
     """
 
     solo = True
+    serves = True
 
     def __init__(self, run_dir: Path):
         path = run_dir / "peer_id"

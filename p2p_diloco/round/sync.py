@@ -156,7 +156,7 @@ class StateSync:
                 self.config.agreement_timeout_s,
                 ", ".join(p[-4:] for p in missing),
             )
-        cannot_serve = agreement.clients(self.swarm.peers(), me, self.config.client_mode)
+        cannot_serve = agreement.clients(self.swarm.peers(), me, not self.swarm.serves)
         return agreement.reference(digests, cannot_serve)
 
     def _adopt_majority(
@@ -308,7 +308,7 @@ class StateSync:
 
     def _mine(self, held: outer.GlobalState) -> RoundRecord:
         """`held` as one vote among the others' records."""
-        serves = not self.config.client_mode
+        serves = self.swarm.serves
         return RoundRecord(self.replica.peer_id, held.round, held.digest(), 0, 0.0, serves=serves, copied=self.copied)
 
     def _look(self, mine: RoundRecord) -> tuple[agreement.Reference | None, bool]:

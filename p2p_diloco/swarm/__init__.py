@@ -25,7 +25,7 @@ import torch
 
 from p2p_diloco.config import Config
 from p2p_diloco.errors import AveragingError, SwarmError
-from p2p_diloco.protocol import agreement, budget, codecs, deadlines
+from p2p_diloco.protocol import agreement, budget, codecs, deadlines, reachability
 from p2p_diloco.protocol.budget import SwarmProgress
 from p2p_diloco.protocol.genesis import Genesis, Verdict
 from p2p_diloco.protocol.network import (
@@ -77,7 +77,7 @@ class HivemindSwarm:
         # The entry nodes given, then the peers this run dir saw last time (swarm/transport/entry.py): a peer finds
         # the swarm even if its entry nodes are down when it restarts.
         initial = list(dict.fromkeys([*sc.initial_peers, *entry.remembered(identity)]))
-        self.dht = start_dht(sc, identity, initial, sc.client_mode, [validator])
+        self.dht = start_dht(sc, identity, initial, sc.reachability, [validator])
         self._started: list[Any] = [self.dht]  # what close() stops, last started first
         try:
             # The run's records: this peer's threads take turns with them (RunDHT's lock discipline).
@@ -92,6 +92,9 @@ class HivemindSwarm:
     ) -> None:
         sc = config.swarm
         self.peer_id = str(self.dht.peer_id)
+        self.reachability = self.dht.reachability
+        self.serves = self.reachability.serves
+        logger.info(reachability.line(self.reachability))
         self.download = deadlines.state_download(numel + exact_numel, sc.join_timeout_s, sc.min_download_mbps)
         self.buffer = torch.zeros(numel, dtype=torch.float32)
         self.exact_buffer = torch.zeros(exact_numel, dtype=torch.float32) if exact_numel else None
@@ -134,7 +137,7 @@ class HivemindSwarm:
             next_chunk_timeout=sc.averaging_timeout_s / 4,
             compression=WireCodec(sc.compression),
             part_size_bytes=PART_SIZE_BYTES,
-            client_mode=sc.client_mode,
+            client_mode=not self.serves,
             declare_state_period=60,
             state_provider=state_provider,
             signer=self._signer,
@@ -195,7 +198,7 @@ class HivemindSwarm:
             tokens=tokens,
             loss=published_loss(loss),
             addrs=tuple(self.visible_maddrs()),
-            serves=not self.config.swarm.client_mode,
+            serves=self.serves,
             copied=made.copied,
             group=tuple(sorted(made.group)),
             outcome=made.outcome,
@@ -238,7 +241,7 @@ class HivemindSwarm:
         return deadlines.poll_until(read, lambda got: got[1], deadline, deadlines.ROUND_POLL_S)[0]
 
     def wait_for_reachable_peer(self) -> None:
-        """A client-mode peer cannot reduce or serve: it needs a reachable peer of the run to train with."""
+        """A private peer cannot reduce or serve: it needs a public peer of the run to train with."""
         deadline = time.monotonic() + self.config.swarm.join_timeout_s
         if not deadlines.poll_until(
             lambda: any(r.serves for r in self.peers().values()), bool, deadline, deadlines.ROUND_POLL_S
@@ -246,8 +249,8 @@ class HivemindSwarm:
             raise SwarmError(
                 f"no reachable peer of run {self.config.run.run_id!r} within "
                 f"{self.config.swarm.join_timeout_s:g} s: "
-                f"a client-mode peer needs at least one peer that others can connect to; start one, or turn "
-                f"swarm.client_mode off if this peer is reachable"
+                f"a private peer (swarm.reachability) needs at least one peer that others can dial; start one, "
+                f'or set swarm.reachability = "public" if others can dial this one'
             )
 
     # --- averaging and state download ---------------------------------------------------------

@@ -44,7 +44,7 @@ class Bootstrap:
         identity_path.parent.mkdir(parents=True, exist_ok=True)
         self.config, self.watch_run = config, watch_run
         validator = make_validator(identity_path, entry_node=True)
-        self.dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, False, [validator])
+        self.dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, "public", [validator])
         try:
             self._watch(validator, identity_path)
         except BaseException:  # also Ctrl+C during start-up: never leave the DHT process behind
@@ -131,7 +131,7 @@ def publish_revocation(config: Config, revocation: str, timeout_s: float) -> set
     with tempfile.TemporaryDirectory() as folder:
         identity = Path(folder) / "organiser-node.key"
         validator = make_validator(identity)
-        dht = start_dht(config.swarm, identity, config.swarm.initial_peers, True, [validator])
+        dht = start_dht(config.swarm, identity, config.swarm.initial_peers, "private", [validator])
         try:
             run_dht = RunDHT.of_run(dht, validator, config)
             run_dht.publish_revocations([revocation])
@@ -147,7 +147,7 @@ def read_convictions(config: Config, timeout_s: float) -> dict[str, list[str]]:
     prefix = records.run_prefix(config.run.run_id, config.fingerprint())
     with tempfile.TemporaryDirectory() as folder:
         identity = Path(folder) / "organiser-node.key"
-        dht = start_dht(config.swarm, identity, config.swarm.initial_peers, True, [make_validator(identity)])
+        dht = start_dht(config.swarm, identity, config.swarm.initial_peers, "private", [make_validator(identity)])
         try:
             read = lambda: records.convicted_by(records.read_progress(dht, prefix)[1])  # noqa: E731
             return poll_until(read, bool, time.monotonic() + timeout_s, COMMAND_POLL_S)

@@ -85,7 +85,7 @@ class Observer(RunReader):
             self._folder = tempfile.TemporaryDirectory()
             identity_path = Path(self._folder.name) / "observer.key"
         validator = make_validator(identity_path)
-        dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, True, [validator])
+        dht = start_dht(config.swarm, identity_path, config.swarm.initial_peers, "private", [validator])
         self._published = time.monotonic()
         try:
             super().__init__(config, RunDHT.of_run(dht, validator, config))

@@ -110,7 +110,7 @@ def test_a_dht_started_while_another_thread_collects_can_collect_in_its_process(
     collector = collection_in_flight()
     dht = None
     try:
-        dht = start_dht(swarm_config.swarm, None, [], False)
+        dht = start_dht(swarm_config.swarm, None, [], "public")
         assert dht.run_coroutine(gc_collects)
     finally:
         collector.join(10)
@@ -139,7 +139,7 @@ def test_a_child_killed_while_it_held_hiveminds_update_lock_does_not_stop_the_ne
     finally:
         os.kill(holder.pid, signal.SIGKILL)  # the pid of the child this test started
         holder.join(10)
-    dht = start_dht(swarm_config.swarm, None, [], False)
+    dht = start_dht(swarm_config.swarm, None, [], "public")
     try:
         assert dht.run_coroutine(gc_collects)  # the child answers through its futures, too
     finally:
@@ -149,7 +149,7 @@ def test_a_child_killed_while_it_held_hiveminds_update_lock_does_not_stop_the_ne
 
 @pytest.mark.timeout(60)
 def test_a_dht_process_killed_after_its_start_is_one_error_line_within_a_second(swarm_config):
-    dht = start_dht(swarm_config.swarm, None, [], False)
+    dht = start_dht(swarm_config.swarm, None, [], "public")
     try:
         os.kill(dht.pid, signal.SIGKILL)  # the pid of the child this test started
         started = time.monotonic()

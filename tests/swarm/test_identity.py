@@ -28,7 +28,7 @@ def test_records_under_ids_their_signer_does_not_own_are_ignored(tmp_path):
         for name in ("honest", "impersonator", "forger"):  # each its own DHT process and key
             validator = make_validator(tmp_path / f"{name}.key")
             peers = nodes[0][0].get_visible_maddrs() if nodes else []
-            dht = start_dht(cfg.swarm, tmp_path / f"{name}.key", [str(m) for m in peers], False, [validator])
+            dht = start_dht(cfg.swarm, tmp_path / f"{name}.key", [str(m) for m in peers], "public", [validator])
             started.append(dht)
             nodes.append((dht, validator))
         (honest, honest_key), (impersonator, impersonator_key), (forger, forger_key) = nodes
@@ -59,17 +59,17 @@ def test_a_second_node_with_a_running_nodes_key_stops_with_one_line_and_no_daemo
     stream = handler.setStream(sys.__stderr__)  # to the file descriptor that capfd reads
     started = []
     try:
-        entry = start_dht(cfg.swarm, tmp_path / "entry.key", [], False, [])
+        entry = start_dht(cfg.swarm, tmp_path / "entry.key", [], "public", [])
         started.append(entry)
         peers = [str(m) for m in entry.get_visible_maddrs()]
-        first = start_dht(cfg.swarm, tmp_path / "peer.key", peers, False, [])  # a new key: nothing to check
+        first = start_dht(cfg.swarm, tmp_path / "peer.key", peers, "public", [])  # a new key: nothing to check
         started.append(first)
         first.shutdown()
-        started.append(start_dht(cfg.swarm, tmp_path / "peer.key", peers, False, []))  # its restart: checked, free
+        started.append(start_dht(cfg.swarm, tmp_path / "peer.key", peers, "public", []))  # its restart: checked, free
         with pytest.raises(SwarmError, match=r"^the identity .*peer\.key is in use by another running node"):
-            started.append(start_dht(cfg.swarm, tmp_path / "peer.key", peers, False, []))
+            started.append(start_dht(cfg.swarm, tmp_path / "peer.key", peers, "public", []))
         validator = make_validator(tmp_path / "new.key")  # makes the key in this process: nobody else has it
-        started.append(start_dht(cfg.swarm, tmp_path / "new.key", peers, False, [validator]))
+        started.append(start_dht(cfg.swarm, tmp_path / "new.key", peers, "public", [validator]))
     finally:
         hivemind_log.setLevel(level)
         handler.setStream(stream)

@@ -149,15 +149,15 @@ def swarm_python():
 
 
 @pytest.mark.timeout(240)
-def test_client_mode_peers_average_through_one_reachable_peer_and_a_slow_one_ends_on_the_swarms_model(swarm):
-    # One peer others can connect to, two behind NAT (client mode: they never reduce or serve).
+def test_private_peers_average_through_one_public_peer_and_a_slow_one_ends_on_the_swarms_model(swarm):
+    # One peer others can dial, two behind NAT (private: clients that never reduce or serve).
     # client1 starts with the others but is held (a delay hook) after it announced itself, until the
     # run has ended: as a slow machine was in CI, where it then looked at the swarm for 10 s (one
     # reachable peer alone backs the state: sync.SETTLE_S), found the final state's holder gone,
     # trained rounds 1-4 alone and exited 0 on a model of its own. The linger must count it.
     names = ("reachable", "client1", "client2")
     go = swarm.folder / "go"
-    client = {"swarm.client_mode": "true"}
+    client = {"swarm.reachability": "private"}
     peers = [swarm.peer("reachable"), swarm.peer("client2", client)]
     peers.append(swarm.peer("client1", client, fault="look:1:WAIT", env={"FAULT_GO": str(go)}))
     wait_until(lambda: ROUNDS in swarm.records("reachable"), peers, 150, "the run's last round")

@@ -40,11 +40,11 @@ def test_reads_of_the_swarm_never_wait_behind_the_heartbeats_stores_while_a_memb
     prefix = records.run_prefix(cfg.run.run_id, cfg.fingerprint())
     nodes, stopped, beat = [], [], None
     try:
-        entry = start_dht(cfg.swarm, tmp_path / "entry.key", [], False, [])
+        entry = start_dht(cfg.swarm, tmp_path / "entry.key", [], "public", [])
         nodes.append(entry)
         peers = [str(m) for m in entry.get_visible_maddrs()]
         keys = {name: make_validator(tmp_path / f"{name}.key") for name in ("a", "c")}
-        a, c = (start_dht(cfg.swarm, tmp_path / f"{n}.key", peers, False, [keys[n]]) for n in ("a", "c"))
+        a, c = (start_dht(cfg.swarm, tmp_path / f"{n}.key", peers, "public", [keys[n]]) for n in ("a", "c"))
         nodes += [a, c]
         ids = {n: owner_peer_id(k.local_public_key) for n, k in keys.items()}
         for name, node in (("a", a), ("c", c)):

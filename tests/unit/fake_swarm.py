@@ -43,6 +43,7 @@ Step = Callable[[Call], "AllReduced | None"]
 class FakeSwarm:
     peer_id: str = ME
     solo: bool = False
+    serves: bool = True
     script: list[Step] = field(default_factory=list)
     records: dict[str, RoundRecord] = field(default_factory=dict)
     states: dict[str, ServedState] = field(default_factory=dict)

@@ -8,12 +8,12 @@ from __future__ import annotations
 
 import ipaddress
 import logging
+import multiprocessing as mp
 import os
 import socket
 import threading
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,13 +22,17 @@ from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import ConfigError, SwarmError
+from p2p_diloco.protocol import reachability
+from p2p_diloco.protocol.reachability import Reachability, Setting
+from p2p_diloco.swarm.transport import dialback, preflight
 from p2p_diloco.swarm.transport.identity import MADE_HERE, not_a_key
-from p2p_diloco.swarm.transport.in_use import in_use
-from p2p_diloco.swarm.transport.processes import children_started, quiet_fork, wait_result, wait_started
+from p2p_diloco.swarm.transport.preflight import Preflight
+from p2p_diloco.swarm.transport.processes import children_started, quiet_fork, stop_process, wait_result, wait_started
 
 logger = logging.getLogger(__name__)
 
-IDENTITY_CHECK_SHARE = 0.25  # of swarm.join_timeout_s, for asking whether the identity is in use
+DECIDED_S = 5.0  # for the DHT process's decision to arrive once it reported ready (it is sent first)
+PREFLIGHT_SHARE = 0.25  # of swarm.join_timeout_s, for asking whether the identity is in use and for a dial-back
 
 
 class SwarmDHT(hivemind.DHT):
@@ -42,23 +46,23 @@ class SwarmDHT(hivemind.DHT):
     SwarmError within processes.LIVENESS_S.
     """
 
-    def __init__(self, *args: Any, timeout_s: float, identity_check: IdentityCheck | None = None, **kwargs: Any):
+    def __init__(
+        self, *args: Any, timeout_s: float, preflight: Preflight | None, setting: Setting, host: str, **kwargs: Any
+    ):
         self.timeout_s = timeout_s  # read by run_in_background, which hivemind's __init__ calls
-        self.identity_check = identity_check
-        super().__init__(*args, check_if_identity_free=False, **kwargs)  # in_use.py asks instead
+        self.preflight, self.setting, self.host = preflight, setting, host
+        self._decided, self._decide = mp.Pipe(duplex=False)
+        super().__init__(*args, check_if_identity_free=False, **kwargs)  # preflight.py asks instead
 
     def run(self) -> None:
-        """The DHT process: first ask whether another node uses this identity (in_use.py)."""
-        check = self.identity_check
-        if check is not None and in_use(check.path, self.initial_peers or (), check.relays, check.timeout_s):
-            self._ready.set_exception(
-                SwarmError(
-                    f"the identity {check.path} is in use by another running node of the swarm (two nodes with "
-                    f"one key take each other's messages): stop that node, or give this peer its own folder or "
-                    f"--identity"
-                )
-            )
+        """The DHT process: first ask the swarm (preflight.py), then decide this node's tier."""
+        answers = preflight.ask(self.preflight) if self.preflight else preflight.Answers()
+        if answers.identity_in_use:
+            self._ready.set_exception(SwarmError(identity_in_use(self.preflight)))
             return
+        reach = reachability.decide(self.setting, self.host, answers.dialback_asked, answers.dialback)
+        self.kwargs["client_mode"] = not reach.serves
+        self._decide.send(reach)
         super().run()
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
@@ -67,6 +71,9 @@ class SwarmDHT(hivemind.DHT):
         self._outer_pipe = OneSendAtATime(self._outer_pipe)  # type: ignore[has-type]  # hivemind: untyped
         if await_ready:
             wait_started(self, "DHT process", timeout or self.timeout_s)
+            if not self._decided.poll(DECIDED_S):  # sent before the DHT node started: there when it is ready
+                raise SwarmError("the DHT process started without deciding this peer's reachability")
+            self.reachability: Reachability = self._decided.recv()
 
     def get(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
         return self._answer(super().get(*args, return_future=True, **kwargs), return_future)
@@ -89,11 +96,12 @@ class SwarmDHT(hivemind.DHT):
             ) from None
 
 
-@dataclass(frozen=True)
-class IdentityCheck:
-    path: Path
-    relays: bool  # swarm.nat_traversal: a node reachable only through a relay can be found
-    timeout_s: float
+def identity_in_use(check: Preflight | None) -> str:
+    path = check.identity if check else None
+    return (
+        f"the identity {path} is in use by another running node of the swarm (two nodes with one key take "
+        f"each other's messages): stop that node, or give this peer its own folder or --identity"
+    )
 
 
 class OneSendAtATime:
@@ -132,8 +140,10 @@ def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
     return list(maddrs)
 
 
-def listen_maddrs(cfg: SwarmSection) -> tuple[list[str], list[str]]:
-    """(host multiaddrs, announce multiaddrs) from the config's host, port and announce_host."""
+def listen_maddrs(cfg: SwarmSection, port: int | None = None) -> tuple[list[str], list[str]]:
+    """(host multiaddrs, announce multiaddrs) from the config's host, port (or `port`, the one
+    chosen for it) and announce_host."""
+    port = cfg.port if port is None else port
     try:
         version = "ip6" if ipaddress.ip_address(cfg.host).version == 6 else "ip4"
     except ValueError:
@@ -142,8 +152,8 @@ def listen_maddrs(cfg: SwarmSection) -> tuple[list[str], list[str]]:
         raise ConfigError(
             "an announced address needs a fixed port: set --port / swarm.port (e.g. 31337) and forward it"
         )
-    host = [f"/{version}/{cfg.host}/tcp/{cfg.port}"]
-    announce = [f"/ip4/{cfg.announce_host}/tcp/{cfg.port}"] if cfg.announce_host else []
+    host = [f"/{version}/{cfg.host}/tcp/{port}"]
+    announce = [f"/ip4/{cfg.announce_host}/tcp/{port}"] if cfg.announce_host else []
     return host, announce
 
 
@@ -151,41 +161,80 @@ def start_dht(
     cfg: SwarmSection,
     identity_path: Path | None,
     initial_peers: Sequence[str],
-    client_mode: bool,
+    setting: Setting,
     validators: Sequence[Any] = (),
-) -> hivemind.DHT:
-    """Start a DHT node in a background process and join the swarm through `initial_peers`."""
-    host, announce = listen_maddrs(cfg)
+) -> SwarmDHT:
+    """Start a DHT node in a background process and join the swarm through `initial_peers`. Its
+    tier (`setting`, or under "auto" the dial-back's answer) is `.reachability`; a public node
+    answers others' dial-backs."""
+    dialback_wanted = reachability.needs_dialback(setting, cfg.host, initial_peers)
+    # The dial-back asks for the port the node will listen on: chosen now if the config leaves it to the system.
+    port = cfg.port or (_free_port(cfg.host) if dialback_wanted else 0)
+    host, announce = listen_maddrs(cfg, port)
     _check_port_free(cfg.host, cfg.port)
-    nat = cfg.nat_traversal
-    check = None
-    if identity_path is not None and identity_path.exists():
-        _check_identity(identity_path)
-        if initial_peers and identity_path.resolve() not in MADE_HERE:  # nobody to ask; a key made just now
-            check = IdentityCheck(identity_path, nat, cfg.join_timeout_s * IDENTITY_CHECK_SHARE)
     try:
         with children_started():  # a signal to the peer's group leaves the DHT process to the peer
-            return SwarmDHT(
+            dht = SwarmDHT(
                 initial_peers=parse_initial_peers(initial_peers),
                 start=True,
-                client_mode=client_mode,
                 host_maddrs=host,
                 announce_maddrs=announce or None,
                 identity_path=str(identity_path) if identity_path else None,
                 record_validators=list(validators),
                 # UPnP/NAT-PMP probing, AutoNAT and relays reach out to the LAN: only when asked for.
-                nat_port_map=nat,
-                auto_nat=nat,
-                use_relay=nat,
-                use_auto_relay=nat,
+                nat_port_map=cfg.upnp,
+                auto_nat=cfg.hole_punching,
+                use_relay=cfg.hole_punching,
+                use_auto_relay=cfg.hole_punching,
                 startup_timeout=cfg.join_timeout_s,
                 timeout_s=cfg.join_timeout_s,
-                identity_check=check,
+                preflight=_preflight(cfg, identity_path, initial_peers, host[0] if dialback_wanted else "", port),
+                setting=setting,
+                host=cfg.host,
             )
     except (SwarmError, ConfigError):
         raise
     except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, TimeoutError... with long texts
         raise SwarmError(_explain(e, cfg, initial_peers)) from None
+    if dht.reachability.serves:
+        dht.run_coroutine(_serve_dialback)
+    return dht
+
+
+def ask_reachability(cfg: SwarmSection, initial_peers: Sequence[str]) -> Reachability:
+    """This machine's tier under swarm.reachability = "auto", from a DHT node with a new identity
+    that joins through `initial_peers` and leaves (`p2p-diloco check-network`)."""
+    dht = start_dht(cfg, None, initial_peers, "auto")
+    try:
+        return dht.reachability
+    finally:
+        stop_process(dht, "DHT process")
+
+
+async def _serve_dialback(_: Any, node: Any) -> None:  # run in the DHT process: node is its DHTNode
+    await dialback.serve(node.p2p)
+
+
+def _preflight(
+    cfg: SwarmSection, identity_path: Path | None, initial_peers: Sequence[str], listen: str, port: int
+) -> Preflight | None:
+    """What to ask the swarm before the node starts (preflight.py), or None if nothing."""
+    identity = None
+    if identity_path is not None and identity_path.exists():
+        _check_identity(identity_path)
+        if initial_peers and identity_path.resolve() not in MADE_HERE:  # nobody to ask; a key made just now
+            identity = identity_path
+    if identity is None and not listen:
+        return None
+    share = cfg.join_timeout_s * PREFLIGHT_SHARE
+    return Preflight(tuple(initial_peers), cfg.hole_punching, share, identity, listen, port)
+
+
+def _free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        probe.bind((host, 0))
+        return int(probe.getsockname()[1])
 
 
 def _check_port_free(host: str, port: int) -> None:

@@ -1,0 +1,104 @@
+"""Whether other peers can dial this one: its tier, decided once at start (docs/design.md §3,
+"Reachability").
+
+A peer behind a home router can dial out, but nobody can dial in: a reducer there cannot be sent
+its parts, and a state it serves cannot be downloaded. Such a peer must be a client. Which one it
+is, a peer finds out at start by a dial-back (swarm/transport/dialback.py). It asks the entry nodes
+to connect to the address they saw it at, on the port it listens on. A peer that listens on
+loopback, or that has no entry node to ask (the first node of a swarm), is public.
+
+Tiers:
+- **public**: others dial it; it reduces a span of the group's vector and serves its state;
+- **private**: it dials out only; it sends its parts to the group's reducers and receives the
+  average (hivemind's client mode), and never reduces or serves.
+
+Everything here is pure: the dial-back's I/O gives `decide` its answers, and the start prints
+`line`.
+"""
+
+from __future__ import annotations
+
+import ipaddress
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Literal
+
+from p2p_diloco.config import ReachabilitySetting as Setting
+
+Tier = Literal["public", "private"]
+
+
+@dataclass(frozen=True)
+class DialBack:
+    """One entry node's answer: the address it saw this peer at, and whether its dial to that
+    address and the peer's port reached a libp2p node ("" if it did; else why not)."""
+
+    helper: str
+    seen: str
+    port: int
+    failure: str = ""
+
+    @property
+    def reached(self) -> bool:
+        return not self.failure
+
+
+@dataclass(frozen=True)
+class Reachability:
+    """A peer's tier, and how it was decided (`how` completes the sentence "public: ...")."""
+
+    tier: Tier
+    how: str
+    seen: str = ""  # the address the entry nodes saw, when one answered
+    port: int = 0
+
+    @property
+    def serves(self) -> bool:
+        return self.tier == "public"
+
+
+def loopback(host: str) -> bool:
+    """Whether `host` (swarm.host) keeps the peer on this machine, where every peer can dial it."""
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+def needs_dialback(setting: Setting, host: str, initial_peers: Sequence[str]) -> bool:
+    """Whether the start asks entry nodes to dial back: only `auto`, off loopback, with someone to ask."""
+    return setting == "auto" and bool(initial_peers) and not loopback(host)
+
+
+def decide(setting: Setting, host: str, asked: bool, answers: Sequence[DialBack]) -> Reachability:
+    """The tier from the config and the dial-back's answers (`asked`: whether it was asked)."""
+    if setting != "auto":
+        return Reachability(setting, "set by swarm.reachability")
+    if loopback(host):
+        return Reachability("public", f"it listens on {host}, where only peers of this machine can dial it")
+    if not asked:
+        return Reachability("public", "no entry node to ask (the first node of a swarm is public)")
+    if not answers:
+        return Reachability(
+            "public",
+            "no entry node answered the dial-back, so it stays public as before; if others cannot dial this "
+            'machine, set swarm.reachability = "private"',
+        )
+    reached = [a for a in answers if a.reached]
+    first = (reached or list(answers))[0]
+    if reached:
+        return Reachability("public", f"entry node …{first.helper[-6:]} dialled it back", first.seen, first.port)
+    return Reachability("private", f"the dial-back failed ({first.failure})", first.seen, first.port)
+
+
+def line(reach: Reachability) -> str:
+    """The one line a volunteer reads at start: the tier, what it means, and the fix if private."""
+    where = f" at {reach.seen} port {reach.port}" if reach.seen else ""
+    if reach.serves:
+        return f"reachability: public{where}: {reach.how}; this peer reduces and serves its state"
+    return (
+        f"reachability: private{where}: {reach.how}; this peer sends its parts and receives the average "
+        f"through public peers, but reduces and serves nothing. To be public: forward a TCP port on your "
+        f"router to this machine and set swarm.port to it (swarm.announce_host to the router's public "
+        f"address if it differs), or turn on swarm.upnp, or use IPv6; under WSL2, turn on mirrored networking"
+    )
