@@ -4,7 +4,8 @@ The observer reads, every second or so, each peer's latest round record (signed 
 round, digest, tokens, the group it averaged with and how the round went) and progress report.
 `RunLog` keeps what it saw, round by round, and `RunLog.view` answers the organiser's and the
 volunteer's questions from it:
-- which peers are online (a fresh progress report or round record), reachable or in client mode;
+- which peers are online (a fresh progress report or round record), and their tier: public (others can
+  dial it: it reduces and serves) or private (behind NAT: a client; protocol/reachability.py);
 - per round: the agreed digest (most peers' digest) and whether every peer agreed, the group,
   who was counted and who was not, and why;
 - contributors by verified work: a peer is credited with its tokens of round r only if its
@@ -271,6 +272,7 @@ class RunLog:
             "name": self.name(peer),
             "online": now - seen.last_seen < ONLINE_S,
             "reachable": record.serves if record is not None else None,
+            "tier": ("public" if record.serves else "private") if record is not None else None,  # reachability.Tier
             "round": record.round if record is not None else None,
             "tokens_per_s": round(seen.tokens_per_s, 1),
             **self._marks(peer),

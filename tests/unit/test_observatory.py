@@ -120,6 +120,8 @@ def test_the_observer_waits_every_rounds_and_downloads_only_from_peers_that_serv
     client = RoundRecord(A, 5, "5" * 64, 100, 2.0, serves=False, group=(A, B), outcome="averaged")
     log.ingest({A: client, B: rec(B, 5, "5" * 64, group=(A, B))}, [beat(A, 49), beat(B, 49)], {}, now=50)
     assert log.to_evaluate(every=1, now=51) == Target(5, "5" * 64, (B,))  # A is in client mode: nobody reaches it
+    tiers = {p["peer"]: p["tier"] for p in log.view(now=51)["peers"]}
+    assert (tiers[A], tiers[B]) == ("private", "public")  # what the dashboard and status show
 
 
 def test_a_round_nobody_else_confirms_is_not_evaluated_and_a_wrong_evaluation_is_not_shown():
