@@ -78,6 +78,13 @@ class SwarmError(P2PDilocoError):
     """The swarm cannot be joined or served: addresses, ports, identity, peers, another run config."""
 
 
+class EntryUnreachable(SwarmError):
+    """None of the entry nodes (initial peers) could be reached: a wrong address or a network that
+    blocks it, so the exit code of a problem in the input."""
+
+    exit_code = 2
+
+
 class RunConfigMismatch(SwarmError):
     """The run's peers hold another config (I5): a config problem, so the exit code of one."""
 

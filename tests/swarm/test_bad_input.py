@@ -34,8 +34,13 @@ def closed_port():
 
 @pytest.mark.timeout(120)
 def test_unreachable_initial_peer(tmp_path, closed_port):
-    line = last_line(run_peer(tmp_path, "--initial-peers", f"/ip4/127.0.0.1/tcp/{closed_port}/p2p/{FAKE_PEER_ID}"))
-    assert line.startswith("error: could not reach any initial peer") and "bootstrap node is running" in line
+    result = run_peer(tmp_path, "--initial-peers", f"/ip4/127.0.0.1/tcp/{closed_port}/p2p/{FAKE_PEER_ID}")
+    assert result.returncode == 2, "a wrong address is a problem of the input (errors.EntryUnreachable)"
+    assert last_line(result) == (
+        f"error: could not reach any initial peer: 127.0.0.1 port {closed_port} refused the connection: nothing "
+        f"listens there; check the port against the --initial-peers line the node printed, and that the "
+        f"bootstrap node is running"
+    )
 
 
 @pytest.mark.timeout(120)
@@ -82,4 +87,4 @@ def test_status_of_an_unreachable_swarm_is_one_line(tmp_path, closed_port):
         timeout=120,
         env=ENV,
     )
-    assert result.returncode == 1 and last_line(result).startswith("error: could not reach any initial peer")
+    assert result.returncode == 2 and last_line(result).startswith("error: could not reach any initial peer")

@@ -39,30 +39,57 @@ def test_each_kind_of_home_router_maps_and_filters_as_a_real_one():
 
 
 @pytest.mark.timeout(180)
-def test_a_peer_learns_at_start_whether_others_can_dial_it(tmp_path):
+def test_a_peer_learns_at_start_whether_others_can_dial_it_and_a_wrong_entry_address_is_one_line(tmp_path):
     """`check-network` in each kind of home (protocol/reachability.py, swarm/transport/dialback.py):
     the bootstrap node dials back the address it saw each home at. Only the home whose router
-    forwards the peer's port is public; each line names the address the internet saw."""
+    forwards the peer's port is public; each line names the address the internet saw. Beside them,
+    two volunteers with a wrong entry address (a port nothing listens on; a port the node's
+    firewall drops) are told so in one line each, and exit 2 (swarm/transport/diagnose.py)."""
     homes = [Home("cone"), Home("symmetric"), Home("double"), Home("cone", forward=4000)]
     with HomeNet(public=1, homes=homes) as net:
         bootstrap = NetSwarm(net, tmp_path, {}, bootstrap_host=0).maddr
-        checks = {
-            j: net.popen(
+        drop = "add table inet t; add chain inet t in { type filter hook input priority 0; }; add rule inet t in"
+        subprocess.run(["ip", "netns", "exec", net.hosts[0].netns, "nft", f"{drop} tcp dport 5555 drop"], check=True)
+        wrong = {"refused": _with_port(bootstrap, 1), "dropped": _with_port(bootstrap, 5555)}
+        asks = [(j, bootstrap, "4000" if j == 3 else "0") for j in range(4)]
+        asks += [(0, wrong["refused"], "0"), (1, wrong["dropped"], "0")]
+        checks = [
+            net.popen(
                 net.home_host(j),
-                [*CLI, "check-network", "--initial-peers", bootstrap, "--port", "4000" if j == 3 else "0"],
+                [*CLI, "check-network", "--initial-peers", entry, "--port", port],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
                 env=ENV,
                 cwd=ROOT,
             )
-            for j in range(4)
-        }
-        out = {j: (*proc.communicate(timeout=120), proc.returncode) for j, proc in checks.items()}
-    lines = {j: stdout.strip() for j, (stdout, _, _) in out.items()}
-    assert {j: rc for j, (_, _, rc) in out.items()} == {0: 3, 1: 3, 2: 3, 3: 0}, out
+            for j, entry, port in asks
+        ]
+        out = [(*proc.communicate(timeout=120), proc.returncode) for proc in checks]
+    lines = [stdout.strip() for stdout, _, _ in out[:4]]
+    assert [rc for _, _, rc in out] == [3, 3, 3, 0, 2, 2], out
     assert lines[0].startswith("reachability: private at 11.0.0.100 port ") and "connection refused" in lines[0]
     assert lines[1].startswith("reachability: private at 11.0.0.101 port ")
     assert lines[2].startswith("reachability: private at 11.0.0.152 port "), lines[2]  # the carrier's address
     assert lines[3].startswith("reachability: public at 11.0.0.103 port 4000: entry node …"), lines[3]
     assert all("forward a TCP port" in lines[j] for j in range(3)) and "forward" not in lines[3]
+    refused, dropped = (stderr.strip().splitlines() for _, stderr, _ in out[4:])
+    port = _port(wrong["refused"])
+    assert refused == [
+        f"error: could not reach any initial peer: 11.0.0.10 port {port} refused the connection: "
+        f"nothing listens there; check the port against the --initial-peers line the node printed, "
+        f"and that the bootstrap node is running"
+    ]
+    assert dropped == [
+        "error: could not reach any initial peer: 11.0.0.10 port 5555 did not answer within 3 s: a "
+        "firewall drops the connection (this network's or the node's) or the host is down; ask the "
+        "node's operator whether the port is open, or try another network"
+    ]
+
+
+def _port(maddr: str) -> int:
+    return int(maddr.split("/tcp/")[1].split("/")[0])
+
+
+def _with_port(maddr: str, port: int) -> str:
+    return maddr.replace(f"/tcp/{_port(maddr)}/", f"/tcp/{port}/")

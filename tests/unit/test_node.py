@@ -1,12 +1,15 @@
 """Swarm addresses from the config, checked before anything starts."""
 
+import socket
+
 import pytest
 
 from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
 from p2p_diloco.swarm.transport.node import listen_maddrs, parse_initial_peers
 
-PEER = "/ip4/1.2.3.4/tcp/31337/p2p/QmW6jYSj4CRDDYnptoKGFN2nFvhFYYUrynQh5Nsu72XBP8"
+PEER_ID = "QmW6jYSj4CRDDYnptoKGFN2nFvhFYYUrynQh5Nsu72XBP8"
+PEER = f"/ip4/1.2.3.4/tcp/31337/p2p/{PEER_ID}"
 
 
 def swarm(**values):
@@ -37,10 +40,11 @@ def test_bad_addresses_name_the_fix():
 def test_a_dht_that_did_not_start_is_explained_by_hiveminds_text_alone():
     """hivemind raises P2PDaemonError for a taken port and for unreachable peers alike, with the
     daemon's output as its text (these two as hivemind 1.1.12's p2pd wrote them): only the text
-    chooses the fix named (node.start_failure)."""
+    chooses the fix named (diagnose.start_failure)."""
     from hivemind.p2p import P2PDaemonError
 
-    from p2p_diloco.swarm.transport.node import _explain, start_failure
+    from p2p_diloco.errors import EntryUnreachable
+    from p2p_diloco.swarm.transport.node import start_error, start_failure
 
     taken = P2PDaemonError(
         "Daemon failed to start: 2026/12/05 23:49:35 failed to listen on any addresses: "
@@ -50,7 +54,27 @@ def test_a_dht_that_did_not_start_is_explained_by_hiveminds_text_alone():
     late = P2PDaemonError("Daemon failed to start in 10.0 seconds")
     assert [start_failure(e) for e in (taken, unreachable, late)] == ["port in use", "peers unreachable", "other"]
     cfg = swarm(host="127.0.0.1", port=56231)
-    assert _explain(taken, cfg, [PEER]).startswith("port 56231 on 127.0.0.1 is already in use")
-    assert _explain(unreachable, cfg, [PEER]).startswith(f"could not reach any initial peer ({PEER})")
-    assert _explain(unreachable, cfg, []).startswith("could not start the DHT node: Daemon failed to start")
-    assert _explain(late, cfg, [PEER]) == "could not start the DHT node: Daemon failed to start in 10.0 seconds"
+    assert str(start_error(taken, cfg, [PEER])).startswith("port 56231 on 127.0.0.1 is already in use")
+    with socket.socket() as closed:  # bound, never listening: a connection to it is refused
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+        refused = start_error(unreachable, cfg, [f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER_ID}"])
+    assert isinstance(refused, EntryUnreachable) and refused.exit_code == 2
+    assert str(refused) == (
+        f"could not reach any initial peer: 127.0.0.1 port {port} refused the connection: nothing listens there; "
+        f"check the port against the --initial-peers line the node printed, and that the bootstrap node is running"
+    )
+    assert str(start_error(unreachable, cfg, [])).startswith("could not start the DHT node: Daemon failed to start")
+    assert str(start_error(late, cfg, [PEER])) == "could not start the DHT node: Daemon failed to start in 10.0 seconds"
+
+
+def test_an_entry_node_that_accepts_but_is_not_the_node_named_says_so():
+    from p2p_diloco.swarm.transport.diagnose import unreachable
+
+    with socket.socket() as other:
+        other.bind(("127.0.0.1", 0))
+        other.listen()
+        port = other.getsockname()[1]
+        line = unreachable([f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER_ID}"] * 4)
+    assert line.startswith(f"could not reach any initial peer: 127.0.0.1 port {port} accepts connections, ")
+    assert f"no node with the id …{PEER_ID[-6:]} answered there" in line and line.endswith("(and 1 more)")

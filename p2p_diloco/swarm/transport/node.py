@@ -15,16 +15,18 @@ import threading
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any
 
 import hivemind
+from hivemind.p2p import P2PDaemonError
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.config import SwarmSection
-from p2p_diloco.errors import ConfigError, SwarmError
+from p2p_diloco.errors import ConfigError, EntryUnreachable, SwarmError
 from p2p_diloco.protocol import reachability
 from p2p_diloco.protocol.reachability import Reachability, Setting
-from p2p_diloco.swarm.transport import dialback, preflight
+from p2p_diloco.swarm.transport import diagnose, dialback, preflight
+from p2p_diloco.swarm.transport.diagnose import start_failure
 from p2p_diloco.swarm.transport.identity import MADE_HERE, not_a_key
 from p2p_diloco.swarm.transport.preflight import Preflight
 from p2p_diloco.swarm.transport.processes import children_started, quiet_fork, stop_process, wait_result, wait_started
@@ -57,6 +59,9 @@ class SwarmDHT(hivemind.DHT):
     def run(self) -> None:
         """The DHT process: first ask the swarm (preflight.py), then decide this node's tier."""
         answers = preflight.ask(self.preflight) if self.preflight else preflight.Answers()
+        if answers.unreachable:
+            self._ready.set_exception(P2PDaemonError(answers.unreachable))  # start_dht explains it
+            return
         if answers.identity_in_use:
             self._ready.set_exception(SwarmError(identity_in_use(self.preflight)))
             return
@@ -195,7 +200,7 @@ def start_dht(
     except (SwarmError, ConfigError):
         raise
     except Exception as e:  # hivemind raises P2PDaemonError, RuntimeError, TimeoutError... with long texts
-        raise SwarmError(_explain(e, cfg, initial_peers)) from None
+        raise start_error(e, cfg, initial_peers) from None
     if dht.reachability.serves:
         dht.run_coroutine(_serve_dialback)
     return dht
@@ -266,33 +271,15 @@ def _check_identity(path: Path) -> None:
         raise SwarmError(not_a_key(path))
 
 
-StartFailure = Literal["port in use", "peers unreachable", "other"]
-
-
-def start_failure(error: BaseException) -> StartFailure:
-    """Why hivemind's DHT did not start, as far as its message says: hivemind raises P2PDaemonError
-    for every way its libp2p daemon fails to start, with the daemon's own output as the text
-    ("Daemon failed to start: ... failed to listen on any addresses: [... bind: address already
-    in use]", "... failed to connect to bootstrap peers"; hivemind 1.1), and RuntimeError or
-    TimeoutError from elsewhere in its start. No type or attribute tells a taken port from peers
-    that cannot be reached: the text is the only signal. It only chooses the fix that the one line
-    names (`_explain`); the error is a SwarmError whatever it says."""
-    lowered = str(error).lower()
-    if "address already in use" in lowered or "bind" in lowered:
-        return "port in use"
-    if "connect" in lowered or "bootstrap" in lowered or "timeout" in lowered or "dial" in lowered:
-        return "peers unreachable"
-    return "other"
-
-
-def _explain(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) -> str:
+def start_error(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str]) -> SwarmError:
+    """hivemind's start error as one line with the fix (diagnose.py); entry nodes that cannot be
+    reached are EntryUnreachable (exit 2: the address or the network is wrong, not the program)."""
     text = str(error).strip().splitlines()[0][:200] if str(error).strip() else type(error).__name__
     cause = start_failure(error)
     if cause == "port in use":
-        return f"port {cfg.port} on {cfg.host} is already in use ({text}); choose another --swarm.port or 0 for any"
-    if initial_peers and cause == "peers unreachable":
-        return (
-            f"could not reach any initial peer ({', '.join(initial_peers)}): {text}; check the address and that "
-            f"the bootstrap node is running"
+        return SwarmError(
+            f"port {cfg.port} on {cfg.host} is already in use ({text}); choose another --swarm.port or 0 for any"
         )
-    return f"could not start the DHT node: {text}"
+    if initial_peers and cause == "peers unreachable":
+        return EntryUnreachable(diagnose.unreachable(initial_peers))
+    return SwarmError(f"could not start the DHT node: {text}")

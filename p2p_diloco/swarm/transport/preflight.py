@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +24,7 @@ from hivemind.p2p import P2P, P2PDaemonError
 
 from p2p_diloco.protocol.reachability import DialBack
 from p2p_diloco.swarm.transport import dialback
+from p2p_diloco.swarm.transport.diagnose import start_failure
 from p2p_diloco.swarm.transport.in_use import in_use
 
 logger = logging.getLogger(__name__)
@@ -44,6 +47,7 @@ class Answers:
     identity_in_use: bool = False
     dialback: tuple[DialBack, ...] = ()
     dialback_asked: bool = False
+    unreachable: str = ""  # p2pd's error, if it could not reach any initial peer
 
 
 def ask(preflight: Preflight) -> Answers:
@@ -51,27 +55,41 @@ def ask(preflight: Preflight) -> Answers:
     gives none (one line)."""
     try:
         return asyncio.run(_ask(preflight, preflight.timeout_s / 2))
-    except (asyncio.TimeoutError, P2PDaemonError, OSError) as e:
-        logger.info(
-            "could not ask the swarm within %g s whether another node uses this identity or can dial this "
-            "peer (%s): starting anyway",
-            preflight.timeout_s,
-            str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__,
-        )
-        return Answers(dialback_asked=bool(preflight.listen))
+    except P2PDaemonError as e:
+        if start_failure(e) == "peers unreachable":  # the node's own p2pd would fail alike: say so now
+            return Answers(unreachable=str(e))
+        return _unanswered(preflight, e)
+    except (asyncio.TimeoutError, OSError) as e:
+        return _unanswered(preflight, e)
+
+
+def _unanswered(preflight: Preflight, e: BaseException) -> Answers:
+    logger.info(
+        "could not ask the swarm within %g s whether another node uses this identity or can dial this "
+        "peer (%s): starting anyway",
+        preflight.timeout_s,
+        str(e).strip().splitlines()[0][:120] if str(e).strip() else type(e).__name__,
+    )
+    return Answers(dialback_asked=bool(preflight.listen))
 
 
 async def _ask(preflight: Preflight, step_s: float) -> Answers:
-    probe = await P2P.create(  # P2PDaemonError after step_s, its p2pd then stopped by hivemind
-        initial_peers=list(preflight.initial_peers),
-        dht_mode="client",
-        host_maddrs=[preflight.listen] if preflight.listen else ("/ip4/127.0.0.1/tcp/0",),
-        nat_port_map=False,
-        auto_nat=False,
-        use_relay=preflight.relays,
-        use_auto_relay=False,
-        startup_timeout=step_s,
-    )
+    try:
+        probe = await P2P.create(  # P2PDaemonError after step_s, its p2pd then stopped by hivemind
+            initial_peers=list(preflight.initial_peers),
+            dht_mode="client",
+            host_maddrs=[preflight.listen] if preflight.listen else ("/ip4/127.0.0.1/tcp/0",),
+            nat_port_map=False,
+            auto_nat=False,
+            use_relay=preflight.relays,
+            use_auto_relay=False,
+            startup_timeout=step_s,
+        )
+    except P2PDaemonError:
+        # hivemind leaves the failed p2pd to asyncio's child watcher, whose thread reaps it; were the loop
+        # closed by then, the watcher would log a warning of its own: the volunteer's one line would be two.
+        await asyncio.to_thread(_join_reapers, STOP_S)
+        raise
     try:
         taken, answers = await asyncio.gather(_in_use(probe, preflight, step_s), _dialback(probe, preflight, step_s))
         return Answers(taken, answers, bool(preflight.listen))
@@ -97,6 +115,15 @@ async def _dialback(probe: P2P, preflight: Preflight, step_s: float) -> tuple[Di
     if not preflight.listen:
         return ()
     return tuple(await dialback.ask(probe, dialback.helpers(preflight.initial_peers), preflight.port, step_s))
+
+
+def _join_reapers(timeout_s: float) -> None:
+    """Wait up to `timeout_s` for asyncio's child-watcher threads ("asyncio-waitpid-<pid>", one per
+    child process it waits for) to reap the children: in the DHT process before it starts, only p2pd."""
+    deadline = time.monotonic() + timeout_s
+    for thread in threading.enumerate():
+        if thread.name.startswith("asyncio-waitpid-"):
+            thread.join(max(0.0, deadline - time.monotonic()))
 
 
 async def _stop(probe: P2P) -> None:
