@@ -71,6 +71,11 @@ class HomeNet(NetLab):
         base = CARRIER_BASE if self.homes[j].nat == "double" else ROUTER_BASE
         return f"{INTERNET}.{base + j}"
 
+    def restart_router(self, j: int) -> None:
+        """What a restart of home `j`'s router does to the connections through it: its connection
+        tracking table, every NAT mapping in it, is gone (the carrier's, for a double NAT, stays)."""
+        _run("ip", "netns", "exec", f"{self.prefix}r{j}", "conntrack", "-F")
+
     def _hosts(self, links: list[tuple[float | None, float | None]]) -> list[Host]:
         public = [Host(i, f"{self.prefix}p{i}", f"{INTERNET}.{PUBLIC_BASE + i}", *links[i]) for i in range(self.public)]
         homes = [

@@ -15,6 +15,7 @@ import json
 import platform
 import re
 import tempfile
+import threading
 import time
 from pathlib import Path
 
@@ -34,12 +35,18 @@ TINY = {
 FAILED_TRY = re.compile(r"attempt \d of \d\)?; retrying|all-reduce failed|a sender was dropped")
 
 
-def run(homes: list[Home], rounds: int, settings: dict[str, str], folder: Path) -> dict:
-    """One scenario: returns what each peer's records and log say."""
+def run(
+    homes: list[Home], rounds: int, settings: dict[str, str], folder: Path, restart: tuple[int, int] | None
+) -> dict:
+    """One scenario: returns what each peer's records and log say. `restart`: (home, round): that
+    home's router restarts (HomeNet.restart_router) once its peer recorded the round."""
     overrides = {**TINY, "run.rounds": str(rounds), "run.run_id": "homeswarm", **settings}
     with HomeNet(public=2, homes=homes) as net:
         swarm = NetSwarm(net, folder, overrides, bootstrap_host=0)
         peers = [1, *(net.home_host(j) for j in range(len(homes)))]
+        restarted: list[float] = []
+        if restart is not None:
+            threading.Thread(target=_restart_at, args=(net, swarm, *restart, restarted), daemon=True).start()
         wall_s = swarm.run_peers(peers, timeout_s=60 * rounds + 300)
         records = {host: swarm.records(host) for host in peers}
         logs = {host: (folder / f"peer{host}.log").read_text() for host in peers}
@@ -47,9 +54,18 @@ def run(homes: list[Home], rounds: int, settings: dict[str, str], folder: Path) 
     digests_agree = all(len({records[h][r]["digest"] for h in peers}) == 1 for r in range(1, rounds + 1))
     return {
         "wall_s": round(wall_s, 1),
+        "router_restarted": {"home": restart[0], "after_round": restart[1]} if restarted else None,
         "digests_agree": digests_agree,
         "peers": {
             names[h]: {
+                "tier": next(
+                    (
+                        line.split("reachability: ", 1)[1][:90]
+                        for line in logs[h].splitlines()
+                        if "reachability: " in line
+                    ),
+                    "",
+                ),
                 "group_sizes": [records[h][r].get("group_size", 0) for r in range(1, rounds + 1)],
                 "adopted_rounds": sum(bool(records[h][r].get("adopted")) for r in range(1, rounds + 1)),
                 "failed_tries": len(FAILED_TRY.findall(logs[h])),
@@ -60,21 +76,35 @@ def run(homes: list[Home], rounds: int, settings: dict[str, str], folder: Path) 
     }
 
 
+def _restart_at(net: HomeNet, swarm: NetSwarm, home: int, round_: int, restarted: list[float]) -> None:
+    path = swarm.peer_dir(net.home_host(home)) / "metrics.jsonl"
+    deadline = time.monotonic() + 60 * round_ + 300  # as long as run_peers waits for the whole run
+    while not (path.exists() and any(json.loads(line)["round"] >= round_ for line in path.read_text().splitlines())):
+        if time.monotonic() > deadline:
+            return
+        time.sleep(0.2)  # a poll of the peer's file; the restart's moment is only roughly that round's end
+    net.restart_router(home)
+    restarted.append(time.monotonic())
+    print(f"home {home}'s router restarted after its peer's round {round_}", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--homes", default="cone,cone", help="kinds of home: cone, symmetric, double")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--set", action="append", default=[], help="a config override key=value (repeat)")
+    parser.add_argument("--restart-router", metavar="HOME@ROUND", help="restart home HOME's router after ROUND")
     parser.add_argument("--folder", type=Path, help="keep the peers' logs and run dirs here (default: a temporary one)")
     args = parser.parse_args()
     homes = [Home(kind) for kind in args.homes.split(",")]
     settings = dict(s.split("=", 1) for s in args.set)
+    restart = tuple(map(int, args.restart_router.split("@"))) if args.restart_router else None
     if args.folder is not None:
-        result = run(homes, args.rounds, settings, args.folder)
+        result = run(homes, args.rounds, settings, args.folder, restart)
     else:
         with tempfile.TemporaryDirectory(prefix="homeswarm-") as folder:
-            result = run(homes, args.rounds, settings, Path(folder))
-    key = f"{args.homes} {' '.join(args.set)}".strip()
+            result = run(homes, args.rounds, settings, Path(folder), restart)
+    key = f"{args.homes} {' '.join(args.set)}".strip() + (f" restart {args.restart_router}" if restart else "")
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results[key] = {**result, "rounds": args.rounds, "machine": platform.machine(), "when": time.strftime("%Y-%m-%d")}
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
