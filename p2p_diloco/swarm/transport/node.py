@@ -49,8 +49,16 @@ class SwarmDHT(hivemind.DHT):
     """
 
     def __init__(
-        self, *args: Any, timeout_s: float, preflight: Preflight | None, setting: Setting, host: str, **kwargs: Any
+        self,
+        *args: Any,
+        timeout_s: float,
+        preflight: Preflight | None = None,
+        setting: Setting = "public",
+        host: str = "",
+        **kwargs: Any,
     ):
+        """`preflight`: what to ask the swarm first; `setting` (swarm.reachability) and `host`
+        (swarm.host): what decides the node's tier, with the preflight's answers."""
         self.timeout_s = timeout_s  # read by run_in_background, which hivemind's __init__ calls
         self.preflight, self.setting, self.host = preflight, setting, host
         self._decided, self._decide = mp.Pipe(duplex=False)
