@@ -43,6 +43,7 @@ def _finished(swarm, honest) -> tuple[dict, dict]:
     return a, b
 
 
+@pytest.mark.scenario  # in the suite: tests/unit/test_robust.py, and a lying reducer in real processes
 @pytest.mark.timeout(240)
 def test_a_sender_of_a_blown_up_delta_cannot_wreck_the_honest_peers(swarm):
     # Under the plain mean, one sender of 1e4 x its Δ among four took the honest held-out loss to

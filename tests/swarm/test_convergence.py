@@ -24,6 +24,7 @@ TINY_PARAMETERS = (
 )
 
 
+@pytest.mark.scenario  # bench/convergence.py measures the claim itself
 @pytest.mark.timeout(240)
 def test_diloco_against_data_parallel_smoke(swarm, tmp_path):
     dp_dir = tmp_path / "dp"

@@ -53,7 +53,7 @@ def test_joiners_through_a_second_and_a_restarted_entry_node_catch_up_and_agree(
     # load otherwise leave it to chance whether c arrives before the run's end (hog run A4: after).
     first_node = swarm.maddr
     port = int(first_node.split("/tcp/")[1].split("/")[0])
-    last = 36
+    last = HOLD_AT + 8  # the joiners train rounds 13-20 with a and b (36 before the hold made their arrival certain)
     extra = {"run.rounds": str(last)}
     second = swarm.bootstrap("second", initial_peers=(first_node,), run=extra)
     go = {"FAULT_GO": str(swarm.folder / "joined")}
@@ -208,6 +208,7 @@ def test_whole_swarm_restart_continues_from_the_last_completed_round(swarm):
     assert max(set(a) & set(b)) >= top + 1
 
 
+@pytest.mark.scenario  # in the suite: tests/unit/test_genesis.py, and a refused config in real processes
 @pytest.mark.timeout(240)
 def test_a_finished_run_is_not_trained_again_and_a_new_name_is_told_it_is_new(swarm):
     from p2p_diloco.train import checkpoint
