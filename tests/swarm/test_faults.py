@@ -114,6 +114,7 @@ def assert_all_ended(pids, timeout_s=15):
         time.sleep(0.1)  # a poll interval, bounded by the deadline above
 
 
+@pytest.mark.scenario  # in the suite: the demo's group SIGTERM, tests/e2e's signals, a reducer killed mid-all-reduce
 @pytest.mark.timeout(300)
 def test_a_signal_to_a_process_group_ends_every_process_cleanly_and_the_others_go_on(swarm):
     """Ctrl+C in a terminal (SIGINT to the peer's whole group) in its third all-reduce; what
