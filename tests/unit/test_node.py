@@ -65,7 +65,10 @@ def test_a_dht_that_did_not_start_is_explained_by_hiveminds_text_alone():
         f"check the port against the --initial-peers line the node printed, and that the bootstrap node is running"
     )
     assert str(start_error(unreachable, cfg, [])).startswith("could not start the DHT node: Daemon failed to start")
-    assert str(start_error(late, cfg, [PEER])) == "could not start the DHT node: Daemon failed to start in 10.0 seconds"
+    assert str(start_error(late, cfg, [PEER])) == (
+        "could not start the DHT node: Daemon failed to start in 10.0 seconds (swarm.join_timeout_s; on a slow or "
+        "busy machine, raise it: --swarm.join_timeout_s 120)"
+    )
 
 
 def test_an_entry_node_that_accepts_but_is_not_the_node_named_says_so():

@@ -290,4 +290,9 @@ def start_error(error: Exception, cfg: SwarmSection, initial_peers: Sequence[str
         )
     if initial_peers and cause == "peers unreachable":
         return EntryUnreachable(diagnose.unreachable(initial_peers))
+    if "failed to start in" in text:  # hivemind's startup_timeout: p2pd did not say it was up in time
+        return SwarmError(
+            f"could not start the DHT node: {text} (swarm.join_timeout_s; on a slow or busy machine, raise it: "
+            f"--swarm.join_timeout_s 120)"
+        )
     return SwarmError(f"could not start the DHT node: {text}")
