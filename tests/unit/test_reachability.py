@@ -98,6 +98,7 @@ def test_answers_and_requests_that_parse():
     assert dialback.helpers([*ENTRY, ENTRY[0].replace("11.0.0.10", "11.0.0.11")] + [ENTRY[0]] * 5) == [
         dialback.PeerID.from_base58(HELPER)
     ]  # one entry node at two addresses is asked once
+    assert dialback.helpers(["/ip4/11.0.0.10/tcp/1/p2p/not-base58!", *ENTRY]) == [dialback.PeerID.from_base58(HELPER)]
 
 
 async def _listener(greeting: bytes | None) -> tuple[asyncio.base_events.Server, int]:

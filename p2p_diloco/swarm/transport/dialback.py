@@ -154,8 +154,14 @@ async def serve(p2p: P2P) -> None:
 
 
 def helpers(initial_peers: Sequence[str]) -> list[PeerID]:
-    """The peer ids of the first MAX_HELPERS entry nodes (their /p2p/ parts; node.py checked them)."""
-    ids = [PeerID.from_base58(Multiaddr(m).value_for_protocol("p2p")) for m in initial_peers]
+    """The peer ids of the first MAX_HELPERS entry nodes (their /p2p/ parts); an address whose id
+    does not parse is skipped (the node's own start then says what is wrong with it)."""
+    ids = []
+    for maddr in initial_peers:
+        try:
+            ids.append(PeerID.from_base58(Multiaddr(maddr).value_for_protocol("p2p")))
+        except Exception:  # multiaddr and base58 raise several types for malformed text
+            continue
     return list(dict.fromkeys(ids))[:MAX_HELPERS]
 
 
