@@ -292,7 +292,10 @@ class Swarm(Protocol):
 
     peer_id: str
     solo: bool  # True only for `Solo`: there is nobody to average with
-    serves: bool  # others can dial this peer: it reduces and serves its state (protocol/reachability.py)
+
+    @property
+    def serves(self) -> bool:
+        """Others can dial this peer: it reduces and serves its state (protocol/reachability.py)."""
 
     def check_config(self, theta0: str) -> Verdict:
         """Judge the run this peer found (genesis.py): raise RunConfigMismatch if the run's peers,

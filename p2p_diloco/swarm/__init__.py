@@ -93,7 +93,6 @@ class HivemindSwarm:
         sc = config.swarm
         self.peer_id = str(self.dht.peer_id)
         self.reachability = self.dht.reachability
-        self.serves = self.reachability.serves
         logger.info(reachability.line(self.reachability))
         self.download = deadlines.state_download(numel + exact_numel, sc.join_timeout_s, sc.min_download_mbps)
         self.buffer = torch.zeros(numel, dtype=torch.float32)
@@ -189,6 +188,11 @@ class HivemindSwarm:
 
     def final_state(self) -> Genesis | None:
         return self.run.final_state()
+
+    @property
+    def serves(self) -> bool:
+        """Others can dial this peer: it reduces and serves its state (its tier, decided at start)."""
+        return self.reachability.serves
 
     def publish_round(self, round_: int, digest: str, tokens: int, loss: float, made: Made = STARTED) -> None:
         record = RoundRecord(
