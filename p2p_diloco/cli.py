@@ -14,7 +14,7 @@ from typing import Any, NoReturn
 
 from p2p_diloco import __version__
 from p2p_diloco import config as config_mod
-from p2p_diloco.errors import ConfigError, P2PDilocoError, WriteError
+from p2p_diloco.errors import ConfigError, P2PDilocoError, SwarmError, WriteError
 
 EPILOG = "Every config field is also an option: --section.key VALUE (see `p2p-diloco config --reference`)."
 
@@ -402,6 +402,9 @@ def cmd_peer(args: argparse.Namespace) -> int:
     except KeyboardInterrupt:
         print(f"stopped at once: the partial round was discarded; {_checkpoint_line(cfg)}", file=sys.stderr)
         return 130
+    except SwarmError as e:  # the swarm stopped it (no public peer left, a catch-up failed): where to go on from
+        e.then = _checkpoint_line(cfg)
+        raise
     finally:
         peer.close()
     return 0
@@ -780,7 +783,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return COMMANDS[args.command](args)
     except P2PDilocoError as e:
-        print(f"error: {e}" if e.exit_code else str(e), file=sys.stderr)  # exit 0: an end, not a failure
+        print(f"error: {e.line()}" if e.exit_code else e.line(), file=sys.stderr)  # exit 0: an end, not a failure
         return e.exit_code
     except KeyboardInterrupt:  # a second Ctrl+C (commands with a clean stop say more themselves)
         print("interrupted", file=sys.stderr)

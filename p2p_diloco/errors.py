@@ -11,6 +11,10 @@ class P2PDilocoError(Exception):
     """Base class: the CLI prints these as one line and exits non-zero."""
 
     exit_code = 1
+    then: str = ""  # what the user can do next, added by whoever knows it (the CLI prints it on the same line)
+
+    def line(self) -> str:
+        return f"{self}; {self.then}" if self.then else str(self)
 
 
 class ConfigError(P2PDilocoError):

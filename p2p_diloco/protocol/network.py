@@ -308,8 +308,9 @@ class Swarm(Protocol):
     def final_state(self) -> Genesis | None:
         """The run's end, if its genesis records claim one (genesis.final_claim)."""
 
-    def wait_for_reachable_peer(self) -> None:
-        """Client mode: block until a peer others can reach is in the run, or raise SwarmError."""
+    def wait_for_reachable_peer(self, round_: int | None = None) -> None:
+        """A private peer: block until a live peer that others can reach beats in the run (at
+        start, or at `round_` when it found no group), or raise SwarmError."""
 
     def publish_round(self, round_: int, digest: str, tokens: int, loss: float, made: Made = STARTED) -> None:
         """Publish this peer's latest round record (kept fresh until the next one); `made`: how
@@ -404,7 +405,7 @@ class Solo:
     def final_state(self) -> Genesis | None:
         return None
 
-    def wait_for_reachable_peer(self) -> None:
+    def wait_for_reachable_peer(self, round_: int | None = None) -> None:
         return None
 
     def publish_round(self, round_: int, digest: str, tokens: int, loss: float, made: Made = STARTED) -> None:

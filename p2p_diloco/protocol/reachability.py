@@ -19,7 +19,8 @@ Everything here is pure: the dial-back's I/O gives `decide` its answers, and the
 from __future__ import annotations
 
 import ipaddress
-from collections.abc import Sequence
+import math
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -101,4 +102,28 @@ def line(reach: Reachability) -> str:
         f"through public peers, but reduces and serves nothing. To be public: forward a TCP port on your "
         f"router to this machine and set swarm.port to it (swarm.announce_host to the router's public "
         f"address if it differs), or turn on swarm.upnp, or use IPv6; under WSL2, turn on mirrored networking"
+    )
+
+
+def beaten_since(serving: Iterable[str], before: Mapping[str, float], now: Mapping[str, float]) -> bool:
+    """Whether one of the `serving` peers sent a heartbeat since `before` was read. A beat's time
+    is its sender's own clock, so it is compared only with that sender's earlier beats: a peer
+    SIGKILLed a moment ago still looks live to a staleness test for seconds, but beats no more."""
+    return any(now.get(p, -math.inf) > before.get(p, -math.inf) for p in serving)
+
+
+def nobody_serves(run_id: str, round_: int | None, timeout_s: float) -> str:
+    """Why a private peer stops: no public peer of its run beat within `timeout_s` (at start, or at
+    `round_`, where its public peers left: its own state alone is one nobody could ever adopt)."""
+    if round_ is None:
+        where, why = "", "a private peer (swarm.reachability) needs at least one peer that others can dial"
+    else:
+        where = f" at round {round_}"
+        why = (
+            "its public peers left, and a private peer (swarm.reachability) does not train on alone: "
+            "nobody could download its state, so the private peers would each train a model of their own"
+        )
+    return (
+        f"no reachable peer of run {run_id!r}{where} within {timeout_s:g} s: {why}; start a public peer, "
+        f'or set swarm.reachability = "public" if others can dial this one'
     )

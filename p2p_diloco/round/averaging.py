@@ -149,8 +149,12 @@ def average(
             return result
         case AllReduced():
             return Averaged(_unflatten(result, delta, lossy, exact), result.group, _group_stats(result, dropped))
-        case GroupFailed(vetoed=True):  # the group's own state is not caught up to either
-            return Failed(own, (swarm.peer_id,), alone)
+    if not swarm.serves:
+        # A private peer's own state is one nobody can download: it goes on alone only beside a
+        # live public peer, whose state agreement then brings it to (else SwarmError: it stops).
+        swarm.wait_for_reachable_peer(round_)
+    if isinstance(result, GroupFailed) and result.vetoed:  # the group's own state is not caught up to either
+        return Failed(own, (swarm.peer_id,), alone)
     if swarm.wait_for_round(round_ + 1, 0.0):
         # Averaging alone now would only make a state nobody else holds: catch up instead.
         log.info("the swarm is already past round %d: catching up instead of averaging alone", round_)

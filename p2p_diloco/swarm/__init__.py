@@ -244,18 +244,19 @@ class HivemindSwarm:
         deadline = time.monotonic() + self.config.swarm.agreement_timeout_s
         return deadlines.poll_until(read, lambda got: got[1], deadline, deadlines.ROUND_POLL_S)[0]
 
-    def wait_for_reachable_peer(self) -> None:
-        """A private peer cannot reduce or serve: it needs a public peer of the run to train with."""
-        deadline = time.monotonic() + self.config.swarm.join_timeout_s
-        if not deadlines.poll_until(
-            lambda: any(r.serves for r in self.peers().values()), bool, deadline, deadlines.ROUND_POLL_S
-        ):
-            raise SwarmError(
-                f"no reachable peer of run {self.config.run.run_id!r} within "
-                f"{self.config.swarm.join_timeout_s:g} s: "
-                f"a private peer (swarm.reachability) needs at least one peer that others can dial; start one, "
-                f'or set swarm.reachability = "public" if others can dial this one'
-            )
+    def wait_for_reachable_peer(self, round_: int | None = None) -> None:
+        """A private peer cannot reduce or serve: it needs a live public peer of the run to train
+        with, at start and (`round_`) whenever it found no group. Waits until one beats, up to
+        swarm.join_timeout_s."""
+        before = self.heartbeat.beats()
+
+        def beating() -> bool:
+            serving = {p for p, r in self.peers().items() if r.serves and p != self.peer_id}
+            return reachability.beaten_since(serving - self.stale_peers(), before, self.heartbeat.beats())
+
+        timeout = self.config.swarm.join_timeout_s
+        if not deadlines.poll_until(beating, bool, time.monotonic() + timeout, deadlines.ROUND_POLL_S):
+            raise SwarmError(reachability.nobody_serves(self.config.run.run_id, round_, timeout))
 
     # --- averaging and state download ---------------------------------------------------------
 

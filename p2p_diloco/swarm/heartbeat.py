@@ -141,6 +141,10 @@ class Heartbeat:
         silent = {p for p in self._rounds_seen if p not in reporting and now - self._first_seen.get(p, now) > STALE_S}
         return {r.peer for r in self._reports if now - r.time > STALE_S} | silent
 
+    def beats(self) -> dict[str, float]:
+        """Each peer's latest progress report time, by its own clock, as of the last beat."""
+        return {r.peer: r.time for r in self._reports}
+
     def fresh_peers(self) -> set[str]:
         """Ids first seen less than FRESH_S ago, and more than SETTLE_S after this peer's first read
         that showed another peer. Only those of the first SETTLE_S count at once, not every id seen

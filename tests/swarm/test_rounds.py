@@ -3,6 +3,7 @@
 import os
 import re
 import signal
+import subprocess
 import time
 
 import pytest
@@ -172,6 +173,35 @@ def test_private_peers_average_through_one_public_peer_and_a_slow_one_ends_on_th
     assert all(recs["client2"][r]["group_size"] == 2 for r in range(1, ROUNDS + 1))
     # the clients send and receive; only the reachable peer reduces
     assert all(recs[n][ROUNDS]["bytes_sent"] > 0 and recs[n][ROUNDS]["bytes_received"] > 0 for n in names[::2])
+
+
+@pytest.mark.timeout(180)
+def test_private_peers_whose_public_peer_died_stop_with_one_line_rather_than_train_apart(swarm):
+    # Reproduced in session 22: with their only public peer SIGKILLed, two private peers each
+    # "averaged alone" (a client cannot lead a group) and their digests differed in every round
+    # after, neither able to adopt the other's state (nobody can serve a client's). A private peer
+    # must instead wait for a live public peer, as at start, and stop with one line if none comes.
+    from tests.swarm.procs import signal_tree
+
+    long = {"run.rounds": "1000"}
+    client = {**long, "swarm.reachability": "private"}
+    public = swarm.peer("public", long)
+    clients = {name: swarm.peer(name, client) for name in ("c1", "c2")}
+    procs = [public, *clients.values()]
+    wait_until(lambda: all(len(swarm.records(n)) >= 3 for n in clients), procs, 120, "2 rounds averaged")
+    signal_tree(public.pid, signal.SIGKILL)
+    for name, p in clients.items():
+        try:
+            p.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"{name} still trains without a public peer: {swarm.log(name)[-1500:]}") from None
+    assert [p.returncode for p in clients.values()] == [1, 1]
+    for name in clients:
+        assert re.search(r"no reachable peer of run 'p2p-diloco' at round \d+ within 20 s", swarm.log(name))
+        assert "continue with --resume" in swarm.log(name)
+    c1, c2 = (swarm.records(n) for n in clients)
+    assert {r: c1[r]["digest"] for r in set(c1) & set(c2)} == {r: c2[r]["digest"] for r in set(c1) & set(c2)}
+    assert set(c1) == set(c2), "neither trained a round the other did not"
 
 
 @pytest.mark.timeout(240)

@@ -15,8 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from p2p_diloco.errors import StateDownloadError
-from p2p_diloco.protocol import agreement, outer
+from p2p_diloco.errors import StateDownloadError, SwarmError
+from p2p_diloco.protocol import agreement, outer, reachability
 from p2p_diloco.protocol.budget import SwarmProgress
 from p2p_diloco.protocol.genesis import Genesis, Verdict
 from p2p_diloco.protocol.network import STARTED, AllReduced, Made, RoundRecord, ServedState, StateCheck
@@ -64,6 +64,8 @@ class FakeSwarm:
     final: Genesis | None = None  # what final_state() says: a run whose genesis claims its end
     finals: list[tuple[int, str]] = field(default_factory=list)  # the peer's publish_final calls
     closed: bool = False
+    public_left: bool = False  # no public peer beats: wait_for_reachable_peer raises
+    reachable_waits: list[int | None] = field(default_factory=list)  # its calls (None: at start)
     _lock: threading.Lock = field(default_factory=threading.Lock)
 
     # --- what the test scripts -------------------------------------------------------------------
@@ -103,8 +105,10 @@ class FakeSwarm:
         # The genesis records the verdict was judged from hold the same claim (the real swarm reads both there).
         return self.final if self.final is not None or self.verdict is None else self.verdict.final
 
-    def wait_for_reachable_peer(self) -> None:
-        return None
+    def wait_for_reachable_peer(self, round_: int | None = None) -> None:
+        self.reachable_waits.append(round_)
+        if self.public_left:
+            raise SwarmError(reachability.nobody_serves("fake", round_, 0))
 
     def publish_round(self, round_: int, digest: str, tokens: int, loss: float, made: Made = STARTED) -> None:
         record = RoundRecord(

@@ -11,7 +11,7 @@ import pytest
 
 from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.protocol.reachability import DialBack, decide, line, needs_dialback
+from p2p_diloco.protocol.reachability import DialBack, beaten_since, decide, line, needs_dialback, nobody_serves
 from p2p_diloco.swarm.transport import dialback
 from p2p_diloco.trust.wire import WireError
 
@@ -111,6 +111,23 @@ async def _listener(greeting: bytes | None) -> tuple[asyncio.base_events.Server,
 
     server = await asyncio.start_server(answer, "127.0.0.1", 0)
     return server, server.sockets[0].getsockname()[1]
+
+
+def test_a_public_peer_counts_as_live_for_a_private_one_only_once_it_beats_again():
+    before = {"pub": 100.0, "other": 5.0}  # each peer's last beat, by its own clock
+    assert not beaten_since({"pub"}, before, before)  # SIGKILLed: its last beat stays what it was
+    assert not beaten_since({"pub"}, before, {"pub": 100.0, "other": 6.0})  # only a client beat
+    assert beaten_since({"pub"}, before, {"pub": 100.5})
+    assert beaten_since({"new"}, before, {"new": 1.0})  # first seen: any beat is new (clocks differ)
+    assert not beaten_since(set(), before, {"pub": 101.0})  # no peer that serves
+
+
+def test_a_private_peer_without_a_public_one_is_told_what_happened_and_what_to_do():
+    start = nobody_serves("r", None, 20)
+    assert start.startswith("no reachable peer of run 'r' within 20 s: a private peer (swarm.reachability) needs")
+    later = nobody_serves("r", 7, 20)
+    assert later.startswith("no reachable peer of run 'r' at round 7 within 20 s: its public peers left")
+    assert all('set swarm.reachability = "public"' in said for said in (start, later))
 
 
 def test_a_dial_counts_only_a_libp2p_greeting(monkeypatch):

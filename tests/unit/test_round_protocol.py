@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from p2p_diloco import config
-from p2p_diloco.errors import AveragingError, CatchUpFailed, RunFinished, SwarmMovedOn
+from p2p_diloco.errors import AveragingError, CatchUpFailed, RunFinished, SwarmError, SwarmMovedOn
 from p2p_diloco.peer import Peer
 from p2p_diloco.protocol import deadlines, outer
 from p2p_diloco.protocol.genesis import Genesis
@@ -90,6 +90,34 @@ def test_a_peer_alone_is_a_swarm_where_nobody_else_comes(tmp_path, caplog):
     assert [(c.round, c.weight) for c in fake.calls] == [(0, TOKENS), (1, TOKENS), (2, TOKENS)]
     assert caplog.text.count("no other peer reached round") == 3
     assert fake.closed
+
+
+def test_a_private_peer_whose_public_peers_left_stops_with_one_line_and_keeps_its_checkpoint(tmp_path):
+    # A private peer that found no group averages alone only while a public peer still beats (its
+    # state then heals through agreement); with none, a state of its own is one nobody could ever
+    # download, so it stops instead of training apart (tests/swarm: the public peer SIGKILLed).
+    fake = FakeSwarm(serves=False)
+
+    def its_public_peer_died(call):
+        fake.public_left = True
+        return None  # nobody came
+
+    fake.script = [fake.group("p1"), its_public_peer_died]  # round 0 with the public peer, round 1 without
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "3"})
+    with pytest.raises(
+        SwarmError, match=r"no reachable peer of run 'fake' at round 1 within 0 s: its public peers left"
+    ):
+        run(peer)
+    assert fake.reachable_waits == [None, 1]  # at start, then where round 1 found no group
+    assert [r["round"] for r in records(peer)] == [0, 1]  # round 1's own Δ was never applied
+    assert checkpoint.round_of(checkpoint.latest(peer.run_dir)) == 1 and fake.closed
+
+
+def test_a_private_peer_beside_a_live_public_peer_averages_alone_when_nobody_came(tmp_path):
+    fake = FakeSwarm(serves=False)
+    peer = run(make_peer(tmp_path, fake, **{"run.rounds": "2"}))
+    assert fake.reachable_waits == [None, 0, 1]
+    assert [r.get("group_size") for r in records(peer)] == [None, 1, 1]
 
 
 def test_a_full_group_applies_its_average(tmp_path):
