@@ -10,7 +10,11 @@ Kinds of home:
   the same for every destination), replies only: nothing reaches the host unasked;
 - `symmetric`: `masquerade random,fully-random`: each flow gets a random port, per destination;
 - `double`: a carrier-grade NAT (100.64.0.0/10) in front of the home router: two masquerades;
-- `forward=PORT`: the router also forwards PORT (TCP and UDP) to the home's host.
+- `forward=PORT`: the router also forwards PORT (TCP and UDP) to the home's host;
+- `unsolicited`: what the router does with a connection nobody at home asked for: `reset` (its own
+  kernel answers a TCP SYN with a RST, as Linux does with no filter) or `drop` (silence, as most
+  home routers and carrier NATs do). TCP hole punching can work only through routers that drop: a
+  RST from one router ends the other's fresh mapping (docs/benchmarks.md, "Hole punching").
 Each home's link is shaped at its router's WAN port with tbf, `up` and `down` Mbit/s apart.
 
 Addresses: the internet side uses 11.0.0.0/24, public-looking (libp2p hole-punches only between
@@ -44,6 +48,7 @@ PUBLIC_BASE, ROUTER_BASE, CARRIER_BASE = 10, 100, 150  # last octets on the inte
 class Home:
     nat: Literal["cone", "symmetric", "double"] = "cone"
     forward: int | None = None  # a port the router forwards to the home's host
+    unsolicited: Literal["reset", "drop"] = "reset"  # a SYN to the router that nobody asked for
     up: float | None = 10.0  # Mbit/s the home sends (None: no limit)
     down: float | None = 50.0
 
@@ -110,7 +115,7 @@ class HomeNet(NetLab):
             cgn = f"{CARRIER}.{j + 1}"
             _link(carrier, "cgn0", f"{cgn}.1/24", router, "eth0", f"{cgn}.2/24")
             _ip(router, "route", "add", "default", "via", f"{cgn}.1")
-            _route_and_nat(carrier, "cgn0", "", None, None)
+            _route_and_nat(carrier, "cgn0", "", None, None, home.unsolicited)
         else:
             self._plug(router, f"r{j}", f"{INTERNET}.{ROUTER_BASE + j}/24", None, None)
         _limit(router, "eth0", home.up)  # the home's upload: what leaves its router
@@ -119,7 +124,7 @@ class HomeNet(NetLab):
         _limit(router, "lan0", home.down)  # the home's download: what its router hands in
         _ip(host.netns, "route", "add", "default", "via", f"{lan}.1")
         random = " random,fully-random" if home.nat == "symmetric" else ""
-        _route_and_nat(router, "lan0", random, home.forward, host.ip)
+        _route_and_nat(router, "lan0", random, home.forward, host.ip, home.unsolicited)
 
 
 def _link(ns_a: str, dev_a: str, addr_a: str, ns_b: str, dev_b: str, addr_b: str) -> None:
@@ -130,9 +135,11 @@ def _link(ns_a: str, dev_a: str, addr_a: str, ns_b: str, dev_b: str, addr_b: str
         _ip(ns, "link", "set", dev, "up")
 
 
-def _route_and_nat(router: str, lan: str, random: str, forward: int | None, inside: str | None) -> None:
+def _route_and_nat(
+    router: str, lan: str, random: str, forward: int | None, inside: str | None, unsolicited: str = "reset"
+) -> None:
     """A NAT router: forwards, masquerades what leaves its WAN port (`eth0`), lets in replies only,
-    and (`forward`) one port to `inside`."""
+    (`forward`) one port to `inside`, and answers or drops what nobody asked for (`unsolicited`)."""
     _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.ipv4.ip_forward=1")
     dnat = ""
     if forward is not None:
@@ -156,12 +163,26 @@ table ip filter {{
     ct status dnat accept
   }}
 }}
+{_SILENT if unsolicited == "drop" else ""}
 """
     result = subprocess.run(
         ["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules, capture_output=True, text=True, timeout=30
     )
     if result.returncode != 0:
         raise RuntimeError(f"nft in {router} failed: {result.stderr.strip()}")
+
+
+# A router that drops: nothing new or out of order from the internet reaches its own stack, so it
+# answers nothing (forwarded ports are DNATed before this hook, and pass).
+_SILENT = """
+table inet silent {
+  chain input {
+    type filter hook input priority 0; policy accept;
+    iifname "eth0" ct state new drop
+    iifname "eth0" ct state invalid drop
+  }
+}
+"""
 
 
 # --- what a public host sees of a connection ---------------------------------------------------------
@@ -180,10 +201,16 @@ def seen_from(net: HomeNet, src: int, dst: int, connections: int = 1, src_port: 
     return seen
 
 
+def answer(net: HomeNet, src: int, ip: str, port: int, timeout_s: float = 2.0) -> str:
+    """What host `src` gets when it opens a TCP connection to `ip:port`: "connected", "refused" (a
+    RST), or "no answer" within `timeout_s`."""
+    probe = [sys.executable, "-c", _PROBE, ip, str(port), str(timeout_s)]
+    return {0: "connected", 3: "refused"}.get(net.popen(src, probe).wait(timeout=timeout_s + 30), "no answer")
+
+
 def reachable(net: HomeNet, src: int, ip: str, port: int, timeout_s: float = 2.0) -> bool:
     """Whether host `src` can open a TCP connection to `ip:port` (something must listen there)."""
-    probe = [sys.executable, "-c", _PROBE, ip, str(port), str(timeout_s)]
-    return net.popen(src, probe).wait(timeout=timeout_s + 30) == 0
+    return answer(net, src, ip, port, timeout_s) == "connected"
 
 
 def listen_forever(net: HomeNet, host: int, port: int) -> subprocess.Popen:
@@ -191,7 +218,14 @@ def listen_forever(net: HomeNet, host: int, port: int) -> subprocess.Popen:
     return net.popen(host, [sys.executable, __file__, "_serve", str(port)])
 
 
-_PROBE = "import socket,sys; socket.create_connection((sys.argv[1], int(sys.argv[2])), float(sys.argv[3])).close()"
+_PROBE = """import socket, sys
+try:
+    socket.create_connection((sys.argv[1], int(sys.argv[2])), float(sys.argv[3])).close()
+except ConnectionRefusedError:
+    sys.exit(3)
+except OSError:
+    sys.exit(4)
+"""
 
 
 def _pipe() -> dict:

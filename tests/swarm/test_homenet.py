@@ -6,13 +6,13 @@ import subprocess
 
 import pytest
 
-from bench.homenet import Home, HomeNet, lab_available, listen_forever, reachable, seen_from
+from bench.homenet import Home, HomeNet, answer, lab_available, listen_forever, reachable, seen_from
 from bench.netlab import namespaces
 from bench.netswarm import CLI, ENV, ROOT, NetSwarm
 
 pytestmark = pytest.mark.skipif(lab_available() is not None, reason=f"no home-network lab here: {lab_available()}")
 
-HOMES = [Home("cone"), Home("symmetric"), Home("double"), Home("cone", forward=4000)]
+HOMES = [Home("cone"), Home("symmetric"), Home("double"), Home("cone", forward=4000), Home("cone", unsolicited="drop")]
 
 
 @pytest.mark.timeout(120)
@@ -21,9 +21,10 @@ def test_each_kind_of_home_router_maps_and_filters_as_a_real_one():
         prefix = net.prefix
         # From one local port to three public hosts: the address and port each of them sees.
         seen = {j: [seen_from(net, net.home_host(j), dst, src_port=40000 + j)[0] for dst in range(3)] for j in range(4)}
-        for j in range(4):
+        for j in range(5):
             listen_forever(net, net.home_host(j), 4000)
-        inbound = {j: reachable(net, 0, net.wan_ip(j), 4000) for j in range(4)}
+        inbound = {j: reachable(net, 0, net.wan_ip(j), 4000) for j in range(5)}
+        unasked = {j: answer(net, 0, net.wan_ip(j), 4000) for j in (0, 4)}
         to_private = reachable(net, 0, net.hosts[net.home_host(0)].ip, 4000, timeout_s=1.0)
         home_to_home = reachable(net, net.home_host(0), net.wan_ip(3), 4000)
     # Endpoint-independent mapping: one public address and port, whatever the destination.
@@ -33,7 +34,9 @@ def test_each_kind_of_home_router_maps_and_filters_as_a_real_one():
     # Double NAT: the carrier's address, not the home router's.
     assert seen[2] == ["11.0.0.152:40002"] * 3
     # Replies only: a listener at home is reached only through the port its router forwards.
-    assert inbound == {0: False, 1: False, 2: False, 3: True}
+    assert inbound == {0: False, 1: False, 2: False, 3: True, 4: False}
+    # What nobody asked for: a RST from the router's own kernel, or silence (most home routers)
+    assert unasked == {0: "refused", 4: "no answer"}
     assert not to_private and home_to_home
     assert namespaces(prefix) == []
 
