@@ -81,6 +81,11 @@ class HomeNet(NetLab):
         tracking table, every NAT mapping in it, is gone (the carrier's, for a double NAT, stays)."""
         _run("ip", "netns", "exec", f"{self.prefix}r{j}", "conntrack", "-F")
 
+    def take_offline(self, j: int) -> None:
+        """Home `j`'s host loses its default route, as a machine whose network is not up: nothing
+        outside its home has a route from it."""
+        _ip(self.hosts[self.home_host(j)].netns, "route", "del", "default")
+
     def _hosts(self, links: list[tuple[float | None, float | None]]) -> list[Host]:
         public = [Host(i, f"{self.prefix}p{i}", f"{INTERNET}.{PUBLIC_BASE + i}", *links[i]) for i in range(self.public)]
         homes = [

@@ -47,15 +47,17 @@ def test_a_peer_learns_at_start_whether_others_can_dial_it_and_a_wrong_entry_add
     the bootstrap node dials back the address it saw each home at. Only the home whose router
     forwards the peer's port is public; each line names the address the internet saw. Beside them,
     two volunteers with a wrong entry address (a port nothing listens on; a port the node's
-    firewall drops) are told so in one line each, and exit 2 (swarm/transport/diagnose.py)."""
-    homes = [Home("cone"), Home("symmetric"), Home("double"), Home("cone", forward=4000)]
+    firewall drops) and one whose machine has no route out are told so in one line each, and
+    exit 2 (swarm/transport/diagnose.py)."""
+    homes = [Home("cone"), Home("symmetric"), Home("double"), Home("cone", forward=4000), Home("cone")]
     with HomeNet(public=1, homes=homes) as net:
         bootstrap = NetSwarm(net, tmp_path, {}, bootstrap_host=0).maddr
         drop = "add table inet t; add chain inet t in { type filter hook input priority 0; }; add rule inet t in"
         subprocess.run(["ip", "netns", "exec", net.hosts[0].netns, "nft", f"{drop} tcp dport 5555 drop"], check=True)
         wrong = {"refused": _with_port(bootstrap, 1), "dropped": _with_port(bootstrap, 5555)}
+        net.take_offline(4)
         asks = [(j, bootstrap, "4000" if j == 3 else "0") for j in range(4)]
-        asks += [(0, wrong["refused"], "0"), (1, wrong["dropped"], "0")]
+        asks += [(0, wrong["refused"], "0"), (1, wrong["dropped"], "0"), (4, bootstrap, "0")]
         checks = [
             net.popen(
                 net.home_host(j),
@@ -70,13 +72,13 @@ def test_a_peer_learns_at_start_whether_others_can_dial_it_and_a_wrong_entry_add
         ]
         out = [(*proc.communicate(timeout=120), proc.returncode) for proc in checks]
     lines = [stdout.strip() for stdout, _, _ in out[:4]]
-    assert [rc for _, _, rc in out] == [3, 3, 3, 0, 2, 2], out
+    assert [rc for _, _, rc in out] == [3, 3, 3, 0, 2, 2, 2], out
     assert lines[0].startswith("reachability: private at 11.0.0.100 port ") and "connection refused" in lines[0]
     assert lines[1].startswith("reachability: private at 11.0.0.101 port ")
     assert lines[2].startswith("reachability: private at 11.0.0.152 port "), lines[2]  # the carrier's address
     assert lines[3].startswith("reachability: public at 11.0.0.103 port 4000: entry node …"), lines[3]
     assert all("forward a TCP port" in lines[j] for j in range(3)) and "forward" not in lines[3]
-    refused, dropped = (stderr.strip().splitlines() for _, stderr, _ in out[4:])
+    refused, dropped, offline = (stderr.strip().splitlines() for _, stderr, _ in out[4:])
     port = _port(wrong["refused"])
     assert refused == [
         f"error: could not reach any initial peer: 11.0.0.10 port {port} refused the connection: "
@@ -87,6 +89,10 @@ def test_a_peer_learns_at_start_whether_others_can_dial_it_and_a_wrong_entry_add
         "error: could not reach any initial peer: 11.0.0.10 port 5555 did not answer within 3 s: a "
         "firewall drops the connection (this network's or the node's) or the host is down; ask the "
         "node's operator whether the port is open, or try another network"
+    ]
+    assert offline == [
+        "error: could not reach any initial peer: no route to 11.0.0.10 (Network is unreachable): check the "
+        "address, and that this machine is online"
     ]
 
 
