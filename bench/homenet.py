@@ -14,7 +14,9 @@ Kinds of home:
 - `unsolicited`: what the router does with a connection nobody at home asked for: `reset` (its own
   kernel answers a TCP SYN with a RST, as Linux does with no filter) or `drop` (silence, as most
   home routers and carrier NATs do). TCP hole punching can work only through routers that drop: a
-  RST from one router ends the other's fresh mapping (docs/benchmarks.md, "Hole punching").
+  RST from one router ends the other's fresh mapping;
+- `upnp=True`: the router maps ports on request (miniupnpd, UPnP IGD and NAT-PMP, on its LAN side
+  only), as home routers with UPnP turned on do; `apt-get install miniupnpd-nftables`.
 Each home's link is shaped at its router's WAN port with tbf, `up` and `down` Mbit/s apart.
 
 Addresses: the internet side uses 11.0.0.0/24, public-looking (libp2p hole-punches only between
@@ -31,7 +33,10 @@ from __future__ import annotations
 import shutil
 import subprocess
 import sys
+import tempfile
+import uuid
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Literal
 
 if __package__:  # imported as bench.homenet (the tests)
@@ -49,14 +54,17 @@ class Home:
     nat: Literal["cone", "symmetric", "double"] = "cone"
     forward: int | None = None  # a port the router forwards to the home's host
     unsolicited: Literal["reset", "drop"] = "reset"  # a SYN to the router that nobody asked for
+    upnp: bool = False  # the router maps ports for the home's host on request (miniupnpd)
     up: float | None = 10.0  # Mbit/s the home sends (None: no limit)
     down: float | None = 50.0
 
 
-def lab_available() -> str | None:
-    """Why a home-network lab cannot be built here, or None if it can."""
+def lab_available(upnp: bool = False) -> str | None:
+    """Why a home-network lab (`upnp`: with a UPnP router) cannot be built here, or None if it can."""
     if shutil.which("nft") is None:
         return "nft not found: apt-get install nftables (.ci/run installs it)"
+    if upnp and _miniupnpd() is None:
+        return "miniupnpd not found: apt-get install miniupnpd-nftables (.ci/run installs it)"
     return available()
 
 
@@ -65,6 +73,7 @@ class HomeNet(NetLab):
 
     def __init__(self, public: int, homes: list[Home], public_link: tuple[float | None, float | None] = (None, None)):
         self.public, self.homes = public, homes
+        self._folders: list[Path] = []  # a UPnP router's config and leases, removed on close
         super().__init__([public_link] * public + [(h.up, h.down) for h in homes], tag="phn")
 
     def home_host(self, j: int) -> int:
@@ -130,6 +139,26 @@ class HomeNet(NetLab):
         _ip(host.netns, "route", "add", "default", "via", f"{lan}.1")
         random = " random,fully-random" if home.nat == "symmetric" else ""
         _route_and_nat(router, "lan0", random, home.forward, host.ip, home.unsolicited)
+        if home.upnp:
+            self._start_upnp(j, router)
+
+    def _start_upnp(self, j: int, router: str) -> None:
+        """miniupnpd in home `j`'s router, answering on its LAN port only, with the nftables chains
+        its backend adds mappings to (the lab's forward chain lets DNATed traffic in already)."""
+        _nft(router, _UPNP_CHAINS)
+        folder = Path(tempfile.mkdtemp(prefix=f"{self.prefix}upnp{j}-"))
+        self._folders.append(folder)
+        conf = folder / "miniupnpd.conf"
+        conf.write_text(_UPNP_CONF.format(lease=folder / "leases", uuid=uuid.uuid4()))
+        cmd = ["ip", "netns", "exec", router, str(_miniupnpd()), "-f", str(conf), "-d", "-P", str(folder / "pid")]
+        self.procs.append(
+            subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+        )
+
+    def close(self) -> None:
+        super().close()
+        for folder in self._folders:
+            shutil.rmtree(folder, ignore_errors=True)
 
 
 def _link(ns_a: str, dev_a: str, addr_a: str, ns_b: str, dev_b: str, addr_b: str) -> None:
@@ -170,11 +199,46 @@ table ip filter {{
 }}
 {_SILENT if unsolicited == "drop" else ""}
 """
+    _nft(router, rules)
+
+
+def _miniupnpd() -> str | None:
+    """miniupnpd's path (in /usr/sbin, which a user's PATH may lack), or None."""
+    return shutil.which("miniupnpd") or next((p for p in ("/usr/sbin/miniupnpd",) if Path(p).exists()), None)
+
+
+def _nft(netns: str, rules: str) -> None:
     result = subprocess.run(
-        ["ip", "netns", "exec", router, "nft", "-f", "-"], input=rules, capture_output=True, text=True, timeout=30
+        ["ip", "netns", "exec", netns, "nft", "-f", "-"], input=rules, capture_output=True, text=True, timeout=30
     )
     if result.returncode != 0:
-        raise RuntimeError(f"nft in {router} failed: {result.stderr.strip()}")
+        raise RuntimeError(f"nft in {netns} failed: {result.stderr.strip()}")
+
+
+# miniupnpd 2.3's nftables backend adds its rules to these chains of `inet filter` (its defaults),
+# which base chains must jump to; the lab's own `ip nat` and `ip filter` tables stay as they are.
+_UPNP_CHAINS = """
+table inet filter {
+  chain forward { type filter hook forward priority 0; policy accept; jump miniupnpd; }
+  chain miniupnpd { }
+  chain prerouting { type nat hook prerouting priority -100; policy accept; jump prerouting_miniupnpd; }
+  chain postrouting { type nat hook postrouting priority 100; policy accept; jump postrouting_miniupnpd; }
+  chain prerouting_miniupnpd { }
+  chain postrouting_miniupnpd { }
+}
+"""
+# Answers on the LAN port only; maps ports 1024-65535 for the home's own addresses (secure mode).
+_UPNP_CONF = """ext_ifname=eth0
+listening_ip=lan0
+enable_upnp=yes
+enable_natpmp=yes
+secure_mode=yes
+system_uptime=yes
+lease_file={lease}
+uuid={uuid}
+allow 1024-65535 192.168.0.0/16 1024-65535
+deny 0-65535 0.0.0.0/0 0-65535
+"""
 
 
 # A router that drops: nothing new or out of order from the internet reaches its own stack, so it

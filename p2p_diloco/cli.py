@@ -177,6 +177,9 @@ def _add_check_network_command(sub: _Commands) -> None:
     check.add_argument("--initial-peers", nargs="+", required=True, metavar="MADDR", help="the run's entry nodes")
     check.add_argument("--host", default="0.0.0.0", help="IP address the peer will listen on (default: %(default)s)")
     check.add_argument("--port", type=int, default=0, help="TCP port the peer will listen on (0: any)")
+    check.add_argument(
+        "--upnp", action="store_true", help="ask the home router to map the port first (swarm.upnp; probes the LAN)"
+    )
 
 
 def _add_admission_command(sub: _Commands) -> None:
@@ -679,7 +682,8 @@ def cmd_check_network(args: argparse.Namespace) -> int:
     from p2p_diloco.swarm.transport.node import ask_reachability
     from p2p_diloco.train.metrics import setup_logging
 
-    cfg = config_mod.load(None, {"swarm.host": args.host, "swarm.port": str(args.port)})
+    options = {"swarm.host": args.host, "swarm.port": str(args.port), "swarm.upnp": str(args.upnp).lower()}
+    cfg = config_mod.load(None, options)
     setup_logging("warning")
     reach = ask_reachability(cfg.swarm, args.initial_peers)
     print(reachability.line(reach))

@@ -71,8 +71,9 @@ def needs_dialback(setting: Setting, host: str, initial_peers: Sequence[str]) ->
     return setting == "auto" and bool(initial_peers) and not loopback(host)
 
 
-def decide(setting: Setting, host: str, asked: bool, answers: Sequence[DialBack]) -> Reachability:
-    """The tier from the config and the dial-back's answers (`asked`: whether it was asked)."""
+def decide(setting: Setting, host: str, asked: bool, answers: Sequence[DialBack], mapped: bool = False) -> Reachability:
+    """The tier from the config and the dial-back's answers (`asked`: whether it was asked;
+    `mapped`: for a port the router mapped on request, swarm.upnp)."""
     if setting != "auto":
         return Reachability(setting, "set by swarm.reachability")
     if loopback(host):
@@ -88,7 +89,10 @@ def decide(setting: Setting, host: str, asked: bool, answers: Sequence[DialBack]
     reached = [a for a in answers if a.reached]
     first = (reached or list(answers))[0]
     if reached:
-        return Reachability("public", f"entry node …{first.helper[-6:]} dialled it back", first.seen, first.port)
+        how = f"entry node …{first.helper[-6:]} dialled it back" + (
+            " on the port its router mapped (UPnP)" if mapped else ""
+        )
+        return Reachability("public", how, first.seen, first.port)
     return Reachability("private", f"the dial-back failed ({first.failure})", first.seen, first.port)
 
 

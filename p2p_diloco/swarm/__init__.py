@@ -177,8 +177,10 @@ class HivemindSwarm:
     # --- records -----------------------------------------------------------------------------
 
     def visible_maddrs(self) -> list[str]:
+        """This node's addresses as p2pd has them now: a port the router mapped (swarm.upnp) comes
+        seconds after the start. A mapping that failed shows as port 0: not an address."""
         with self.run_dht.turn() as dht:
-            return [str(m) for m in dht.get_visible_maddrs()]
+            return [str(m) for m in dht.get_visible_maddrs(latest=True) if "/tcp/0/" not in f"{m}/"]
 
     def check_config(self, theta0: str) -> Verdict:
         return self.run.check(theta0)

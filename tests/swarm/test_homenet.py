@@ -2,6 +2,7 @@
 real one would, nothing reaches a home unasked but a forwarded port, and the lab leaves nothing
 behind."""
 
+import re
 import subprocess
 
 import pytest
@@ -48,8 +49,12 @@ def test_a_peer_learns_at_start_whether_others_can_dial_it_and_a_wrong_entry_add
     forwards the peer's port is public; each line names the address the internet saw. Beside them,
     two volunteers with a wrong entry address (a port nothing listens on; a port the node's
     firewall drops) and one whose machine has no route out are told so in one line each, and
-    exit 2 (swarm/transport/diagnose.py)."""
+    exit 2 (swarm/transport/diagnose.py). With swarm.upnp (`--upnp`), a home whose router maps
+    ports on request is public at the mapped port; one whose router does not is told to turn it on."""
+    if lab_available(upnp=True) is not None:
+        pytest.skip(f"no UPnP router in the lab here: {lab_available(upnp=True)}")
     homes = [Home("cone"), Home("symmetric"), Home("double"), Home("cone", forward=4000), Home("cone")]
+    homes.append(Home("cone", upnp=True))
     with HomeNet(public=1, homes=homes) as net:
         bootstrap = NetSwarm(net, tmp_path, {}, bootstrap_host=0).maddr
         drop = "add table inet t; add chain inet t in { type filter hook input priority 0; }; add rule inet t in"
@@ -58,27 +63,28 @@ def test_a_peer_learns_at_start_whether_others_can_dial_it_and_a_wrong_entry_add
         net.take_offline(4)
         asks = [(j, bootstrap, "4000" if j == 3 else "0") for j in range(4)]
         asks += [(0, wrong["refused"], "0"), (1, wrong["dropped"], "0"), (4, bootstrap, "0")]
+        asks += [(5, bootstrap, "0", "--upnp"), (0, bootstrap, "0", "--upnp")]
         checks = [
             net.popen(
                 net.home_host(j),
-                [*CLI, "check-network", "--initial-peers", entry, "--port", port],
+                [*CLI, "check-network", "--initial-peers", entry, "--port", port, *flags],
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
                 env=ENV,
                 cwd=ROOT,
             )
-            for j, entry, port in asks
+            for j, entry, port, *flags in asks
         ]
         out = [(*proc.communicate(timeout=120), proc.returncode) for proc in checks]
     lines = [stdout.strip() for stdout, _, _ in out[:4]]
-    assert [rc for _, _, rc in out] == [3, 3, 3, 0, 2, 2, 2], out
+    assert [rc for _, _, rc in out] == [3, 3, 3, 0, 2, 2, 2, 0, 3], out
     assert lines[0].startswith("reachability: private at 11.0.0.100 port ") and "connection refused" in lines[0]
     assert lines[1].startswith("reachability: private at 11.0.0.101 port ")
     assert lines[2].startswith("reachability: private at 11.0.0.152 port "), lines[2]  # the carrier's address
     assert lines[3].startswith("reachability: public at 11.0.0.103 port 4000: entry node …"), lines[3]
     assert all("forward a TCP port" in lines[j] for j in range(3)) and "forward" not in lines[3]
-    refused, dropped, offline = (stderr.strip().splitlines() for _, stderr, _ in out[4:])
+    refused, dropped, offline = (stderr.strip().splitlines() for _, stderr, _ in out[4:7])
     port = _port(wrong["refused"])
     assert refused == [
         f"error: could not reach any initial peer: 11.0.0.10 port {port} refused the connection: "
@@ -90,6 +96,11 @@ def test_a_peer_learns_at_start_whether_others_can_dial_it_and_a_wrong_entry_add
         "firewall drops the connection (this network's or the node's) or the host is down; ask the "
         "node's operator whether the port is open, or try another network"
     ]
+    mapped, unmapped = out[7][0].strip(), out[8]
+    assert re.match(r"reachability: public at 11\.0\.0\.105 port \d+: entry node …\w{6} dialled it back on the port "
+                    r"its router mapped \(UPnP\)", mapped), out[7]  # fmt: skip
+    assert unmapped[0].startswith("reachability: private at 11.0.0.100 port "), unmapped
+    assert "swarm.upnp: no router mapped a port within 8 s: turn on UPnP (or NAT-PMP)" in unmapped[1], unmapped
     assert offline == [
         "error: could not reach any initial peer: no route to 11.0.0.10 (Network is unreachable): check the "
         "address, and that this machine is online"

@@ -158,3 +158,14 @@ def test_an_entry_node_dials_each_address_once_at_a_time():
     assert asyncio.run(helper._dial_once("11.0.0.100", 4000)).startswith("busy")
     helper.dialling = {f"11.0.1.{i}" for i in range(dialback.MAX_DIALS)}
     assert asyncio.run(helper._dial_once("11.0.0.101", 4000)).startswith("busy")
+
+
+def test_the_mapped_port_is_that_of_a_public_address_p2pd_announces_never_port_0():
+    from p2p_diloco.swarm.transport.preflight import mapped_port
+
+    me = "/p2p/QmYyQSo1c1Ym7orWxLYvCrM2EmxFTANf8wXmmE7DWjhx5N"
+    local = [f"/ip4/127.0.0.1/tcp/4000{me}", f"/ip4/192.168.1.2/tcp/4000{me}"]
+    assert mapped_port(local) == 0
+    assert mapped_port([*local, f"/ip4/11.0.0.100/tcp/0{me}"]) == 0  # a mapping the router refused
+    assert mapped_port([f"/ip4/100.64.1.2/tcp/5000{me}", f"/ip6/2001:db8::1/tcp/6000{me}"]) == 0  # a carrier's; IPv6
+    assert mapped_port([*local, f"/ip4/11.0.0.100/tcp/19771{me}"]) == 19771

@@ -73,7 +73,9 @@ class SwarmDHT(hivemind.DHT):
         if answers.identity_in_use:
             self._ready.set_exception(SwarmError(identity_in_use(self.preflight)))
             return
-        reach = reachability.decide(self.setting, self.host, answers.dialback_asked, answers.dialback)
+        reach = reachability.decide(
+            self.setting, self.host, answers.dialback_asked, answers.dialback, mapped=bool(answers.mapped)
+        )
         self.kwargs["client_mode"] = not reach.serves
         self._decide.send(reach)
         super().run()
@@ -240,7 +242,7 @@ def _preflight(
     if identity is None and not listen:
         return None
     share = cfg.join_timeout_s * PREFLIGHT_SHARE
-    return Preflight(tuple(initial_peers), cfg.hole_punching, share, identity, listen, port)
+    return Preflight(tuple(initial_peers), cfg.hole_punching, share, identity, listen, port, upnp=cfg.upnp)
 
 
 def _free_port(host: str) -> int:

@@ -5,8 +5,13 @@
   throwaway p2pd then listens on the peer's own host and port, so that the entry nodes dial exactly
   what the real node will listen on.
 
+With swarm.upnp, the throwaway p2pd first asks the home router for a port mapping (UPnP IGD or
+NAT-PMP, which p2pd finds in about 5 s), and the dial-back is asked for the mapped port: a peer is
+public by UPnP only if the mapping works from outside. (The real node maps a port of its own, and
+announces it.)
+
 It runs in the DHT process, before hivemind starts the real p2pd (node.py's SwarmDHT.run). The
-throwaway p2pd runs with no port mapping and no AutoNAT (relays only if asked), and is stopped,
+throwaway p2pd runs with no AutoNAT (relays only if asked) and maps no port unless asked, and is stopped,
 or killed after STOP_S, before the real one starts. A question that cannot be answered in time
 says so in one line and the start goes on: the identity as free, the peer as not dialled back.
 """
@@ -14,11 +19,15 @@ says so in one line and the start goes on: the identity as free, the peer as not
 from __future__ import annotations
 
 import asyncio
+import contextlib
+import ipaddress
 import logging
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from hivemind.p2p import P2P, P2PDaemonError
 
@@ -30,6 +39,7 @@ from p2p_diloco.swarm.transport.in_use import in_use
 logger = logging.getLogger(__name__)
 
 STOP_S = 5.0  # the longest wait for the throwaway p2pd to exit before it is killed
+UPNP_WAIT_S = 8.0  # for the router's port mapping (p2pd searches for a router for 5 s, then asks it)
 
 
 @dataclass(frozen=True)
@@ -40,6 +50,7 @@ class Preflight:
     identity: Path | None = None  # ask whether a live node uses this key
     listen: str = ""  # ask for a dial-back to this multiaddr's port ("": don't)
     port: int = 0
+    upnp: bool = False  # map the port on the router first, and ask the dial-back for the mapped one
 
 
 @dataclass(frozen=True)
@@ -48,6 +59,7 @@ class Answers:
     dialback: tuple[DialBack, ...] = ()
     dialback_asked: bool = False
     unreachable: str = ""  # p2pd's error, if it could not reach any initial peer
+    mapped: int = 0  # the public port the router mapped (swarm.upnp), 0 if none
 
 
 def ask(preflight: Preflight) -> Answers:
@@ -79,7 +91,7 @@ async def _ask(preflight: Preflight, step_s: float) -> Answers:
             initial_peers=list(preflight.initial_peers),
             dht_mode="client",
             host_maddrs=[preflight.listen] if preflight.listen else ("/ip4/127.0.0.1/tcp/0",),
-            nat_port_map=False,
+            nat_port_map=preflight.upnp,
             auto_nat=False,
             use_relay=preflight.relays,
             use_auto_relay=False,
@@ -91,8 +103,10 @@ async def _ask(preflight: Preflight, step_s: float) -> Answers:
         await asyncio.to_thread(_join_reapers, STOP_S)
         raise
     try:
-        taken, answers = await asyncio.gather(_in_use(probe, preflight, step_s), _dialback(probe, preflight, step_s))
-        return Answers(taken, answers, bool(preflight.listen))
+        taken, (answers, mapped) = await asyncio.gather(
+            _in_use(probe, preflight, step_s), _dialback(probe, preflight, step_s)
+        )
+        return Answers(taken, answers, bool(preflight.listen), mapped=mapped)
     finally:
         await _stop(probe)
 
@@ -111,10 +125,43 @@ async def _in_use(probe: P2P, preflight: Preflight, step_s: float) -> bool:
         return False
 
 
-async def _dialback(probe: P2P, preflight: Preflight, step_s: float) -> tuple[DialBack, ...]:
+async def _dialback(probe: P2P, preflight: Preflight, step_s: float) -> tuple[tuple[DialBack, ...], int]:
+    """The entry nodes' answers, and the port the router mapped (0: none, or not asked)."""
     if not preflight.listen:
-        return ()
-    return tuple(await dialback.ask(probe, dialback.helpers(preflight.initial_peers), preflight.port, step_s))
+        return (), 0
+    mapped = await _mapped_port(probe) if preflight.upnp else 0
+    port = mapped or preflight.port
+    return tuple(await dialback.ask(probe, dialback.helpers(preflight.initial_peers), port, step_s)), mapped
+
+
+async def _mapped_port(probe: P2P) -> int:
+    """The public port the router mapped for the throwaway p2pd, once p2pd announces it (within
+    UPNP_WAIT_S), or 0 with one line."""
+    deadline = time.monotonic() + UPNP_WAIT_S
+    while True:
+        port = mapped_port(await probe.get_visible_maddrs(latest=True))
+        if port or time.monotonic() >= deadline:
+            break
+        await asyncio.sleep(0.25)  # a poll of p2pd's own addresses, bounded by the deadline
+    if not port:
+        logger.warning(
+            "swarm.upnp: no router mapped a port within %g s: turn on UPnP (or NAT-PMP) in the router's "
+            "settings, or forward a port by hand and set swarm.port",
+            UPNP_WAIT_S,
+        )
+    return port
+
+
+def mapped_port(maddrs: Sequence[Any]) -> int:
+    """The TCP port of the first address with a globally routable IPv4 host: the one a router
+    mapped (p2pd announces a failed mapping with port 0: not one)."""
+    for maddr in maddrs:
+        parts = str(maddr).split("/")
+        if len(parts) >= 5 and parts[1] == "ip4" and parts[3] == "tcp" and parts[4].isdigit() and int(parts[4]):
+            with contextlib.suppress(ValueError):
+                if ipaddress.ip_address(parts[2]).is_global:
+                    return int(parts[4])
+    return 0
 
 
 def _join_reapers(timeout_s: float) -> None:
