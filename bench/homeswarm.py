@@ -3,6 +3,9 @@
 
     python bench/homeswarm.py [--homes cone,cone] [--rounds 10] [--set key=value ...]
 
+A kind of home is cone, symmetric or double; `+upnp` gives its router UPnP (miniupnpd), e.g.
+`--homes cone+upnp,symmetric --set swarm.upnp=true`.
+
 Reports, per peer and round, the size of the group its round was averaged in, how many all-reduce
 attempts failed (and what the log said), whether every peer holds the same digest every round, and
 the time. Writes bench/results/homeswarm.json (one entry per scenario, keyed by its homes and settings).
@@ -50,7 +53,10 @@ def run(
         wall_s = swarm.run_peers(peers, timeout_s=60 * rounds + 300)
         records = {host: swarm.records(host) for host in peers}
         logs = {host: (folder / f"peer{host}.log").read_text() for host in peers}
-    names = {1: "public", **{net.home_host(j): f"home{j}-{h.nat}" for j, h in enumerate(homes)}}
+    names = {
+        1: "public",
+        **{net.home_host(j): f"home{j}-{h.nat}{'+upnp' if h.upnp else ''}" for j, h in enumerate(homes)},
+    }
     digests_agree = all(len({records[h][r]["digest"] for h in peers}) == 1 for r in range(1, rounds + 1))
     return {
         "wall_s": round(wall_s, 1),
@@ -90,13 +96,13 @@ def _restart_at(net: HomeNet, swarm: NetSwarm, home: int, round_: int, restarted
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--homes", default="cone,cone", help="kinds of home: cone, symmetric, double")
+    parser.add_argument("--homes", default="cone,cone", help="kinds of home: cone, symmetric, double (+upnp)")
     parser.add_argument("--rounds", type=int, default=10)
     parser.add_argument("--set", action="append", default=[], help="a config override key=value (repeat)")
     parser.add_argument("--restart-router", metavar="HOME@ROUND", help="restart home HOME's router after ROUND")
     parser.add_argument("--folder", type=Path, help="keep the peers' logs and run dirs here (default: a temporary one)")
     args = parser.parse_args()
-    homes = [Home(kind) for kind in args.homes.split(",")]
+    homes = [Home(kind.removesuffix("+upnp"), upnp=kind.endswith("+upnp")) for kind in args.homes.split(",")]
     settings = dict(s.split("=", 1) for s in args.set)
     restart = tuple(map(int, args.restart_router.split("@"))) if args.restart_router else None
     if args.folder is not None:
