@@ -62,7 +62,7 @@ def normal_round_s(records):
     return walls[len(walls) // 2]
 
 
-@pytest.mark.scenario  # in the suite: members asleep (test_sleeping_member.py, the dashboard test); audits (test_attacks.py)
+@pytest.mark.scenario  # in the suite: members asleep (test_sleeping_member, the dashboard); audits (test_attacks)
 @pytest.mark.timeout(300)
 def test_peer_hangs_between_its_allreduce_and_the_audit(swarm):
     # The subject sent its averages and answered one survivor's audit; as the other audits it, its
