@@ -83,9 +83,12 @@ def test_outsiders_are_refused_at_every_door_and_a_revoked_peer_stops_while_the_
     assert f"the organiser revoked peer {ids['c']}" in swarm.log("a")
     check_observer(view, ids)
 
-    # The intruder never averaged, and was refused at the records, matchmaking and state doors.
+    # The intruder never held the swarm's state nor averaged with anyone. Whether it wrote a record
+    # at all depends on timing (CI: none): a peer that finds the swarm past round 0 when its start-up
+    # ends asks for the state first, and goes on from θ(0) only once the peers ahead left.
     intruder = swarm.records("intruder")
-    assert intruder and all(rec.get("group_size", 1) == 1 for rec in intruder.values()), intruder
+    assert all(rec.get("group_size", 1) == 1 for rec in intruder.values()), intruder
+    assert all(r == 0 or rec["digest"] != a.get(r, {}).get("digest") for r, rec in intruder.items()), intruder
     honest_logs = swarm.log("a") + swarm.log("b") + swarm.log("c")
     assert f"peer {ids['intruder']} not counted: no certificate of it seen yet" in swarm.log("a")
     # Whether the intruder is ever in matchmaking with them depends on timing (seen in CI: it stayed

@@ -203,7 +203,10 @@ def test_private_peers_whose_public_peer_died_stop_with_one_line_rather_than_tra
         assert "continue with --resume" in swarm.log(name)
     c1, c2 = (swarm.records(n) for n in clients)
     assert {r: c1[r]["digest"] for r in set(c1) & set(c2)} == {r: c2[r]["digest"] for r in set(c1) & set(c2)}
-    assert set(c1) == set(c2), "neither trained a round the other did not"
+    # From the first round both held on (a client that started after the first round catches up
+    # to it, without a record of θ(0): seen in CI), neither trained a round the other did not.
+    first = max(min(c1), min(c2))
+    assert {r for r in c1 if r >= first} == {r for r in c2 if r >= first}, "one trained a round the other did not"
 
 
 @pytest.mark.scenario  # in the suite: one peer's stop and resume (tests/e2e/test_cli.py), joiners catching up
