@@ -254,3 +254,52 @@ def _frame_line(function, text: str) -> str:
     lines = inspect.getsource(function).splitlines()
     offset = next(i for i, line in enumerate(lines) if text in line)
     return f"line {function.__code__.co_firstlineno + offset} in {function.__code__.co_name}"
+
+
+SOCKETS_THEN_SIGKILL = """
+import asyncio, os, signal
+from p2p_diloco.swarm.transport import processes  # places hivemind's sockets, as every peer does
+from hivemind.p2p import P2P
+
+async def main():
+    p2p = await P2P.create(host_maddrs=["/ip4/127.0.0.1/tcp/0"])
+    print(p2p._child.pid, *sorted(os.listdir(os.environ["TMPDIR"])), flush=True)
+    signal.raise_signal(signal.SIGKILL)  # a crash: nothing of hivemind's cleans up
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.timeout(60)
+def test_a_killed_peers_p2pd_sockets_are_left_in_its_tmpdir_not_in_tmp(tmp_path):
+    # hivemind fixes its sockets to /tmp; a SIGKILLed peer's piled up there (57 in a day of tests).
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from tests.swarm.procs import alive
+
+    folder = tempfile.mkdtemp(prefix="own-")  # short: a socket's path has at most 107 bytes
+    try:
+        child = subprocess.run(
+            [sys.executable, "-c", SOCKETS_THEN_SIGKILL],
+            env={**os.environ, "TMPDIR": folder},
+            capture_output=True,
+            text=True,
+            timeout=45,
+        )
+        assert child.returncode == -signal.SIGKILL, child.stderr[-2000:]
+        p2pd, *listed = child.stdout.split()
+        sockets = [name for name in listed if name.startswith("hivemind-")]
+        assert [name for name in sockets if name.startswith("hivemind-p2pd-")], listed  # (a client's comes later)
+        assert not any(os.path.exists(f"/tmp/{name}") for name in sockets)
+        deadline = time.monotonic() + 10  # p2pd ends by itself once its parent's connection closed
+        while alive(int(p2pd)) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        if alive(int(p2pd)):
+            os.kill(int(p2pd), signal.SIGKILL)
+            raise AssertionError("p2pd outlived its killed parent by 10 s")
+        assert {name for name in sockets if os.path.exists(os.path.join(folder, name))}, "nothing was left to tidy"
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)

@@ -27,6 +27,11 @@ the child inherits "a collection is in progress" and never collects again, and a
 reported as "Garbage-collecting". `quiet_fork` pauses automatic collections and waits for the one
 in flight to end before it forks. A child that dies or does not start within its deadline is one
 SwarmError (`wait_started`, `wait_result`), never a wait on a dead pipe.
+
+Leftovers. A SIGKILLed peer leaves its temporary files: p2pd's sockets, multiprocessing's pymp-*
+folders, torch's torch-shm-dir-*. They all go to TMPDIR (`_sockets_in_the_tempdir` moves
+hivemind's sockets there from its fixed /tmp), so a supervisor that gives a peer a TMPDIR of its
+own (the test suite does) removes them with that folder.
 """
 
 from __future__ import annotations
@@ -40,7 +45,9 @@ import multiprocessing
 import multiprocessing.util  # registers its exit handler before ours: ours runs first
 import os
 import queue
+import re
 import signal
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -48,6 +55,7 @@ from concurrent.futures import TimeoutError as FuturesTimeout
 from contextlib import contextmanager
 from typing import Any
 
+from hivemind.p2p import P2P
 from hivemind.utils.mpfuture import MPFuture, SharedBytes
 
 from p2p_diloco.errors import SwarmError
@@ -58,6 +66,7 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0  # the longest wait for a killed child to be reaped
 LIVENESS_S = 0.5  # how often a wait on a child checks that the child still lives
 QUIET_TIMEOUT_S = 10.0  # the longest wait for a collection in flight (a finalizer joining a child)
+SOCKET_PATH_MAX = 100  # a Unix socket's path must fit its address (sun_path: 108 bytes with the NUL)
 LOCK_CHECK_S = 2.0  # a lock of hivemind's futures not free after this long is held by a dead process
 
 
@@ -265,6 +274,17 @@ def _p2pd_in_its_own_session() -> None:
     asyncio.subprocess.create_subprocess_exec = create  # type: ignore[assignment]
 
 
+def _sockets_in_the_tempdir() -> None:
+    """hivemind puts p2pd's two Unix sockets in /tmp, whatever TMPDIR says, and a SIGKILLed peer
+    leaves them there. Put them where the process's other temporary files go (TMPDIR, as Python's
+    and torch's do), where that path is plain and short enough for a socket: a supervisor or a test
+    suite that gives its peers a TMPDIR of their own then removes what they left with it."""
+    folder = tempfile.gettempdir()
+    longest = f"{folder}/hivemind-p2pclient-{'x' * 11}.sock"  # the name ends in 11 random characters
+    if re.fullmatch(r"/[\w./-]*", folder) and len(longest) <= SOCKET_PATH_MAX:
+        P2P._UNIX_SOCKET_PREFIX = f"/unix{folder.rstrip('/')}/hivemind-"
+
+
 def _kill_leftovers() -> None:
     for child in multiprocessing.active_children():
         if child.pid is not None and child.pid != os.getpid():
@@ -273,3 +293,4 @@ def _kill_leftovers() -> None:
 
 atexit.register(_kill_leftovers)
 _p2pd_in_its_own_session()
+_sockets_in_the_tempdir()
