@@ -81,3 +81,21 @@ def test_an_entry_node_that_accepts_but_is_not_the_node_named_says_so():
         line = unreachable([f"/ip4/127.0.0.1/tcp/{port}/p2p/{PEER_ID}"] * 4)
     assert line.startswith(f"could not reach any initial peer: 127.0.0.1 port {port} accepts connections, ")
     assert f"no node with the id …{PEER_ID[-6:]} answered there" in line and line.endswith("(and 1 more)")
+
+
+def test_hole_punching_makes_public_nodes_relays_and_private_ones_reserve_at_their_entry_nodes():
+    from hivemind.p2p import P2P
+
+    from p2p_diloco.swarm.transport.node import nat_options
+
+    entries = ["/ip4/11.0.0.10/tcp/4000/p2p/QmRaD8544wRPBqk31WmynQySKsmLjJBqBhwd5UeXwaN6vp"]
+    off = {"auto_nat": False, "use_relay": False, "use_auto_relay": False}
+    assert nat_options(False, True, entries) == nat_options(False, False, entries) == off
+    relay = nat_options(True, True, entries)
+    assert relay["use_relay"] and relay["force_reachability"] == "public" and not relay["use_auto_relay"]
+    home = nat_options(True, False, entries)
+    assert home["use_auto_relay"] and home["auto_nat"] and home["trusted_relays"] == entries
+    assert home["force_reachability"] == "private" and home["dht_mode"] == "client"
+    # p2pd's relay discovery (a 3-minute boot delay) is off wherever it looks for relays, and only there
+    assert "-relayDiscovery=0" in P2P._make_process_args("p2pd", autoRelay=True, relay=True)
+    assert not any(a.startswith("-relayDiscovery") for a in P2P._make_process_args("p2pd", autoRelay=False))

@@ -55,12 +55,15 @@ class SwarmDHT(hivemind.DHT):
         preflight: Preflight | None = None,
         setting: Setting = "public",
         host: str = "",
+        hole_punching: bool = False,
         **kwargs: Any,
     ):
         """`preflight`: what to ask the swarm first; `setting` (swarm.reachability) and `host`
-        (swarm.host): what decides the node's tier, with the preflight's answers."""
+        (swarm.host): what decides the node's tier, with the preflight's answers; `hole_punching`
+        (swarm.hole_punching): p2pd's NAT features for that tier (`nat_options`)."""
         self.timeout_s = timeout_s  # read by run_in_background, which hivemind's __init__ calls
         self.preflight, self.setting, self.host = preflight, setting, host
+        self.hole_punching = hole_punching
         self._decided, self._decide = mp.Pipe(duplex=False)
         super().__init__(*args, check_if_identity_free=False, **kwargs)  # preflight.py asks instead
 
@@ -77,6 +80,7 @@ class SwarmDHT(hivemind.DHT):
             self.setting, self.host, answers.dialback_asked, answers.dialback, mapped=bool(answers.mapped)
         )
         self.kwargs["client_mode"] = not reach.serves
+        self.kwargs.update(nat_options(self.hole_punching, reach.serves, self.initial_peers or ()))
         self._decide.send(reach)
         super().run()
 
@@ -196,11 +200,8 @@ def start_dht(
                 announce_maddrs=announce or None,
                 identity_path=str(identity_path) if identity_path else None,
                 record_validators=list(validators),
-                # UPnP/NAT-PMP probing, AutoNAT and relays reach out to the LAN: only when asked for.
-                nat_port_map=cfg.upnp,
-                auto_nat=cfg.hole_punching,
-                use_relay=cfg.hole_punching,
-                use_auto_relay=cfg.hole_punching,
+                nat_port_map=cfg.upnp,  # UPnP/NAT-PMP probe the LAN: only when asked for
+                hole_punching=cfg.hole_punching,
                 startup_timeout=cfg.join_timeout_s,
                 timeout_s=cfg.join_timeout_s,
                 preflight=_preflight(cfg, identity_path, initial_peers, host[0] if dialback_wanted else "", port),
@@ -214,6 +215,30 @@ def start_dht(
     if dht.reachability.serves:
         dht.run_coroutine(_serve_dialback)
     return dht
+
+
+def nat_options(hole_punching: bool, serves: bool, entry_nodes: Sequence[Any]) -> dict[str, Any]:
+    """p2pd's NAT features for a node of this tier. Off unless swarm.hole_punching: AutoNAT and
+    relays reach out to other nodes unasked. With it (go-libp2p's relay, then DCUtR hole punch;
+    docs/design.md, "Hole punching"):
+    - a public node is a relay for private ones and answers AutoNAT. Its reachability is forced
+      public: go-libp2p starts the relay service only once it believes so.
+    - a private node reserves a slot at its entry nodes (static relays, no discovery:
+      processes._static_relays_only), so that others reach it through them and punch a direct
+      connection. Its p2pd's own DHT is a client's: as a server, a DHT query could connect two homes
+      through a relay before the hole-punch handler is up, and DCUtR would never retry."""
+    if not hole_punching:
+        return {"auto_nat": False, "use_relay": False, "use_auto_relay": False}
+    if serves:
+        return {"auto_nat": True, "use_relay": True, "use_auto_relay": False, "force_reachability": "public"}
+    return {
+        "auto_nat": True,  # p2pd starts its hole-punch service with AutoNAT, or never
+        "use_relay": True,
+        "use_auto_relay": True,
+        "force_reachability": "private",
+        "dht_mode": "client",
+        "trusted_relays": list(entry_nodes),
+    }
 
 
 def ask_reachability(cfg: SwarmSection, initial_peers: Sequence[str]) -> Reachability:

@@ -274,6 +274,20 @@ def _p2pd_in_its_own_session() -> None:
     asyncio.subprocess.create_subprocess_exec = create  # type: ignore[assignment]
 
 
+def _static_relays_only() -> None:
+    """A node that looks for relays (autoRelay: a private one, under swarm.hole_punching) takes its
+    entry nodes as its relays (trustedRelays) and reserves a slot at once: p2pd's relay discovery
+    would wait out go-libp2p's 3-minute boot delay first, and hivemind never passes the flag."""
+    make = P2P._make_process_args
+
+    def args(*positional: Any, **flags: Any) -> list[str]:
+        if flags.get("autoRelay"):
+            flags["relayDiscovery"] = False
+        return make(*positional, **flags)
+
+    P2P._make_process_args = staticmethod(args)  # type: ignore[method-assign]
+
+
 def _sockets_in_the_tempdir() -> None:
     """hivemind puts p2pd's two Unix sockets in /tmp, whatever TMPDIR says, and a SIGKILLed peer
     leaves them there. Put them where the process's other temporary files go (TMPDIR, as Python's
@@ -293,4 +307,5 @@ def _kill_leftovers() -> None:
 
 atexit.register(_kill_leftovers)
 _p2pd_in_its_own_session()
+_static_relays_only()
 _sockets_in_the_tempdir()
