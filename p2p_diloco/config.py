@@ -160,7 +160,10 @@ class SwarmSection:
     )
     upnp: bool = local(False, "ask the home router for a port mapping (UPnP/NAT-PMP; it probes the LAN)")
     hole_punching: bool = local(
-        False, "AutoNAT, relays at the entry nodes and hole punching (libp2p; experimental, not yet measured)"
+        False,
+        "libp2p hole punching: public nodes relay, private ones reserve a slot at their entry nodes, "
+        "through which another node punches a direct connection (cone NAT, 4+ public nodes; "
+        "a punched peer still never reduces: docs/design.md)",
     )
     compression: codecs.CodecName = shared(
         codecs.DEFAULT,
