@@ -4,7 +4,9 @@
     python bench/homeswarm.py [--homes cone,cone] [--rounds 10] [--set key=value ...]
 
 A kind of home is cone, symmetric or double; `+upnp` gives its router UPnP (miniupnpd), e.g.
-`--homes cone+upnp,symmetric --set swarm.upnp=true`.
+`--homes cone+upnp,symmetric --set swarm.upnp=true`; `+drop` a router that drops what nobody asked
+for. Hole punching between homes, with four entry nodes as relays and no public peer:
+`--homes cone+drop,cone+drop --entry-nodes 4 --no-public-peer --set swarm.hole_punching=true`.
 
 Reports, per peer and round, the size of the group its round was averaged in, how many all-reduce
 attempts failed (and what the log said), whether every peer holds the same digest every round, and
@@ -39,29 +41,40 @@ FAILED_TRY = re.compile(r"attempt \d of \d\)?; retrying|all-reduce failed|a send
 
 
 def run(
-    homes: list[Home], rounds: int, settings: dict[str, str], folder: Path, restart: tuple[int, int] | None
+    homes: list[Home],
+    rounds: int,
+    settings: dict[str, str],
+    folder: Path,
+    restart: tuple[int, int] | None,
+    entry_nodes: int = 1,
+    public_peer: bool = True,
 ) -> dict:
     """One scenario: returns what each peer's records and log say. `restart`: (home, round): that
-    home's router restarts (HomeNet.restart_router) once its peer recorded the round."""
+    home's router restarts (HomeNet.restart_router) once its peer recorded the round. `entry_nodes`
+    bootstrap nodes on the internet (hosts 0 …), then a public peer unless not `public_peer`."""
     overrides = {**TINY, "run.rounds": str(rounds), "run.run_id": "homeswarm", **settings}
-    with HomeNet(public=2, homes=homes) as net:
-        swarm = NetSwarm(net, folder, overrides, bootstrap_host=0)
-        peers = [1, *(net.home_host(j) for j in range(len(homes)))]
+    with HomeNet(public=entry_nodes + public_peer, homes=homes) as net:
+        swarm = NetSwarm(net, folder, overrides, 0, tuple(range(1, entry_nodes)))
+        peers = [entry_nodes] * public_peer + [net.home_host(j) for j in range(len(homes))]
         restarted: list[float] = []
         if restart is not None:
             threading.Thread(target=_restart_at, args=(net, swarm, *restart, restarted), daemon=True).start()
+        before = [net.link_bytes(h) for h in range(entry_nodes)]
         wall_s = swarm.run_peers(peers, timeout_s=60 * rounds + 300)
+        entry_bytes = sum(sum(net.link_bytes(h)) - sum(b) for h, b in enumerate(before))
         records = {host: swarm.records(host) for host in peers}
         logs = {host: (folder / f"peer{host}.log").read_text() for host in peers}
-    names = {
-        1: "public",
-        **{net.home_host(j): f"home{j}-{h.nat}{'+upnp' if h.upnp else ''}" for j, h in enumerate(homes)},
-    }
+    names = {entry_nodes: "public", **{net.home_host(j): f"home{j}-{_kind(h)}" for j, h in enumerate(homes)}}
     digests_agree = all(len({records[h][r]["digest"] for h in peers}) == 1 for r in range(1, rounds + 1))
+    allreduce = sum(r.get("bytes_sent", 0) + r.get("bytes_received", 0) for h in peers for r in records[h].values())
     return {
         "wall_s": round(wall_s, 1),
         "router_restarted": {"home": restart[0], "after_round": restart[1]} if restarted else None,
         "digests_agree": digests_agree,
+        # Everything the entry nodes' links carried (DHT, relayed signalling, dial-backs): an upper
+        # bound on what crossed a relay, beside what the peers counted of their all-reduces.
+        "entry_node_link_bytes": entry_bytes,
+        "allreduce_bytes": allreduce,
         "peers": {
             names[h]: {
                 "tier": next(
@@ -80,6 +93,10 @@ def run(
             for h in peers
         },
     }
+
+
+def _kind(home: Home) -> str:
+    return home.nat + "+upnp" * home.upnp + "+drop" * (home.unsolicited == "drop")
 
 
 def _restart_at(net: HomeNet, swarm: NetSwarm, home: int, round_: int, restarted: list[float]) -> None:
@@ -101,20 +118,31 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="a config override key=value (repeat)")
     parser.add_argument("--restart-router", metavar="HOME@ROUND", help="restart home HOME's router after ROUND")
     parser.add_argument("--folder", type=Path, help="keep the peers' logs and run dirs here (default: a temporary one)")
+    parser.add_argument("--entry-nodes", type=int, default=1, help="bootstrap nodes on the internet (relays)")
+    parser.add_argument("--no-public-peer", action="store_true", help="only the homes train")
     args = parser.parse_args()
-    homes = [Home(kind.removesuffix("+upnp"), upnp=kind.endswith("+upnp")) for kind in args.homes.split(",")]
+    homes = [_home(kind) for kind in args.homes.split(",")]
     settings = dict(s.split("=", 1) for s in args.set)
     restart = tuple(map(int, args.restart_router.split("@"))) if args.restart_router else None
+    shape = {"entry_nodes": args.entry_nodes, "public_peer": not args.no_public_peer}
     if args.folder is not None:
-        result = run(homes, args.rounds, settings, args.folder, restart)
+        result = run(homes, args.rounds, settings, args.folder, restart, **shape)
     else:
         with tempfile.TemporaryDirectory(prefix="homeswarm-") as folder:
-            result = run(homes, args.rounds, settings, Path(folder), restart)
+            result = run(homes, args.rounds, settings, Path(folder), restart, **shape)
     key = f"{args.homes} {' '.join(args.set)}".strip() + (f" restart {args.restart_router}" if restart else "")
+    key += f" entry-nodes {args.entry_nodes}" * (args.entry_nodes != 1) + " no-public-peer" * args.no_public_peer
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results[key] = {**result, "rounds": args.rounds, "machine": platform.machine(), "when": time.strftime("%Y-%m-%d")}
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")
     print(json.dumps(results[key], indent=1))
+
+
+def _home(kind: str) -> Home:
+    """`cone`, `symmetric` or `double`, with `+upnp` (a UPnP router) and `+drop` (a router that
+    drops what nobody asked for: hole punching needs it) as they apply."""
+    nat, *extras = kind.split("+")
+    return Home(nat, upnp="upnp" in extras, unsolicited="drop" if "drop" in extras else "reset")  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

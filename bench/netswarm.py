@@ -31,14 +31,20 @@ CLI = [sys.executable, "-m", "p2p_diloco.cli"]
 
 
 class NetSwarm:
-    def __init__(self, lab: NetLab, folder: Path, overrides: dict[str, str], bootstrap_host: int):
+    def __init__(
+        self, lab: NetLab, folder: Path, overrides: dict[str, str], bootstrap_host: int, more_entry_hosts: tuple = ()
+    ):
+        """A bootstrap node on `bootstrap_host`, and one more on each of `more_entry_hosts` (joined
+        through the first): every peer gets them all as its initial peers (`entries`)."""
         self.lab, self.folder = lab, Path(folder)
         self.folder.mkdir(parents=True, exist_ok=True)
         self.run_toml = self.folder / "run.toml"
         config.save(config.load(None, {"log.progress": "false", **overrides}), self.run_toml)
         self.maddr = self._bootstrap(bootstrap_host)
+        self.entries = [self.maddr] + [self._bootstrap(host, self.maddr) for host in more_entry_hosts]
 
-    def _bootstrap(self, host: int) -> str:
+    def _bootstrap(self, host: int, entry: str = "") -> str:
+        name = "bootstrap" if not entry else f"bootstrap{host}"
         proc = self.lab.popen(
             host,
             [
@@ -49,12 +55,13 @@ class NetSwarm:
                 "--port",
                 "0",
                 "--identity",
-                str(self.folder / "bootstrap.key"),
+                str(self.folder / f"{name}.key"),
                 "--config",
                 str(self.run_toml),
+                *(["--initial-peers", entry] if entry else []),
             ],
             stdout=subprocess.PIPE,
-            stderr=open(self.folder / "bootstrap.log", "w"),
+            stderr=open(self.folder / f"{name}.log", "w"),
             text=True,
             env=ENV,
             cwd=ROOT,
@@ -82,7 +89,7 @@ class NetSwarm:
                 f"--run.dir={self.peer_dir(host)}",
                 f"--swarm.host={self.lab.hosts[host].ip}",
                 "--initial-peers",
-                self.maddr,
+                *self.entries,
             ]
             log = open(self.folder / f"peer{host}.log", "w")
             procs.append(self.lab.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT))

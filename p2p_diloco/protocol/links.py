@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import math
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import TypeGuard
 
 CLAIM_CAP = 4.0  # no peer's figure counts for more than this many times the group's lower median
@@ -139,6 +139,21 @@ def fair_bandwidths(claims: Sequence[object]) -> list[float | None]:
 
 def _is_number(x: object) -> TypeGuard[int | float]:
     return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+
+def reachable_reducers(
+    members: Sequence[str], reduces: Sequence[bool], serves: Sequence[bool], direct: Sequence[Collection[str]]
+) -> list[bool]:
+    """Which members may reduce a span of the group's vector: one whose averager reduces (not a
+    client) and to which every other member can send its parts directly. That is a member that
+    serves (others can dial it: a public peer), or one every other member holds a direct connection
+    to (`direct[j]`: whom member j showed it is connected to, punched through NAT;
+    swarm/transport/punch.py). A relay never carries a part. Every member computes the same from
+    the same all-gather; a member that lies about its connections fails its own part's span."""
+    return [
+        bool(r) and (bool(s) or all(m in d for j, d in enumerate(direct) if j != i))
+        for i, (m, r, s) in enumerate(zip(members, reduces, serves))
+    ]
 
 
 def cap_shares(fractions: Sequence[float], eligible: Sequence[bool], max_share: float) -> list[float]:

@@ -96,11 +96,19 @@ def decide(setting: Setting, host: str, asked: bool, answers: Sequence[DialBack]
     return Reachability("private", f"the dial-back failed ({first.failure})", first.seen, first.port)
 
 
-def line(reach: Reachability) -> str:
-    """The one line a volunteer reads at start: the tier, what it means, and the fix if private."""
+def line(reach: Reachability, hole_punching: bool = False) -> str:
+    """The one line a volunteer reads at start: the tier, what it means, and the fix if private.
+    `hole_punching` (swarm.hole_punching): a private peer then also punches to other private ones."""
     where = f" at {reach.seen} port {reach.port}" if reach.seen else ""
     if reach.serves:
         return f"reachability: public{where}: {reach.how}; this peer reduces and serves its state"
+    if hole_punching:
+        return (
+            f"reachability: private, hole punching{where}: {reach.how}; this peer punches direct connections "
+            f"to other private peers through its entry nodes' relays (cone NAT only), and reduces for a group "
+            f"only if every other member holds one to it; it serves no state. To be public: forward a TCP port "
+            f"on your router to this machine and set swarm.port to it, or turn on swarm.upnp"
+        )
     return (
         f"reachability: private{where}: {reach.how}; this peer sends its parts and receives the average "
         f"through public peers, but reduces and serves nothing. To be public: forward a TCP port on your "

@@ -43,6 +43,7 @@ from p2p_diloco.swarm.averaging.allreduce import WireCodec
 from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 from p2p_diloco.swarm.averaging.step import AveragingStep
 from p2p_diloco.swarm.heartbeat import Entries, Heartbeat
+from p2p_diloco.swarm.punching import Punching
 from p2p_diloco.swarm.run_identity import RunIdentity
 from p2p_diloco.swarm.transport import entry
 from p2p_diloco.swarm.transport.identity import load_identity, make_validator, peer_id_of, public_key_bytes
@@ -93,7 +94,7 @@ class HivemindSwarm:
         sc = config.swarm
         self.peer_id = str(self.dht.peer_id)
         self.reachability = self.dht.reachability
-        logger.info(reachability.line(self.reachability))
+        logger.info(reachability.line(self.reachability, sc.hole_punching))
         self.download = deadlines.state_download(numel + exact_numel, sc.join_timeout_s, sc.min_download_mbps)
         self.buffer = torch.zeros(numel, dtype=torch.float32)
         self.exact_buffer = torch.zeros(exact_numel, dtype=torch.float32) if exact_numel else None
@@ -103,6 +104,8 @@ class HivemindSwarm:
         self.residual = torch.zeros(numel, dtype=torch.float32).share_memory_() if lossy else None
         self.gate.attach(self.run_dht)
         self.run = RunIdentity(config, self.run_dht, self.gate, self.peer_id)
+        # A private peer under hole punching reduces for the members it holds direct connections to.
+        self.punching = Punching(self.run_dht, list(sc.initial_peers)) if sc.hole_punching and not self.serves else None
         entries = Entries(self.dht, list(sc.initial_peers), identity)
         self.heartbeat = Heartbeat(self.run_dht, self.peer_id, self.gate, entries)
         self._started.insert(0, self.heartbeat)
@@ -111,7 +114,9 @@ class HivemindSwarm:
         self.heartbeat.convictions.verify = self.averager.verify_accusation
         payload_bytes = codecs.get(sc.compression).encoded_size(numel) + 4 * exact_numel
         shown = {**self.gate.gather(), "key": public_key_bytes(self._signer)}  # in the group's all-gather
-        self.step = AveragingStep(self.averager, sc, self.peer_id, self.residual, payload_bytes, shown)
+        self.step = AveragingStep(
+            self.averager, sc, self.peer_id, self.residual, payload_bytes, shown, self._shown_reach
+        )
         self.heartbeat.start()
 
     def _start_averager(self, state_provider: Callable[[], ServedState]) -> DiLoCoAverager:
@@ -136,7 +141,8 @@ class HivemindSwarm:
             next_chunk_timeout=sc.averaging_timeout_s / 4,
             compression=WireCodec(sc.compression),
             part_size_bytes=PART_SIZE_BYTES,
-            client_mode=not self.serves,
+            client_mode=not self.serves and self.punching is None,
+            leads_only_direct=self.punching is not None,
             declare_state_period=60,
             state_provider=state_provider,
             signer=self._signer,
@@ -254,6 +260,8 @@ class HivemindSwarm:
 
         def beating() -> bool:
             serving = {p for p, r in self.peers().items() if r.serves and p != self.peer_id}
+            if self.punching is not None:  # or a private peer it holds a direct connection to
+                serving |= self.punching.reach(self._private_peers())
             return reachability.beaten_since(serving - self.stale_peers(), before, self.heartbeat.beats())
 
         timeout = self.config.swarm.join_timeout_s
@@ -285,6 +293,8 @@ class HivemindSwarm:
         """
         self.gate.check_self()
         self.averager.set_revoked(self.gate.revoked)
+        if self.punching is not None:
+            self.punching.reach(self._private_peers())
         try:
             return self.step.run(
                 delta, weight, round_, retry, expected_group, exact, partial(self.wait_for_round, round_ + 1, 0.0)
@@ -294,6 +304,17 @@ class HivemindSwarm:
             # before anything else reads the swarm's records, theirs count no more.
             self.gate.convict(self.step.convicted())
             raise
+
+    def _private_peers(self) -> set[str]:
+        """The live private peers of the run, this one aside."""
+        private = {p for p, r in self.peers().items() if not r.serves and p != self.peer_id}
+        return private - self.stale_peers()
+
+    def _shown_reach(self) -> dict[str, Any]:
+        """What this peer shows its group of how it is reached (links.reachable_reducers)."""
+        if self.punching is None:
+            return {"serves": self.serves}
+        return self.punching.shown(self.punching.direct())
 
     def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
         """(metadata, [θ, momentum]) of round `round_` from one of `from_peers`, checked by `verify`

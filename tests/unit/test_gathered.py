@@ -15,7 +15,7 @@ from hivemind.utils.serializer import MSGPackSerializer
 from hypothesis import given
 from hypothesis import strategies as st
 
-from p2p_diloco.swarm.averaging.gathered import Entry, Gathering, fair, parse_entry
+from p2p_diloco.swarm.averaging.gathered import Entry, Gathering, fair, parse_entry, reducers
 from p2p_diloco.swarm.transport.identity import owner_peer_id, public_key_bytes
 from p2p_diloco.trust.wire import WireError
 from tests.unit.test_untrusted_records import FUZZ, HOSTILE, hostile_like
@@ -65,6 +65,9 @@ def test_an_honest_entry_reads_back_whole():
         (entry_bytes(0, user_data=user(0, seen={PEERS[1]: float("inf")})), "'seen'"),
         (entry_bytes(0, user_data=user(0, key="a string")), "'key'"),
         (entry_bytes(0, user_data=user(0, cert=b"bytes")), "'cert'"),
+        (entry_bytes(0, user_data=user(0, serves=1)), "'serves'"),
+        (entry_bytes(0, user_data=user(0, direct=["not base58!"])), "'direct'"),
+        (entry_bytes(0, user_data=user(0, direct=[0] * 4097)), "'direct'"),  # more than MAX_SEEN
         (b"\x00" * 70_000, "at most"),
     ],
 )
@@ -161,3 +164,32 @@ def test_fair_replaces_only_the_bandwidths_and_keeps_every_other_byte():
     # 1e6 * (i + 1)): min(5e6, 1e6), min(1e6, 2e6), min(1e9, 3e6) = 1e6, 1e6, 3e6, each under
     # links.CLAIM_CAP (4) x their lower median (1e6).
     assert [a[0] for a in after] == [1e6, 1e6, 3e6]
+
+
+def test_a_private_member_reduces_only_when_every_other_member_holds_a_direct_connection_to_it():
+    # Peer 0 public; peers 1 and 2 private under hole punching (nodes, not clients): 1 punched to
+    # both others, 2 to peer 1 only. Every member sends parts to each reducer: 2 would need peer 0
+    # to reach it, and peer 0 holds no connection to it.
+    shown = [
+        user(0, serves=True),
+        user(1, serves=False, direct=[PEERS[0], PEERS[2]]),
+        user(2, serves=False, direct=[PEERS[1]]),
+    ]
+    shown[0]["direct"] = [PEERS[1]]  # what peer 0 shows of itself (a public one needs nothing)
+    group = GroupInfo(b"g5", tuple(PEERS), tuple(entry_bytes(i, 2e6, 0, shown[i]) for i in range(3)))
+    entries = Member(PEERS[0], {}).entries(group)
+    assert [e.serves for e in entries] == [True, False, False]
+    assert entries[1].direct == frozenset({PEERS[0], PEERS[2]})
+    assert reducers(group, entries) == [True, True, False]
+    after = [MSGPackSerializer.loads(d)[0] for d in fair(group, entries, MSGPackSerializer).gathered]
+    assert after[2] == 0.0 and after[0] > 0 and after[1] > 0
+    # A group of private members that do not all reach one another: nothing is sent.
+    alone = [user(i, serves=False, direct=[]) for i in range(3)]
+    group = GroupInfo(b"g6", tuple(PEERS), tuple(entry_bytes(i, 2e6, 0, alone[i]) for i in range(3)))
+    with pytest.raises(AllreduceException, match="no member of the group can be reached directly"):
+        fair(group, Member(PEERS[0], {}).entries(group), MSGPackSerializer)
+    # A client never reduces, whatever it shows; an entry from before these fields is a public node's.
+    assert parse_entry(entry_bytes(0, 2e6, 0, user(0)), MSGPackSerializer.loads).serves is True
+    client = [user(0, serves=True), user(1, serves=True)]
+    group = GroupInfo(b"g7", tuple(PEERS[:2]), (entry_bytes(0, 2e6, 0, client[0]), entry_bytes(1, 2e6, 1, client[1])))
+    assert reducers(group, Member(PEERS[0], {}).entries(group)) == [True, False]

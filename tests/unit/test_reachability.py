@@ -56,6 +56,11 @@ def test_the_tier_line_names_the_address_and_for_a_private_peer_the_fix():
         f"this peer reduces and serves its state"
     )
     assert "\n" not in private and "\n" not in public
+    refused = [DialBack(HELPER, "11.0.0.100", 4000, "connection refused")]
+    punching = line(decide("auto", "0.0.0.0", True, refused), hole_punching=True)
+    assert punching.startswith("reachability: private, hole punching at 11.0.0.100 port 4000:")
+    assert "reduces for a group only if every other member holds one to it" in punching
+    assert line(decide("auto", "0.0.0.0", True, [DialBack(HELPER, "11.0.0.103", 4000)]), True) == public
 
 
 def test_the_old_settings_name_their_replacements():

@@ -48,10 +48,11 @@ from p2p_diloco.protocol.deadlines import state_bytes
 from p2p_diloco.swarm.averaging.allreduce import LOSSY_TENSOR, AllreduceStats, ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.auditor import Auditor
 from p2p_diloco.swarm.averaging.evidence import EvidenceDesk
-from p2p_diloco.swarm.averaging.gathered import Entry, Gathering, LedMatchmaking, fair
+from p2p_diloco.swarm.averaging.gathered import Entry, Gathering, LedMatchmaking, fair, reducers
 from p2p_diloco.swarm.averaging.ledger import Ledger
 from p2p_diloco.swarm.averaging.probes import LinkProber
 from p2p_diloco.swarm.averaging.served import read_served_state
+from p2p_diloco.swarm.transport import punch
 from p2p_diloco.swarm.transport.processes import quiet_fork, wait_result, wait_started
 from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.doors import Doors
@@ -232,6 +233,7 @@ class DiLoCoAverager(BoundedAverager):
         admission: tuple[str, str] | None = None,
         aggregation: tuple[robust.Aggregator, float, float] = ("mean", 1.0, 2.0),
         max_reduce_share: float = 1.0,
+        leads_only_direct: bool = False,
         **kwargs: Any,
     ):
         """`start`: as hivemind's, once the parts below exist (the averager process forks with them).
@@ -239,8 +241,10 @@ class DiLoCoAverager(BoundedAverager):
         successful all-reduce it holds what the codec lost of this peer's part (error feedback).
         `admission`: (run id, organiser key) of a certified run: its doors (swarm/trust/doors.py) refuse peers
         that are not admitted at matchmaking, in the all-gather, at state downloads and probes.
-        `signer`: this peer's identity key; it signs every part and average (ledger.py)."""
-        self._state_provider = state_provider
+        `signer`: this peer's identity key; it signs every part and average (ledger.py).
+        `leads_only_direct`: as a leader, admit only peers this one holds a direct connection to (a
+        private peer under hole punching: swarm/punching.py; nobody else could send it parts)."""
+        self._state_provider, self._leads_only_direct = state_provider, leads_only_direct
         self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
         super().__init__(*args, start=False, **kwargs)
         self.prober = LinkProber(self._stub, self.may_enter)
@@ -313,6 +317,9 @@ class DiLoCoAverager(BoundedAverager):
         checks refuse (`Gathering.refusal`)."""
         if self.gathering.refusal(context.remote_id, request.gather) is not None:
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
+            return
+        if self._leads_only_direct and str(context.remote_id) not in await punch.direct_peers(self._p2p):
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
         async for response in super().rpc_join_group(request, context):
             yield response
@@ -474,7 +481,7 @@ class Reduction:
         """The group's runner (hivemind's runner arguments in `kwargs`), each span capped at
         `max_share` of the vector; kept for the audits of its reducers' spans (auditor.py)."""
         entries = self._gathering.entries(group_info)  # parsed before, in `admitted`
-        reduces = [e.mode != AveragingMode.CLIENT for e in entries]
+        reduces = reducers(group_info, entries)
         kwargs["peer_fractions"] = tuple(links.cap_shares(kwargs["peer_fractions"], reduces, self._max_share))
         vector = kwargs["compression"].encoded_bytes(tensors)
         kwargs["part_size_bytes"] = links.part_bytes(vector, sum(reduces), kwargs["part_size_bytes"])

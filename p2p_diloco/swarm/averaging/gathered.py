@@ -50,6 +50,8 @@ class Entry:
     seen: Mapping[str, float]  # what it measured of other members' probes
     key: bytes  # its identity key, checked against its peer id by `identity.key_of`
     cert: str | None  # its certificate, in certified runs
+    serves: bool = True  # others can dial it (a peer from before this field: a reducer was public)
+    direct: frozenset[str] = frozenset()  # the peers it holds a direct connection to (hole punching)
 
 
 def parse_entry(data: object, loads: Callable[[bytes], Any]) -> Entry:
@@ -63,7 +65,8 @@ def parse_entry(data: object, loads: Callable[[bytes], Any]) -> Entry:
     seen = wire.field(user, "seen", _seen, {})
     key = wire.field(user, "key", _bytes)
     cert = wire.field(user, "cert", lambda v: wire.text(v, MAX_CERT), None)
-    return Entry(bandwidth, mode, wire.field(user, "round", wire.integer), seen, key, cert)
+    serves, direct = wire.field(user, "serves", wire.flag, True), wire.field(user, "direct", _peers, frozenset())
+    return Entry(bandwidth, mode, wire.field(user, "round", wire.integer), seen, key, cert, serves, direct)
 
 
 def _unpacked(data: object, loads: Callable[[bytes], Any]) -> Any:
@@ -82,22 +85,40 @@ def _seen(value: Any) -> dict[str, float]:
     return {wire.peer_id(peer): wire.real(rate, 0.0) for peer, rate in seen.items()}
 
 
+def _peers(value: Any) -> frozenset[str]:
+    if not isinstance(value, list | tuple) or len(value) > MAX_SEEN:
+        raise WireError(f"not a list of at most {MAX_SEEN} peer ids")
+    return frozenset(wire.peer_id(peer) for peer in value)
+
+
 def _bytes(value: Any) -> bytes:
     if not isinstance(value, bytes) or len(value) > MAX_KEY:
         raise WireError(f"not bytes of at most {MAX_KEY}")
     return value
 
 
+def reducers(group_info: GroupInfo, entries: Sequence[Entry]) -> list[bool]:
+    """Which members reduce a span: links.reachable_reducers of what their entries show."""
+    members = [str(p) for p in group_info.peer_ids]
+    reduces = [e.mode != AveragingMode.CLIENT for e in entries]
+    return links.reachable_reducers(members, reduces, [e.serves for e in entries], [e.direct for e in entries])
+
+
 def fair(group_info: GroupInfo, entries: Sequence[Entry], serializer: Any) -> GroupInfo:
     """The group with every member's bandwidth claim counted only up to what the other members
     measured of its probes (links.vouched_bandwidths) and capped (links.fair_bandwidths), so that no
-    peer can claim its way to reducing the whole vector. Each member computes the same figures
-    from the same gathered bytes (`entries`: parsed from them)."""
+    peer can claim its way to reducing the whole vector, and 0 for a member that may not reduce
+    (`reducers`: not every other member reaches it directly). Each member computes the same figures
+    from the same gathered bytes (`entries`: parsed from them). AllreduceException, before a part is
+    sent, if no member may reduce."""
     members = [str(p) for p in group_info.peer_ids]
+    may_reduce = reducers(group_info, entries)
+    if not any(may_reduce):
+        raise AllreduceException("no member of the group can be reached directly by all the others: nothing averaged")
     vouched = links.vouched_bandwidths(members, [e.bandwidth for e in entries], [dict(e.seen) for e in entries])
     gathered = tuple(
-        serializer.dumps([figure, *serializer.loads(data)[1:]])
-        for figure, data in zip(links.fair_bandwidths(vouched), group_info.gathered)
+        serializer.dumps([figure if reduces else 0.0, *serializer.loads(data)[1:]])
+        for figure, reduces, data in zip(links.fair_bandwidths(vouched), may_reduce, group_info.gathered)
     )
     return GroupInfo(group_info.group_id, group_info.peer_ids, gathered)
 

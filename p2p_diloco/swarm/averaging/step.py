@@ -71,10 +71,12 @@ class AveragingStep:
         residual: torch.Tensor | None,
         payload_bytes: int,
         credentials: dict[str, Any],
+        reach: Callable[[], dict[str, Any]] = dict,
     ):
-        """`credentials`: what this peer shows the group in the all-gather (its certificate, if any)."""
+        """`credentials`: what this peer shows the group in the all-gather (its certificate, if any);
+        `reach()`: what it shows of whom it can be reached by, read at each step (gathered.Entry)."""
         self.averager, self.sc, self.peer_id, self.residual = averager, sc, peer_id, residual
-        self._credentials = credentials
+        self._credentials, self._reach = credentials, reach
         self._payload_bytes = payload_bytes
         self._probed_round: int | None = None  # the round after whose all-reduce this peer last probed
         self.probes: Any = None  # the latest probe sweep (an MPFuture of {peer: rate}); benchmarks wait on it
@@ -102,7 +104,10 @@ class AveragingStep:
         self.averager.bandwidth = link_bps  # announced in the group's all-gather; None = no claim
         try:
             control = self.averager.start_step(
-                float(weight), timeout, {"round": round_, "seen": seen, **self._credentials}, init_timeout=STEP_MARGIN_S
+                float(weight),
+                timeout,
+                {"round": round_, "seen": seen, **self._credentials, **self._reach()},
+                init_timeout=STEP_MARGIN_S,
             )
         except TimeoutError as e:
             self.check_averager()

@@ -98,7 +98,12 @@ async def _direct_within(p2p: P2P, peer: str, seconds: float) -> bool:
 def punch_all(dht: Any, peers: Sequence[str], relays: Sequence[Multiaddr | str], timeout_s: float) -> dict:
     """`punch` to each of `peers` at once, from the peer's process: run in `dht`'s process, whose
     p2pd holds the connections (the averager's replica uses the same daemon)."""
-    return dht.run_coroutine(functools.partial(_punch_all, list(peers), [str(r) for r in relays], timeout_s))
+    return dht.run_coroutine(punch_job(peers, relays, timeout_s))
+
+
+def punch_job(peers: Sequence[str], relays: Sequence[Multiaddr | str], timeout_s: float) -> Any:
+    """`punch` to each of `peers` at once, as a job for `dht.run_coroutine`: {peer: seconds or None}."""
+    return functools.partial(_punch_all, list(peers), [str(r) for r in relays], timeout_s)
 
 
 async def _punch_all(peers: list[str], relays: list[str], timeout_s: float, _dht: Any, node: Any) -> dict:
