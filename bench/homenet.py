@@ -30,6 +30,7 @@ namespace it made on close, also when the code inside it fails.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -90,6 +91,19 @@ class HomeNet(NetLab):
         tracking table, every NAT mapping in it, is gone (the carrier's, for a double NAT, stays)."""
         _run("ip", "netns", "exec", f"{self.prefix}r{j}", "conntrack", "-F")
 
+    def flows(self, j: int) -> dict[str, int]:
+        """Bytes (both ways) of the connections through home `j`'s router so far, by the address
+        outside it they went to, as its connection tracking counted them (`conntrack`; a flushed
+        table, a restart, forgets them)."""
+        router = f"{self.prefix}r{j}"
+        out = subprocess.run(["ip", "netns", "exec", router, "conntrack", "-L"], capture_output=True, text=True).stdout
+        counted: dict[str, int] = {}
+        for line in out.splitlines():
+            peer = re.search(r"dst=(\S+)", line)
+            if peer is not None:
+                counted[peer.group(1)] = counted.get(peer.group(1), 0) + sum(map(int, re.findall(r"bytes=(\d+)", line)))
+        return counted
+
     def take_offline(self, j: int) -> None:
         """Home `j`'s host loses its default route, as a machine whose network is not up: nothing
         outside its home has a route from it."""
@@ -139,6 +153,7 @@ class HomeNet(NetLab):
         _ip(host.netns, "route", "add", "default", "via", f"{lan}.1")
         random = " random,fully-random" if home.nat == "symmetric" else ""
         _route_and_nat(router, "lan0", random, home.forward, host.ip, home.unsolicited)
+        _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.netfilter.nf_conntrack_acct=1")  # for `flows`
         if home.upnp:
             self._start_upnp(j, router)
 

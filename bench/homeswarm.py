@@ -24,8 +24,12 @@ import threading
 import time
 from pathlib import Path
 
-from homenet import Home, HomeNet
-from netswarm import NetSwarm
+if __package__:  # imported as bench.homeswarm (the tests)
+    from .homenet import Home, HomeNet
+    from .netswarm import NetSwarm
+else:  # run as a script, bench/ on sys.path
+    from homenet import Home, HomeNet
+    from netswarm import NetSwarm
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "homeswarm.json"
@@ -59,9 +63,8 @@ def run(
         restarted: list[float] = []
         if restart is not None:
             threading.Thread(target=_restart_at, args=(net, swarm, *restart, restarted), daemon=True).start()
-        before = [net.link_bytes(h) for h in range(entry_nodes)]
         wall_s = swarm.run_peers(peers, timeout_s=60 * rounds + 300)
-        entry_bytes = sum(sum(net.link_bytes(h)) - sum(b) for h, b in enumerate(before))
+        flows = {f"home{j}-{_kind(h)}": _by_whom(net, net.flows(j), entry_nodes) for j, h in enumerate(homes)}
         records = {host: swarm.records(host) for host in peers}
         logs = {host: (folder / f"peer{host}.log").read_text() for host in peers}
     names = {entry_nodes: "public", **{net.home_host(j): f"home{j}-{_kind(h)}" for j, h in enumerate(homes)}}
@@ -71,9 +74,11 @@ def run(
         "wall_s": round(wall_s, 1),
         "router_restarted": {"home": restart[0], "after_round": restart[1]} if restarted else None,
         "digests_agree": digests_agree,
-        # Everything the entry nodes' links carried (DHT, relayed signalling, dial-backs): an upper
-        # bound on what crossed a relay, beside what the peers counted of their all-reduces.
-        "entry_node_link_bytes": entry_bytes,
+        # What each home's router carried, by whom (connection tracking): to the other homes (a
+        # punched connection), the public peer, each entry node (DHT records, dial-backs, relayed
+        # signalling: a relayed connection rides the home's one connection to its relay), beside
+        # what the peers counted of their all-reduces (sent and received).
+        "router_flows": flows,
         "allreduce_bytes": allreduce,
         "peers": {
             names[h]: {
@@ -93,6 +98,13 @@ def run(
             for h in peers
         },
     }
+
+
+def _by_whom(net: HomeNet, flows: dict[str, int], entry_nodes: int) -> dict[str, int]:
+    names = {net.hosts[h].ip: f"entry{h}" for h in range(entry_nodes)}
+    names.update({net.hosts[entry_nodes].ip: "public"} if net.public > entry_nodes else {})
+    names.update({net.wan_ip(j): f"home{j}" for j in range(len(net.homes))})
+    return {names.get(ip, ip): n for ip, n in sorted(flows.items())}
 
 
 def _kind(home: Home) -> str:

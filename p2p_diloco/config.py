@@ -161,9 +161,9 @@ class SwarmSection:
     upnp: bool = local(False, "ask the home router for a port mapping (UPnP/NAT-PMP; it probes the LAN)")
     hole_punching: bool = local(
         False,
-        "libp2p hole punching: public nodes relay, private ones reserve a slot at their entry nodes, "
-        "through which another node punches a direct connection (cone NAT, 4+ public nodes; "
-        "a punched peer still never reduces: docs/design.md)",
+        "libp2p hole punching: public nodes relay, private ones reserve a slot at their entry nodes and "
+        "punch direct connections to each other (cone NAT, 4+ public nodes), and reduce for groups "
+        "whose every member reached them directly (docs/design.md)",
     )
     compression: codecs.CodecName = shared(
         codecs.DEFAULT,

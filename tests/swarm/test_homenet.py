@@ -157,3 +157,26 @@ def test_two_cone_nat_homes_punch_a_direct_connection_through_relays_at_their_en
     assert took < 10, f"the punch took {took:.1f} s"
     assert a.id in seen_by_b, "the punched connection is direct on both sides"
     print(f"punched in {took:.2f} s")
+
+
+@pytest.mark.scenario  # in the suite: the punch itself (test_two_cone_nat_homes_punch_*), and the spans in-process
+@pytest.mark.timeout(600)
+def test_two_homes_with_only_entry_nodes_public_average_every_round_over_their_punched_connection(tmp_path):
+    """swarm.hole_punching end to end (swarm/punching.py, links.reachable_reducers): two volunteers
+    behind cone NAT, no public peer, four bootstrap nodes as relays. Each punches to the other, and
+    they average every round in a group of two, each reducing a span for the other over the punched
+    connection; their parts never cross an entry node."""
+    from bench.homeswarm import run
+
+    rounds = 4
+    homes = [Home("cone", unsolicited="drop"), Home("cone", unsolicited="drop")]
+    result = run(homes, rounds, {"swarm.hole_punching": "true"}, tmp_path, None, entry_nodes=4, public_peer=False)
+    assert result["digests_agree"]
+    for peer in result["peers"].values():
+        assert peer["tier"].startswith("private, hole punching") and peer["group_sizes"] == [2] * rounds, peer
+    # Each home's router carried the all-reduce on the connection to the other home: at least what
+    # that home counted of it (half of the two homes' counts), and more than on any entry node's.
+    for j, flows in enumerate(result["router_flows"].values()):
+        direct = flows[f"home{1 - j}"]
+        assert direct >= result["allreduce_bytes"] / 2, flows
+        assert all(direct > n for who, n in flows.items() if who.startswith("entry")), flows
