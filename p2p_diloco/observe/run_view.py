@@ -272,7 +272,7 @@ class RunLog:
             "name": self.name(peer),
             "online": now - seen.last_seen < ONLINE_S,
             "reachable": record.serves if record is not None else None,
-            "tier": ("public" if record.serves else "private") if record is not None else None,  # reachability.Tier
+            "tier": record.tier if record is not None else None,  # public, punched or private
             "round": record.round if record is not None else None,
             "tokens_per_s": round(seen.tokens_per_s, 1),
             **self._marks(peer),

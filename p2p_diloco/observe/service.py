@@ -272,7 +272,7 @@ def status_lines(view: dict[str, Any], peer: str | None = None) -> list[str]:
         f"run {run['run_id']!r} (config {run['fingerprint']}): round {run['round']} of {run['rounds_total']}"
         + (", finished" if run["finished"] else ""),
         f"peers online: {len(online)} ({sum(1 for p in online if p['tier'] == 'private')} private: behind NAT, "
-        f"clients)",
+        f"clients; {sum(1 for p in online if p['tier'] == 'punched')} punched: behind NAT, hole punching)",
     ]
     if last is not None:
         agree = "every peer agrees" if last["all_agree"] else "peers DISAGREE"

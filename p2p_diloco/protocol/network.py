@@ -225,6 +225,7 @@ class RoundRecord:
     group: tuple[str, ...] = ()  # the peers whose average made this state (observers credit work by it)
     outcome: str = ""  # how the round went: one of OUTCOMES ("" from a peer that does not say)
     history: tuple[PastRound, ...] = ()  # its final records of its latest past rounds, newest first
+    punches: bool = False  # a private peer under swarm.hole_punching: it reduces for members that reached it
 
     @classmethod
     def parse(cls, value: Any) -> RoundRecord | None:
@@ -249,7 +250,13 @@ class RoundRecord:
             wire.field(record, "group", group_list, ()),
             wire.field(record, "outcome", outcome_word, ""),
             parse_history(record.get("history"), round_),
+            punches=wire.field(record, "punches", wire.flag, False),
         )
+
+    @property
+    def tier(self) -> str:
+        """public, punched (private, under hole punching) or private: protocol/reachability.py."""
+        return "public" if self.serves else "punched" if self.punches else "private"
 
 
 def address_list(value: Any) -> tuple[str, ...]:

@@ -10,7 +10,10 @@ loopback, or that has no entry node to ask (the first node of a swarm), is publi
 Tiers:
 - **public**: others dial it; it reduces a span of the group's vector and serves its state;
 - **private**: it dials out only; it sends its parts to the group's reducers and receives the
-  average (hivemind's client mode), and never reduces or serves.
+  average (hivemind's client mode), and never reduces or serves;
+- **punched** (a private peer under swarm.hole_punching, in its round records and the observer's
+  view): it also punches direct connections to other private peers, and reduces a span for a
+  group whose every other member holds one to it (swarm/punching.py); it serves no state.
 
 Everything here is pure: the dial-back's I/O gives `decide` its answers, and the start prints
 `line`.

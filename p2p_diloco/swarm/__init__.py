@@ -215,6 +215,7 @@ class HivemindSwarm:
             group=tuple(sorted(made.group)),
             outcome=made.outcome,
             history=history_after(self._last_record, round_),
+            punches=self.punching is not None,
         )
         self.run_dht.publish_round(record)
         self._last_record = record

@@ -138,7 +138,7 @@ def test_the_dashboard_and_status_show_the_swarm_and_why_a_stopped_peer_is_not_c
     check_own_evaluations(view, dom, swarm)
     check_export(exported, swarm, names)
     assert status[0].startswith("run 'p2p-diloco' (config ") and " of 1000" in status[0]
-    assert status[1].startswith("peers online: 2 (0 private: behind NAT, clients)")
+    assert status[1].startswith("peers online: 2 (0 private: behind NAT, clients; 0 punched")
     # The latest closed round status saw, summed up as the observer (and so the peers' files) count it.
     summary = re.match(
         r"round (\d+): digest ([0-9a-f]{12}), (every peer agrees|peers DISAGREE), (\d) counted", status[2]

@@ -6,6 +6,7 @@ from __future__ import annotations
 from functools import partial
 
 from p2p_diloco.observe.run_view import REASONS, RunLog, Target, prometheus
+from p2p_diloco.observe.service import status_lines
 from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.trust.robust import weighed_tokens
@@ -122,6 +123,12 @@ def test_the_observer_waits_every_rounds_and_downloads_only_from_peers_that_serv
     assert log.to_evaluate(every=1, now=51) == Target(5, "5" * 64, (B,))  # A is in client mode: nobody reaches it
     tiers = {p["peer"]: p["tier"] for p in log.view(now=51)["peers"]}
     assert (tiers[A], tiers[B]) == ("private", "public")  # what the dashboard and status show
+    # A private peer under hole punching is shown as punched, and still serves nobody its state.
+    punched = RoundRecord(A, 6, "6" * 64, 100, 2.0, serves=False, group=(A, B), outcome="averaged", punches=True)
+    log.ingest({A: punched, B: rec(B, 6, "6" * 64, group=(A, B))}, [beat(A, 59), beat(B, 59)], {}, now=60)
+    assert {p["peer"]: p["tier"] for p in log.view(now=61)["peers"]}[A] == "punched"
+    assert log.to_evaluate(every=1, now=61) == Target(6, "6" * 64, (B,))
+    assert "1 punched: behind NAT, hole punching" in status_lines(log.view(now=61))[1]
 
 
 def test_a_round_nobody_else_confirms_is_not_evaluated_and_a_wrong_evaluation_is_not_shown():
