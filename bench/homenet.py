@@ -30,7 +30,7 @@ namespace it made on close, also when the code inside it fails.
 
 from __future__ import annotations
 
-import re
+import json
 import shutil
 import subprocess
 import sys
@@ -92,17 +92,18 @@ class HomeNet(NetLab):
         _run("ip", "netns", "exec", f"{self.prefix}r{j}", "conntrack", "-F")
 
     def flows(self, j: int) -> dict[str, int]:
-        """Bytes (both ways) of the connections through home `j`'s router so far, by the address
-        outside it they went to, as its connection tracking counted them (`conntrack`; a flushed
-        table, a restart, forgets them)."""
-        router = f"{self.prefix}r{j}"
-        out = subprocess.run(["ip", "netns", "exec", router, "conntrack", "-L"], capture_output=True, text=True).stdout
-        counted: dict[str, int] = {}
-        for line in out.splitlines():
-            peer = re.search(r"dst=(\S+)", line)
-            if peer is not None:
-                counted[peer.group(1)] = counted.get(peer.group(1), 0) + sum(map(int, re.findall(r"bytes=(\d+)", line)))
-        return counted
+        """Bytes (both ways) home `j`'s router forwarded so far, by the address outside it they went
+        to or came from (an nftables set with counters, `_ACCT`: every packet, also of connections
+        that closed meanwhile)."""
+        out = subprocess.run(
+            ["ip", "netns", "exec", f"{self.prefix}r{j}", "nft", "-j", "list", "set", "inet", "acct", "remote"],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        found = [item["set"] for item in json.loads(out)["nftables"] if "set" in item]
+        elements = found[0].get("elem", []) if found else []
+        return {e["elem"]["val"]: e["elem"]["counter"]["bytes"] for e in elements}
 
     def take_offline(self, j: int) -> None:
         """Home `j`'s host loses its default route, as a machine whose network is not up: nothing
@@ -153,7 +154,7 @@ class HomeNet(NetLab):
         _ip(host.netns, "route", "add", "default", "via", f"{lan}.1")
         random = " random,fully-random" if home.nat == "symmetric" else ""
         _route_and_nat(router, "lan0", random, home.forward, host.ip, home.unsolicited)
-        _run("ip", "netns", "exec", router, "sysctl", "-qw", "net.netfilter.nf_conntrack_acct=1")  # for `flows`
+        _nft(router, _ACCT)  # for `flows`
         if home.upnp:
             self._start_upnp(j, router)
 
@@ -220,6 +221,16 @@ table ip filter {{
 def _miniupnpd() -> str | None:
     """miniupnpd's path (in /usr/sbin, which a user's PATH may lack), or None."""
     return shutil.which("miniupnpd") or next((p for p in ("/usr/sbin/miniupnpd",) if Path(p).exists()), None)
+
+
+# What a router forwards, counted by the outside address (HomeNet.flows). eth0 is its WAN port.
+_ACCT = """
+add table inet acct
+add set inet acct remote { type ipv4_addr; size 4096; flags dynamic; counter; }
+add chain inet acct through { type filter hook forward priority -10; }
+add rule inet acct through oifname "eth0" update @remote { ip daddr }
+add rule inet acct through iifname "eth0" update @remote { ip saddr }
+"""
 
 
 def _nft(netns: str, rules: str) -> None:

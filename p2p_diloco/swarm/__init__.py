@@ -105,7 +105,10 @@ class HivemindSwarm:
         self.gate.attach(self.run_dht)
         self.run = RunIdentity(config, self.run_dht, self.gate, self.peer_id)
         # A private peer under hole punching reduces for the members it holds direct connections to.
-        self.punching = Punching(self.run_dht, list(sc.initial_peers)) if sc.hole_punching and not self.serves else None
+        self.punching = None
+        if sc.hole_punching and not self.serves:
+            self.punching = Punching(self.run_dht, list(sc.initial_peers), self._private_peers)
+            self._started.insert(0, self.punching)  # (its thread starts with the heartbeat's)
         entries = Entries(self.dht, list(sc.initial_peers), identity)
         self.heartbeat = Heartbeat(self.run_dht, self.peer_id, self.gate, entries)
         self._started.insert(0, self.heartbeat)
@@ -118,6 +121,8 @@ class HivemindSwarm:
             self.averager, sc, self.peer_id, self.residual, payload_bytes, shown, self._shown_reach
         )
         self.heartbeat.start()
+        if self.punching is not None:
+            self.punching.start()
 
     def _start_averager(self, state_provider: Callable[[], ServedState]) -> DiLoCoAverager:
         tensors = [self.buffer] + ([self.exact_buffer] if self.exact_buffer is not None else [])
@@ -261,9 +266,12 @@ class HivemindSwarm:
 
         def beating() -> bool:
             serving = {p for p, r in self.peers().items() if r.serves and p != self.peer_id}
-            if self.punching is not None:  # or a private peer it holds a direct connection to
-                serving |= self.punching.reach(self._private_peers())
-            return reachability.beaten_since(serving - self.stale_peers(), before, self.heartbeat.beats())
+            if reachability.beaten_since(serving - self.stale_peers(), before, self.heartbeat.beats()):
+                return True
+            if self.punching is None:  # else a private peer it holds a direct connection to will do
+                return False
+            punched = self.punching.direct() & self._private_peers()  # (its thread punches)
+            return reachability.beaten_since(punched, before, self.heartbeat.beats())
 
         timeout = self.config.swarm.join_timeout_s
         if not deadlines.poll_until(beating, bool, time.monotonic() + timeout, deadlines.ROUND_POLL_S):
@@ -295,7 +303,9 @@ class HivemindSwarm:
         self.gate.check_self()
         self.averager.set_revoked(self.gate.revoked)
         if self.punching is not None:
-            self.punching.reach(self._private_peers())
+            # While a public peer is live it leads: a private one leading too could split the round.
+            public = {p for p, r in self.peers().items() if r.serves and p != self.peer_id} - self.stale_peers()
+            self.averager.set_leading(not public)
         try:
             return self.step.run(
                 delta, weight, round_, retry, expected_group, exact, partial(self.wait_for_round, round_ + 1, 0.0)
@@ -338,7 +348,7 @@ class HivemindSwarm:
         """Leave the swarm: stop the averager and the DHT processes, in that order (also on errors
         and on a half-built swarm)."""
         for part in self._started:
-            if isinstance(part, Heartbeat):
+            if isinstance(part, Heartbeat | Punching):
                 part.stop()
             else:
                 stop_process(part, "averaging process" if part is not self.dht else "DHT process")

@@ -243,8 +243,10 @@ class DiLoCoAverager(BoundedAverager):
         that are not admitted at matchmaking, in the all-gather, at state downloads and probes.
         `signer`: this peer's identity key; it signs every part and average (ledger.py).
         `leads_only_direct`: as a leader, admit only peers this one holds a direct connection to (a
-        private peer under hole punching: swarm/punching.py; nobody else could send it parts)."""
+        private peer under hole punching: swarm/punching.py; nobody else could send it parts), and
+        none while `set_leading(False)` (a public peer is live: it leads)."""
         self._state_provider, self._leads_only_direct = state_provider, leads_only_direct
+        self._leading = True
         self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
         super().__init__(*args, start=False, **kwargs)
         self.prober = LinkProber(self._stub, self.may_enter)
@@ -282,6 +284,14 @@ class DiLoCoAverager(BoundedAverager):
         self._doors.log_refusal(str(peer), door, "it holds no valid certificate for this run, or was revoked")
         return False
 
+    def set_leading(self, leading: bool) -> None:
+        """Whether this peer admits followers; before every step (`leads_only_direct` peers only)."""
+        if self._leads_only_direct:
+            self._outer_pipe.send(("_set_leading", [], dict(leading=leading)))
+
+    async def _set_leading(self, leading: bool) -> None:
+        self._leading = leading
+
     def set_revoked(self, revoked: frozenset[str]) -> None:
         """The organiser's revocations, as the host process read them (swarm/trust/gate.py); before every step."""
         if self._doors is not None:
@@ -318,7 +328,9 @@ class DiLoCoAverager(BoundedAverager):
         if self.gathering.refusal(context.remote_id, request.gather) is not None:
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
             return
-        if self._leads_only_direct and str(context.remote_id) not in await punch.direct_peers(self._p2p):
+        if self._leads_only_direct and not (
+            self._leading and str(context.remote_id) in await punch.direct_peers(self._p2p)
+        ):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
         async for response in super().rpc_join_group(request, context):
