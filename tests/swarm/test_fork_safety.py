@@ -278,6 +278,7 @@ def test_a_killed_peers_p2pd_sockets_are_left_in_its_tmpdir_not_in_tmp(tmp_path)
     import sys
     import tempfile
 
+    from tests.swarm.conftest import wait_until
     from tests.swarm.procs import alive
 
     folder = tempfile.mkdtemp(prefix="own-")  # short: a socket's path has at most 107 bytes
@@ -294,12 +295,11 @@ def test_a_killed_peers_p2pd_sockets_are_left_in_its_tmpdir_not_in_tmp(tmp_path)
         sockets = [name for name in listed if name.startswith("hivemind-")]
         assert [name for name in sockets if name.startswith("hivemind-p2pd-")], listed  # (a client's comes later)
         assert not any(os.path.exists(f"/tmp/{name}") for name in sockets)
-        deadline = time.monotonic() + 10  # p2pd ends by itself once its parent's connection closed
-        while alive(int(p2pd)) and time.monotonic() < deadline:
-            time.sleep(0.1)
-        if alive(int(p2pd)):
-            os.kill(int(p2pd), signal.SIGKILL)
-            raise AssertionError("p2pd outlived its killed parent by 10 s")
+        try:  # p2pd ends by itself once its parent's connection closed
+            wait_until(lambda: not alive(int(p2pd)), [], 10, "p2pd ending after its parent was killed")
+        finally:
+            if alive(int(p2pd)):
+                os.kill(int(p2pd), signal.SIGKILL)
         assert {name for name in sockets if os.path.exists(os.path.join(folder, name))}, "nothing was left to tidy"
     finally:
         shutil.rmtree(folder, ignore_errors=True)

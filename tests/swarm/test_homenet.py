@@ -156,7 +156,6 @@ def test_two_cone_nat_homes_punch_a_direct_connection_through_relays_at_their_en
     # reachability (swarm.hole_punching before node.nat_options), the same punch took 20.6 s.
     assert took < 10, f"the punch took {took:.1f} s"
     assert a.id in seen_by_b, "the punched connection is direct on both sides"
-    print(f"punched in {took:.2f} s")
 
 
 @pytest.mark.scenario  # in the suite: the punch itself (test_two_cone_nat_homes_punch_*), and the spans in-process

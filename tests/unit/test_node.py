@@ -96,6 +96,7 @@ def test_hole_punching_makes_public_nodes_relays_and_private_ones_reserve_at_the
     home = nat_options(True, False, entries)
     assert home["use_auto_relay"] and home["auto_nat"] and home["trusted_relays"] == entries
     assert home["force_reachability"] == "private" and home["dht_mode"] == "client"
+    assert nat_options(True, False, []) == off  # no entry node, no relay: p2pd would not start with none
     # p2pd's relay discovery (a 3-minute boot delay) is off wherever it looks for relays, and only there
     assert "-relayDiscovery=0" in P2P._make_process_args("p2pd", autoRelay=True, relay=True)
     assert not any(a.startswith("-relayDiscovery") for a in P2P._make_process_args("p2pd", autoRelay=False))

@@ -227,7 +227,7 @@ def nat_options(hole_punching: bool, serves: bool, entry_nodes: Sequence[Any]) -
       processes._static_relays_only), so that others reach it through them and punch a direct
       connection. Its p2pd's own DHT is a client's: as a server, a DHT query could connect two homes
       through a relay before the hole-punch handler is up, and DCUtR would never retry."""
-    if not hole_punching:
+    if not hole_punching or not (serves or entry_nodes):  # (a private node with no entry node has no relay)
         return {"auto_nat": False, "use_relay": False, "use_auto_relay": False}
     if serves:
         return {"auto_nat": True, "use_relay": True, "use_auto_relay": False, "force_reachability": "public"}
