@@ -177,6 +177,9 @@ def test_private_peers_average_through_one_public_peer_and_a_slow_one_ends_on_th
     assert all(recs[n][ROUNDS]["bytes_sent"] > 0 and recs[n][ROUNDS]["bytes_received"] > 0 for n in names[::2])
 
 
+# In the suite: the same decision in-process (tests/unit/test_round_protocol.py, a private peer whose
+# public peers left), and private peers averaging through a public peer in real processes (above).
+@pytest.mark.scenario
 @pytest.mark.timeout(180)
 def test_private_peers_whose_public_peer_died_stop_with_one_line_rather_than_train_apart(swarm):
     # Reproduced in session 22: with their only public peer SIGKILLed, two private peers each

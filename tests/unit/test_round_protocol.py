@@ -27,6 +27,9 @@ from tests.conftest import TINY
 from tests.unit.fake_swarm import ME, FakeSwarm
 
 LR, MU = 0.7, 0.9  # the paper's outer step, the config's default
+# A state download's deadline then is its floor, swarm.join_timeout_s: the in-process swarm
+# downloads at once, and a peer left lingering for peers on another state waits that much less.
+FAST_LINK = {"swarm.min_download_mbps": "1000"}
 TOKENS = 2 * 4 * 32  # H x batch x seq_len of the tiny run
 
 
@@ -523,7 +526,7 @@ def test_an_average_and_a_state_that_point_against_the_own_delta_are_refused(tmp
     caplog.set_level(logging.INFO)
     fake = FakeSwarm()
     # (short deadlines: at the end the peer lingers for the colluders, who hold another state)
-    short = {"run.rounds": "1", "swarm.agreement_timeout_s": "1", "swarm.join_timeout_s": "1"}
+    short = {"run.rounds": "1", "swarm.agreement_timeout_s": "1", "swarm.join_timeout_s": "1", **FAST_LINK}
     peer = make_peer(tmp_path, fake, **short)
     start, theta0 = peer.state, peer.state.params
 
@@ -574,7 +577,7 @@ def test_a_majority_of_the_swarm_is_followed_whatever_its_cosine_and_a_minority_
     # own state: it ended the run on another digest. The veto is kept for a state that more than half
     # of the round's peers do not hold (a colluding sub-group winning a partial tally).
     fake = FakeSwarm()
-    short = {"run.rounds": "1", "swarm.agreement_timeout_s": "1", "swarm.join_timeout_s": "1"}
+    short = {"run.rounds": "1", "swarm.agreement_timeout_s": "1", "swarm.join_timeout_s": "1", **FAST_LINK}
     peer = make_peer(tmp_path, fake, **short)
     start, theta0 = peer.state, peer.state.params
     for slow in {"p1", "p3", "p4", "p5"} - set(holders):  # live at round 0, not done with it in time
