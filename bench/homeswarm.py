@@ -65,11 +65,14 @@ def run(
             threading.Thread(target=_restart_at, args=(net, swarm, *restart, restarted), daemon=True).start()
         wall_s = swarm.run_peers(peers, timeout_s=60 * rounds + 300)
         flows = {f"home{j}-{_kind(h)}": _by_whom(net, net.flows(j), entry_nodes) for j, h in enumerate(homes)}
+        relayed = {f"entry{h}": swarm.relayed(h) for h in range(entry_nodes)}
         records = {host: swarm.records(host) for host in peers}
         logs = {host: (folder / f"peer{host}.log").read_text() for host in peers}
     names = {entry_nodes: "public", **{net.home_host(j): f"home{j}-{_kind(h)}" for j, h in enumerate(homes)}}
     digests_agree = all(len({records[h][r]["digest"] for h in peers}) == 1 for r in range(1, rounds + 1))
     allreduce = sum(r.get("bytes_sent", 0) + r.get("bytes_received", 0) for h in peers for r in records[h].values())
+    sent = sum(r.get("bytes_sent", 0) for h in peers for r in records[h].values())
+    relayed_bytes = sum(r["bytes"] for r in relayed.values())
     return {
         "wall_s": round(wall_s, 1),
         "router_restarted": {"home": restart[0], "after_round": restart[1]} if restarted else None,
@@ -80,6 +83,11 @@ def run(
         # what the peers counted of their all-reduces (sent and received).
         "router_flows": flows,
         "allreduce_bytes": allreduce,
+        # What each entry node's relay carried, from its p2pd's own counters (relay_metrics.py):
+        # homes reserve slots at their entry nodes only, so every relayed circuit is counted here.
+        # The share is of the all-reduce bytes the peers sent (each byte once).
+        "relayed": relayed,
+        "relayed_share_of_allreduce": float(f"{relayed_bytes / sent:.3g}") if sent else None,
         "peers": {
             names[h]: {
                 "tier": next(

@@ -56,7 +56,7 @@ class _Parser(argparse.ArgumentParser):
         """argparse's error, with the nearest known option for an unknown one (never for a known
         option that is missing or misused: "required: --config (did you mean --config?)")."""
         known = self._every_option()
-        unknown = [word.split("=")[0].rstrip(",") for word in message.split() if word.startswith("--")]
+        unknown = [word.split("=")[0].rstrip(",:") for word in message.split() if word.startswith("--")]
         for option in (o for o in unknown if o not in known):
             near = difflib.get_close_matches(option, sorted(known), n=1, cutoff=0.75)
             if near:
@@ -150,6 +150,17 @@ def _rounds(text: str) -> int:
         value = -1
     if value < 0:
         raise argparse.ArgumentTypeError(f"a number of rounds, 0 or more (0: never), not {text!r}")
+    return value
+
+
+def _port(text: str) -> int:
+    """A TCP port, 0 to 65535 (0: a free one)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = -1
+    if not 0 <= value <= 65535:
+        raise argparse.ArgumentTypeError(f"a TCP port, 0 to 65535 (0: a free one), not {text!r}")
     return value
 
 
@@ -255,6 +266,13 @@ def _add_bootstrap_command(sub: _Commands) -> None:
     )
     boot.add_argument(
         "--report-every", type=float, default=30.0, metavar="SECONDS", help="log the swarm status this often"
+    )
+    boot.add_argument(
+        "--metrics-port",
+        type=_port,
+        metavar="PORT",
+        help="serve p2pd's Prometheus metrics (libp2p's connections and streams; under swarm.hole_punching its relay's "
+        "bytes, circuits and reservations) on 127.0.0.1:PORT, and add what the relay carried to the status line",
     )
     _add_bootstrap_observer_options(boot)
 
@@ -456,7 +474,7 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     stop, running = threading.Event(), threading.Event()
     _install_stop_handlers(stop, "stopping the bootstrap node", running)
     try:
-        node = Bootstrap(cfg, Path(args.identity), watch_run=args.config is not None)
+        node = Bootstrap(cfg, Path(args.identity), args.config is not None, args.metrics_port)
     except KeyboardInterrupt:
         print("stopped during start-up", file=sys.stderr)
         return 0
@@ -464,6 +482,8 @@ def cmd_bootstrap(args: argparse.Namespace) -> int:
     try:
         print("bootstrap node up; give peers this line (any of the addresses works):")
         print("  --initial-peers " + " ".join(node.initial_peers()), flush=True)
+        if node.metrics_port is not None:
+            print(f"p2pd metrics: http://127.0.0.1:{node.metrics_port}/metrics", flush=True)
         node.serve(stop, args.report_every, _observatory(cfg, node, args))
     finally:
         node.close()

@@ -158,6 +158,12 @@ def test_unknown_option_is_refused_with_the_nearest_one_and_no_prefix_is_taken(c
     err = capsys.readouterr().err
     assert stopped.value.code == 2 and "the following arguments are required: --config" in err
     assert "did you mean" not in err, err
+    # nor a known option given a bad value ("argument --metrics-port: …" named itself as the fix)
+    with pytest.raises(SystemExit) as stopped:
+        main_in_process(capsys, "bootstrap", "--metrics-port", "70000")
+    err = capsys.readouterr().err
+    assert stopped.value.code == 2 and "argument --metrics-port: a TCP port, 0 to 65535 (0: a free one)" in err
+    assert "did you mean" not in err, err
 
 
 def test_status_without_a_run_to_read_is_one_line(tmp_path, capsys):

@@ -151,11 +151,19 @@ def test_two_cone_nat_homes_punch_a_direct_connection_through_relays_at_their_en
         a.started(), b.started()
         took = a.ask(f"punch {b.id} 25", 40)["punched"][b.id]  # (within the node's 30-s answer deadline)
         seen_by_b = b.ask("direct", 10)["direct"]
+        relayed = [node.ask("relayed", 10)["relayed"] for node in (first, *others)]
     assert took is not None, "no direct connection between the homes within 25 s"
     # 0.11 s measured here. With p2pd's relay discovery left on and AutoNAT's own idea of the relays'
     # reachability (swarm.hole_punching before node.nat_options), the same punch took 20.6 s.
     assert took < 10, f"the punch took {took:.1f} s"
     assert a.id in seen_by_b, "the punched connection is direct on both sides"
+    # The entry nodes' relays, by their p2pd's own counters (relay_metrics.py): the homes hold
+    # reservations, and the relays carried signalling at most (5,754 bytes over 1 circuit when the
+    # first entry node held b's reservation; a relayed circuit is cut at 128 KiB anyway). When it held
+    # none, the direct connection formed as fast (0.09 s) with no circuit at any relay: how is not
+    # known yet (issue 29's note).
+    assert sum(r["reservations"] for r in relayed) >= 2, relayed
+    assert sum(r["bytes"] for r in relayed) < 64 * 1024, relayed
 
 
 @pytest.mark.scenario  # in the suite: the punch itself (test_two_cone_nat_homes_punch_*), and the spans in-process

@@ -406,8 +406,9 @@ def test_a_node_and_its_observer_run_without_the_training_stack_and_say_why_ther
     from p2p_diloco import config
 
     toml = tmp_path / "run.toml"
-    config.save(config.load(None, {}), toml)
+    config.save(config.load(None, {"swarm.hole_punching": "true"}), toml)  # a relay too
     options = ["--identity", str(tmp_path / "b.key"), "--host", "127.0.0.1", "--port", "0", "--config", str(toml)]
+    options += ["--metrics-port", "0"]
     node = subprocess.Popen(
         [sys.executable, str(Path(__file__).with_name("node_only.py")), "bootstrap", *options, *OBSERVE_EVERY_5],
         stdout=subprocess.PIPE,
@@ -417,9 +418,13 @@ def test_a_node_and_its_observer_run_without_the_training_stack_and_say_why_ther
         cwd=ROOT,
     )
     try:
-        lines = [node.stdout.readline() for _ in range(3)]
+        lines = [node.stdout.readline() for _ in range(4)]
         assert lines[0].startswith("bootstrap node up") and "--initial-peers /ip4/127.0.0.1/tcp/" in lines[1], lines
-        url = re.search(r"dashboard (http://\S+/)", lines[2]).group(1)
+        # its p2pd's own metrics (--metrics-port), the relay's counters among them
+        metrics = re.fullmatch(r"p2pd metrics: (http://127\.0\.0\.1:\d+/metrics)\n", lines[2]).group(1)
+        with urllib.request.urlopen(metrics, timeout=10) as answer:
+            assert "\nlibp2p_relaysvc_data_transferred_bytes_total 0\n" in answer.read().decode()
+        url = re.search(r"dashboard (http://\S+/)", lines[3]).group(1)
         with urllib.request.urlopen(url + "api/v1/run", timeout=10) as answer:
             run = json.loads(answer.read())["run"]
         assert run["eval_off"].startswith("held-out loss off: this install has no training stack (transformers)")

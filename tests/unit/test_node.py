@@ -100,3 +100,18 @@ def test_hole_punching_makes_public_nodes_relays_and_private_ones_reserve_at_the
     # p2pd's relay discovery (a 3-minute boot delay) is off wherever it looks for relays, and only there
     assert "-relayDiscovery=0" in P2P._make_process_args("p2pd", autoRelay=True, relay=True)
     assert not any(a.startswith("-relayDiscovery") for a in P2P._make_process_args("p2pd", autoRelay=False))
+
+
+def test_the_metrics_port_goes_to_the_next_p2pd_only_and_on_loopback():
+    # A DHT process asks for it before its node starts (node.SwarmDHT.run): the throwaway p2pd of a
+    # later check must not get it too (p2pd exits when its metrics port is taken).
+    from hivemind.p2p import P2P
+
+    from p2p_diloco.swarm.transport.processes import metrics_at
+
+    metrics_at(9464)
+    assert "-metricsAddr=127.0.0.1:9464" in P2P._make_process_args("p2pd", relay=True)
+    assert not any(a.startswith("-metricsAddr") for a in P2P._make_process_args("p2pd", relay=True))
+    metrics_at(9464)
+    metrics_at(None)
+    assert not any(a.startswith("-metricsAddr") for a in P2P._make_process_args("p2pd", relay=True))

@@ -29,7 +29,14 @@ from p2p_diloco.swarm.transport import diagnose, dialback, preflight
 from p2p_diloco.swarm.transport.diagnose import start_failure
 from p2p_diloco.swarm.transport.identity import MADE_HERE, not_a_key
 from p2p_diloco.swarm.transport.preflight import Preflight
-from p2p_diloco.swarm.transport.processes import children_started, quiet_fork, stop_process, wait_result, wait_started
+from p2p_diloco.swarm.transport.processes import (
+    children_started,
+    metrics_at,
+    quiet_fork,
+    stop_process,
+    wait_result,
+    wait_started,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -56,14 +63,16 @@ class SwarmDHT(hivemind.DHT):
         setting: Setting = "public",
         host: str = "",
         hole_punching: bool = False,
+        metrics_port: int | None = None,
         **kwargs: Any,
     ):
         """`preflight`: what to ask the swarm first; `setting` (swarm.reachability) and `host`
         (swarm.host): what decides the node's tier, with the preflight's answers; `hole_punching`
-        (swarm.hole_punching): p2pd's NAT features for that tier (`nat_options`)."""
+        (swarm.hole_punching): p2pd's NAT features for that tier (`nat_options`); `metrics_port`:
+        where its p2pd serves Prometheus metrics, on 127.0.0.1 (processes.metrics_at)."""
         self.timeout_s = timeout_s  # read by run_in_background, which hivemind's __init__ calls
         self.preflight, self.setting, self.host = preflight, setting, host
-        self.hole_punching = hole_punching
+        self.hole_punching, self.metrics_port = hole_punching, metrics_port
         self._decided, self._decide = mp.Pipe(duplex=False)
         super().__init__(*args, check_if_identity_free=False, **kwargs)  # preflight.py asks instead
 
@@ -82,6 +91,7 @@ class SwarmDHT(hivemind.DHT):
         self.kwargs["client_mode"] = not reach.serves
         self.kwargs.update(nat_options(self.hole_punching, reach.serves, self.initial_peers or ()))
         self._decide.send(reach)
+        metrics_at(self.metrics_port)  # after the preflight's throwaway p2pd: this node's own
         super().run()
 
     def run_in_background(self, await_ready: bool = True, timeout: float | None = None) -> None:
@@ -182,15 +192,20 @@ def start_dht(
     initial_peers: Sequence[str],
     setting: Setting,
     validators: Sequence[Any] = (),
+    metrics_port: int | None = None,
 ) -> SwarmDHT:
     """Start a DHT node in a background process and join the swarm through `initial_peers`. Its
     tier (`setting`, or under "auto" the dial-back's answer) is `.reachability`; a public node
-    answers others' dial-backs."""
+    answers others' dial-backs. `metrics_port`: its p2pd's Prometheus metrics on 127.0.0.1 (a
+    bootstrap node's `--metrics-port`)."""
     dialback_wanted = reachability.needs_dialback(setting, cfg.host, initial_peers)
     # The dial-back asks for the port the node will listen on: chosen now if the config leaves it to the system.
     port = cfg.port or (_free_port(cfg.host) if dialback_wanted else 0)
     host, announce = listen_maddrs(cfg, port)
     _check_port_free(cfg.host, cfg.port)
+    if metrics_port is not None:  # 0: a free one (the node's .metrics_port says which)
+        metrics_port = metrics_port or _free_port("127.0.0.1")
+        _check_port_free("127.0.0.1", metrics_port)
     try:
         with children_started():  # a signal to the peer's group leaves the DHT process to the peer
             dht = SwarmDHT(
@@ -202,6 +217,7 @@ def start_dht(
                 record_validators=list(validators),
                 nat_port_map=cfg.upnp,  # UPnP/NAT-PMP probe the LAN: only when asked for
                 hole_punching=cfg.hole_punching,
+                metrics_port=metrics_port,
                 startup_timeout=cfg.join_timeout_s,
                 timeout_s=cfg.join_timeout_s,
                 preflight=_preflight(cfg, identity_path, initial_peers, host[0] if dialback_wanted else "", port),
@@ -224,7 +240,7 @@ def nat_options(hole_punching: bool, serves: bool, entry_nodes: Sequence[Any]) -
     - a public node is a relay for private ones and answers AutoNAT. Its reachability is forced
       public: go-libp2p starts the relay service only once it believes so.
     - a private node reserves a slot at its entry nodes (static relays, no discovery:
-      processes._static_relays_only), so that others reach it through them and punch a direct
+      processes._our_flags), so that others reach it through them and punch a direct
       connection. Its p2pd's own DHT is a client's: as a server, a DHT query could connect two homes
       through a relay before the hole-punch handler is up, and DCUtR would never retry."""
     if not hole_punching or not (serves or entry_nodes):  # (a private node with no entry node has no relay)

@@ -274,15 +274,29 @@ def _p2pd_in_its_own_session() -> None:
     asyncio.subprocess.create_subprocess_exec = create  # type: ignore[assignment]
 
 
-def _static_relays_only() -> None:
-    """A node that looks for relays (autoRelay: a private one, under swarm.hole_punching) takes its
-    entry nodes as its relays (trustedRelays) and reserves a slot at once: p2pd's relay discovery
-    would wait out go-libp2p's 3-minute boot delay first, and hivemind never passes the flag."""
+_METRICS_PORT: list[int] = []  # where this process's next p2pd serves its Prometheus metrics (metrics_at)
+
+
+def metrics_at(port: int | None) -> None:
+    """The p2pd this process starts next serves its own Prometheus metrics (libp2p's: connections,
+    streams, the relay service's bytes and circuits) on 127.0.0.1:`port`; None: none. A DHT process
+    calls it before its node starts, so that it is that one p2pd's (p2pd exits if the port is taken)."""
+    _METRICS_PORT[:] = [] if port is None else [port]
+
+
+def _our_flags() -> None:
+    """Flags hivemind never passes p2pd:
+    - relayDiscovery off: a node that looks for relays (autoRelay: a private one, under
+      swarm.hole_punching) takes its entry nodes as its relays (trustedRelays) and reserves a slot at
+      once: p2pd's relay discovery would wait out go-libp2p's 3-minute boot delay first;
+    - metricsAddr on loopback, once asked for (`metrics_at`)."""
     make = P2P._make_process_args
 
     def args(*positional: Any, **flags: Any) -> list[str]:
         if flags.get("autoRelay"):
             flags["relayDiscovery"] = False
+        if _METRICS_PORT:
+            flags["metricsAddr"] = f"127.0.0.1:{_METRICS_PORT.pop()}"
         return make(*positional, **flags)
 
     P2P._make_process_args = staticmethod(args)  # type: ignore[method-assign]
@@ -307,5 +321,5 @@ def _kill_leftovers() -> None:
 
 atexit.register(_kill_leftovers)
 _p2pd_in_its_own_session()
-_static_relays_only()
+_our_flags()
 _sockets_in_the_tempdir()
