@@ -157,12 +157,10 @@ def test_two_cone_nat_homes_punch_a_direct_connection_through_relays_at_their_en
     # reachability (swarm.hole_punching before node.nat_options), the same punch took 20.6 s.
     assert took < 10, f"the punch took {took:.1f} s"
     assert a.id in seen_by_b, "the punched connection is direct on both sides"
-    # The entry nodes' relays, by their p2pd's own counters (relay_metrics.py): the homes hold
-    # reservations, and the relays carried signalling at most (5,754 bytes over 1 circuit when the
-    # first entry node held b's reservation; a relayed circuit is cut at 128 KiB anyway). When it held
-    # none, the direct connection formed as fast (0.09 s) with no circuit at any relay: how is not
-    # known yet (issue 29's note).
-    assert sum(r["reservations"] for r in relayed) >= 2, relayed
+    # What the entry nodes' relays counted (relay_metrics.py): signalling at most (5,754 bytes over 1
+    # circuit when they counted the punch). p2pd's counters miss circuits: in 3 of 6 runs none was
+    # counted at any relay, although both routers' connection tracking showed the simultaneous open
+    # that DCUtR coordinates over a relayed connection (docs/benchmarks.md, "What the relays carried").
     assert sum(r["bytes"] for r in relayed) < 64 * 1024, relayed
 
 
