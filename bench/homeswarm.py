@@ -52,10 +52,12 @@ def run(
     restart: tuple[int, int] | None,
     entry_nodes: int = 1,
     public_peer: bool = True,
+    late: tuple[int, int] | None = None,
 ) -> dict:
     """One scenario: returns what each peer's records and log say. `restart`: (home, round): that
     home's router restarts (HomeNet.restart_router) once its peer recorded the round. `entry_nodes`
-    bootstrap nodes on the internet (hosts 0 …), then a public peer unless not `public_peer`."""
+    bootstrap nodes on the internet (hosts 0 …), then a public peer unless not `public_peer`.
+    `late`: (home, round): that home's peer starts once the first peer recorded the round."""
     overrides = {**TINY, "run.rounds": str(rounds), "run.run_id": "homeswarm", **settings}
     with HomeNet(public=entry_nodes + public_peer, homes=homes) as net:
         swarm = NetSwarm(net, folder, overrides, 0, tuple(range(1, entry_nodes)))
@@ -63,13 +65,19 @@ def run(
         restarted: list[float] = []
         if restart is not None:
             threading.Thread(target=_restart_at, args=(net, swarm, *restart, restarted), daemon=True).start()
-        wall_s = swarm.run_peers(peers, timeout_s=60 * rounds + 300)
+        later = {}
+        if late is not None:
+            first = peers[0]
+            later = {net.home_host(late[0]): lambda: late[1] in _records_so_far(swarm.peer_dir(first))}
+        wall_s = swarm.run_peers(peers, timeout_s=60 * rounds + 300, late=later)
         flows = {f"home{j}-{_kind(h)}": _by_whom(net, net.flows(j), entry_nodes) for j, h in enumerate(homes)}
         relayed = {f"entry{h}": swarm.relayed(h) for h in range(entry_nodes)}
         records = {host: swarm.records(host) for host in peers}
         logs = {host: (folder / f"peer{host}.log").read_text() for host in peers}
     names = {entry_nodes: "public", **{net.home_host(j): f"home{j}-{_kind(h)}" for j, h in enumerate(homes)}}
-    digests_agree = all(len({records[h][r]["digest"] for h in peers}) == 1 for r in range(1, rounds + 1))
+    held = lambda h, r: records[h].get(r, {})  # noqa: E731  (a late peer holds no early round)
+    digests = [{records[h][r]["digest"] for h in peers if r in records[h]} for r in range(1, rounds + 1)]
+    digests_agree = all(len(found) == 1 for found in digests)
     allreduce = sum(r.get("bytes_sent", 0) + r.get("bytes_received", 0) for h in peers for r in records[h].values())
     sent = sum(r.get("bytes_sent", 0) for h in peers for r in records[h].values())
     relayed_bytes = sum(r["bytes"] for r in relayed.values())
@@ -98,8 +106,9 @@ def run(
                     ),
                     "",
                 ),
-                "group_sizes": [records[h][r].get("group_size", 0) for r in range(1, rounds + 1)],
-                "adopted_rounds": sum(bool(records[h][r].get("adopted")) for r in range(1, rounds + 1)),
+                "group_sizes": [held(h, r).get("group_size", 0) for r in range(1, rounds + 1)],
+                "adopted_rounds": sum(bool(held(h, r).get("adopted")) for r in range(1, rounds + 1)),
+                "caught_up": [line.split("] ", 1)[1] for line in logs[h].splitlines() if "caught up with" in line],
                 "failed_tries": len(FAILED_TRY.findall(logs[h])),
                 "first_failure": next((line for line in logs[h].splitlines() if FAILED_TRY.search(line)), ""),
             }
@@ -117,6 +126,12 @@ def _by_whom(net: HomeNet, flows: dict[str, int], entry_nodes: int) -> dict[str,
 
 def _kind(home: Home) -> str:
     return home.nat + "+upnp" * home.upnp + "+drop" * (home.unsolicited == "drop")
+
+
+def _records_so_far(run_dir: Path) -> set[int]:
+    path = run_dir / "metrics.jsonl"
+    lines = path.read_text().splitlines() if path.exists() else []
+    return {json.loads(line)["round"] for line in lines if line.endswith("}")}
 
 
 def _restart_at(net: HomeNet, swarm: NetSwarm, home: int, round_: int, restarted: list[float]) -> None:
@@ -140,11 +155,13 @@ def main() -> None:
     parser.add_argument("--folder", type=Path, help="keep the peers' logs and run dirs here (default: a temporary one)")
     parser.add_argument("--entry-nodes", type=int, default=1, help="bootstrap nodes on the internet (relays)")
     parser.add_argument("--no-public-peer", action="store_true", help="only the homes train")
+    parser.add_argument("--late", metavar="HOME@ROUND", help="start home HOME's peer once the first peer has ROUND")
     args = parser.parse_args()
     homes = [_home(kind) for kind in args.homes.split(",")]
     settings = dict(s.split("=", 1) for s in args.set)
     restart = tuple(map(int, args.restart_router.split("@"))) if args.restart_router else None
-    shape = {"entry_nodes": args.entry_nodes, "public_peer": not args.no_public_peer}
+    late = tuple(map(int, args.late.split("@"))) if args.late else None
+    shape = {"entry_nodes": args.entry_nodes, "public_peer": not args.no_public_peer, "late": late}
     if args.folder is not None:
         result = run(homes, args.rounds, settings, args.folder, restart, **shape)
     else:
@@ -152,6 +169,7 @@ def main() -> None:
             result = run(homes, args.rounds, settings, Path(folder), restart, **shape)
     key = f"{args.homes} {' '.join(args.set)}".strip() + (f" restart {args.restart_router}" if restart else "")
     key += f" entry-nodes {args.entry_nodes}" * (args.entry_nodes != 1) + " no-public-peer" * args.no_public_peer
+    key += f" late {args.late}" if late else ""
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results[key] = {**result, "rounds": args.rounds, "machine": platform.machine(), "when": time.strftime("%Y-%m-%d")}
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")

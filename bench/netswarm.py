@@ -91,24 +91,19 @@ class NetSwarm:
     def peer_dir(self, host: int) -> Path:
         return self.folder / f"peer{host}"
 
-    def run_peers(self, hosts: list[int], timeout_s: float) -> float:
-        """Start one peer per host, wait until all exit (each must succeed); returns the wall time."""
+    def run_peers(self, hosts: list[int], timeout_s: float, late: dict | None = None) -> float:
+        """Start one peer per host, wait until all exit (each must succeed); returns the wall time.
+        `late`: {host: condition}: that host's peer starts once condition() holds (polled)."""
         started = time.perf_counter()
-        procs = []
-        for host in hosts:
-            cmd = [
-                *CLI,
-                "peer",
-                "--config",
-                str(self.run_toml),
-                f"--run.dir={self.peer_dir(host)}",
-                f"--swarm.host={self.lab.hosts[host].ip}",
-                "--initial-peers",
-                *self.entries,
-            ]
-            log = open(self.folder / f"peer{host}.log", "w")
-            procs.append(self.lab.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT))
         deadline = time.monotonic() + timeout_s
+        procs = [self._start(host) for host in hosts if host not in (late or {})]
+        for host, condition in (late or {}).items():
+            while not condition():
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"the late peer on host {host} was never due within {timeout_s:g} s")
+                time.sleep(0.2)  # a poll of the others' files, bounded by the deadline above
+            procs.append(self._start(host))
+        hosts = [h for h in hosts if h not in (late or {})] + list(late or {})
         for host, proc in zip(hosts, procs):
             try:
                 code = proc.wait(timeout=max(1.0, deadline - time.monotonic()))
@@ -119,6 +114,20 @@ class NetSwarm:
             if code != 0:
                 raise RuntimeError(f"peer on host {host} exited with {code}; see {self.folder}/peer{host}.log")
         return time.perf_counter() - started
+
+    def _start(self, host: int) -> subprocess.Popen:
+        cmd = [
+            *CLI,
+            "peer",
+            "--config",
+            str(self.run_toml),
+            f"--run.dir={self.peer_dir(host)}",
+            f"--swarm.host={self.lab.hosts[host].ip}",
+            "--initial-peers",
+            *self.entries,
+        ]
+        log = open(self.folder / f"peer{host}.log", "w")
+        return self.lab.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
 
     def records(self, host: int) -> dict[int, dict]:
         path = self.peer_dir(host) / "metrics.jsonl"

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 from collections import Counter
 from collections.abc import Iterable, Mapping
+from collections.abc import Set as AbstractSet
 from dataclasses import dataclass, field
 
 from p2p_diloco.protocol.network import RoundRecord
@@ -106,13 +107,19 @@ def counted(records: Mapping[str, RoundRecord], stale: set[str], fresh: set[str]
 
 
 def backed(
-    records: Mapping[str, RoundRecord], counted: set[str], me: str, mine: RoundRecord | None = None
+    records: Mapping[str, RoundRecord],
+    counted: set[str],
+    me: str,
+    mine: RoundRecord | None = None,
+    reachable: AbstractSet[str] = frozenset(),
 ) -> Reference | None:
     """The swarm's state: the latest (round, digest) that at least half of the counted peers hold,
     this peer counted too, as `mine` (default: its own record, if any). None if no state has that
     backing. Two states of one round with half each: the smallest digest, as `majority`.
     Client-mode peers count only while no peer that serves its state does (as in `reference`).
     Every counted peer votes; only the peers that made a state back it (`RoundRecord.copied`).
+    Its holders are the voters that hold it and can serve it to this peer: those that serve, and
+    the private peers in `reachable` (this peer holds a direct connection to them: hole punching).
 
     A peer catches up only to a backed state, so f < k/2 attackers who claim a later round, with
     a state they serve and that verifies, move nobody (threat model): one peer is one vote."""
@@ -129,7 +136,9 @@ def backed(
         return None
     top = max(r for r, _ in states)
     digest = min(d for r, d in states if r == top)
-    holders = sorted(p for p, r in voters.items() if r.serves and (r.round, r.digest) == (top, digest))
+    holders = sorted(
+        p for p, r in voters.items() if (r.serves or p in reachable) and (r.round, r.digest) == (top, digest)
+    )
     return Reference(top, digest, tuple(holders), counts[(top, digest)])
 
 

@@ -336,6 +336,11 @@ class Swarm(Protocol):
         the swarm's state yet (agreement.counted)."""
         ...
 
+    def direct_peers(self) -> set[str]:
+        """The live private peers of the run this peer holds a direct connection to (hole
+        punching): they can serve it their state, as public peers can (agreement.backed)."""
+        ...
+
     def wait_for_round(self, round_: int, timeout: float) -> bool:
         """Whether the swarm's backed state (agreement.backed) reaches round `round_` (or later)
         within `timeout` s, with a peer that serves it."""
@@ -425,6 +430,9 @@ class Solo:
         return set()
 
     def fresh_peers(self) -> set[str]:
+        return set()
+
+    def direct_peers(self) -> set[str]:
         return set()
 
     def wait_for_round(self, round_: int, timeout: float) -> bool:

@@ -156,7 +156,7 @@ class StateSync:
                 self.config.agreement_timeout_s,
                 ", ".join(p[-4:] for p in missing),
             )
-        cannot_serve = agreement.clients(self.swarm.peers(), me, not self.swarm.serves)
+        cannot_serve = agreement.clients(self.swarm.peers(), me, not self.swarm.serves) - self.swarm.direct_peers()
         return agreement.reference(digests, cannot_serve)
 
     def _adopt_majority(
@@ -315,7 +315,7 @@ class StateSync:
         """(the backed state to catch up to, or None; whether this peer runs ahead of the swarm)."""
         seen = self.swarm.peers()
         counted = agreement.counted(seen, self.swarm.stale_peers(), self.swarm.fresh_peers())
-        swarm_state = agreement.backed(seen, counted, self.replica.peer_id, mine)
+        swarm_state = agreement.backed(seen, counted, self.replica.peer_id, mine, self.swarm.direct_peers())
         target = agreement.catch_up_target(swarm_state, mine.round, mine.digest, not mine.serves)
         return target, target is None and agreement.runs_ahead(swarm_state, seen, counted, mine.round, mine.digest)
 

@@ -237,7 +237,8 @@ class HivemindSwarm:
 
         def backed() -> agreement.Reference | None:
             seen = self.peers()
-            return agreement.backed(seen, agreement.counted(seen, self.stale_peers(), self.fresh_peers()), self.peer_id)
+            counted = agreement.counted(seen, self.stale_peers(), self.fresh_peers())
+            return agreement.backed(seen, counted, self.peer_id, reachable=self.direct_peers())
 
         def reached(state: agreement.Reference | None) -> bool:
             return state is not None and bool(state.holders) and state.round >= round_
@@ -315,6 +316,10 @@ class HivemindSwarm:
             # before anything else reads the swarm's records, theirs count no more.
             self.gate.convict(self.step.convicted())
             raise
+
+    def direct_peers(self) -> set[str]:
+        """The live private peers this one holds a direct connection to (its punches)."""
+        return self.punching.direct() & self._private_peers() if self.punching is not None else set()
 
     def _private_peers(self) -> set[str]:
         """The live private peers of the run, this one aside."""

@@ -185,3 +185,27 @@ def test_two_homes_with_only_entry_nodes_public_average_every_round_over_their_p
         direct = flows[f"home{1 - j}"]
         assert direct >= result["allreduce_bytes"] / 2, flows
         assert all(direct > n for who, n in flows.items() if who.startswith("entry")), flows
+
+
+@pytest.mark.scenario  # in the suite: a joiner among homes in-process (test_round_protocol.py), the punch itself
+@pytest.mark.timeout(900)
+def test_a_home_that_joins_a_swarm_of_homes_late_catches_up_from_the_homes_it_punched_to(tmp_path):
+    """agreement.backed's `reachable`: with no public peer, only homes hold the swarm's state. A
+    third home starts after round 3, punches to the two others and downloads their state over a
+    punched connection. (Before, nobody could serve it: it trained from θ(0), a model of its own.)
+    Whether it then averages in the others' groups is the protocol's late-joiner timing, not this:
+    in rounds of ~4 s it caught up again each round in one run of 14, and averaged rounds 8-14 with
+    them in another (docs/benchmarks.md)."""
+    from bench.homeswarm import run
+
+    rounds = 14
+    homes = [Home("cone", unsolicited="drop")] * 3
+    settings = {"swarm.hole_punching": "true"}
+    result = run(homes, rounds, settings, tmp_path, None, entry_nodes=4, public_peer=False, late=(2, 3))
+    assert result["digests_agree"]
+    late = result["peers"]["home2-cone+drop"]
+    assert late["caught_up"], late  # it took the homes' state: it trained nothing of its own first
+    assert late["failed_tries"] == 0, late
+    # the state came over a punched connection: the late home's router carried it from a home
+    flows = result["router_flows"]["home2-cone+drop"]
+    assert max(flows["home0"], flows["home1"]) > max(n for who, n in flows.items() if who.startswith("entry")), flows

@@ -49,6 +49,7 @@ class FakeSwarm:
     states: dict[str, ServedState] = field(default_factory=dict)
     stale: set[str] = field(default_factory=set)
     fresh: set[str] = field(default_factory=set)
+    direct: set[str] = field(default_factory=set)  # private peers it holds a direct connection to
     agreeing: set[str] = field(default_factory=set)
     ahead: int | None = None  # what swarm_round() says while a phase trains (a swarm that went on)
     on_progress: Callable[[int, int], None] | None = None  # called with (round, tokens) as the peer reports
@@ -137,6 +138,9 @@ class FakeSwarm:
 
     def fresh_peers(self) -> set[str]:
         return set(self.fresh)
+
+    def direct_peers(self) -> set[str]:
+        return set(self.direct)
 
     def wait_for_round(self, round_: int, timeout: float) -> bool:
         seen = self.peers()

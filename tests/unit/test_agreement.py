@@ -332,3 +332,15 @@ def test_a_record_says_whether_its_state_was_copied_and_old_records_made_theirs(
     good = {"peer": "p1", "round": 3, "digest": A, "tokens": 5, "loss": 2.5}
     assert RoundRecord.parse(good).copied is False
     assert RoundRecord.parse({**good, "copied": True}).copied is True
+
+
+def test_private_peers_hold_a_state_for_a_peer_that_reaches_them_directly():
+    # An all-home swarm (hole punching): p1 and p2 private at (5, A). A joiner at round 0 with no
+    # direct connection has nobody to download from; with one to p2 (punched), p2 holds it for it.
+    rs = records(rec("p1", 5, A, serves=False), rec("p2", 5, A, serves=False))
+    joiner = rec("j", 0, B, serves=False)
+    assert agreement.backed(rs, set(rs), "j", joiner) == Reference(5, A, (), 2)
+    assert agreement.backed(rs, set(rs), "j", joiner, reachable={"p2"}) == Reference(5, A, ("p2",), 2)
+    # beside a public peer only the public one votes, as before: a punched private peer holds no vote
+    rs = records(rec("pub", 5, A), rec("p2", 5, C, serves=False))
+    assert agreement.backed(rs, set(rs), "j", joiner, reachable={"p2"}) == Reference(5, A, ("pub",), 1)

@@ -304,6 +304,22 @@ def test_a_joiner_that_cannot_download_yet_keeps_asking_and_never_trains_alone(t
     assert caplog.text.count("could not download round 5 yet") == 1, "said once, not at every retry"
 
 
+def test_a_joiner_among_homes_downloads_the_state_from_the_private_peers_it_punched_to(tmp_path, monkeypatch):
+    # A swarm of homes only (hole punching, no public peer): p1 and p2 are private and hold round 5.
+    # The joiner holds a direct connection to p2 alone: it downloads from p2, and never asks p1.
+    # (Before, a state only private peers held had no holders: the joiner trained from θ(0).)
+    monkeypatch.setattr(deadlines, "CATCH_UP_POLL_S", 0.01)
+    first = make_peer(tmp_path / "first", FakeSwarm())
+    round5 = moved(first.state, 0.01, 5)
+    first.close()
+    fake = FakeSwarm(serves=False, direct={"p2"})
+    for holder in ("p1", "p2"):
+        fake.publish_other(holder, round5, serves=False)
+    joiner = run(make_peer(tmp_path / "joiner", fake, **{"run.rounds": "5"}))
+    assert [sources for _, _, sources in fake.downloads] == [["p2"]]
+    assert joiner.state.digest() == round5.digest() and not fake.calls
+
+
 def test_a_joiner_never_asks_a_holder_that_served_a_tampered_state_for_it_again(tmp_path, monkeypatch):
     first = make_peer(tmp_path / "first", FakeSwarm())
     round5 = moved(first.state, 0.01, 5)
