@@ -6,7 +6,8 @@
 A kind of home is cone, symmetric or double; `+upnp` gives its router UPnP (miniupnpd), e.g.
 `--homes cone+upnp,symmetric --set swarm.upnp=true`; `+drop` a router that drops what nobody asked
 for. Hole punching between homes, with four entry nodes as relays and no public peer:
-`--homes cone+drop,cone+drop --entry-nodes 4 --no-public-peer --set swarm.hole_punching=true`.
+`--homes cone+drop,cone+drop --entry-nodes 4 --no-public-peer --set swarm.hole_punching=true`;
+`--late 2@3` starts home 2's peer once the first peer recorded round 3 (a late joiner).
 
 Reports, per peer and round, the size of the group its round was averaged in, how many all-reduce
 attempts failed (and what the log said), whether every peer holds the same digest every round, and
@@ -91,9 +92,9 @@ def run(
         # what the peers counted of their all-reduces (sent and received).
         "router_flows": flows,
         "allreduce_bytes": allreduce,
-        # What each entry node's relay carried, from its p2pd's own counters (relay_metrics.py):
-        # homes reserve slots at their entry nodes only, so every relayed circuit is counted here.
-        # The share is of the all-reduce bytes the peers sent (each byte once).
+        # What each entry node's relay counted, from its p2pd's own counters (relay_metrics.py):
+        # homes reserve slots at their entry nodes only, but p2pd misses circuits (a floor, not a
+        # bound: docs/benchmarks.md). The share is of the all-reduce bytes the peers sent (each once).
         "relayed": relayed,
         "relayed_share_of_allreduce": float(f"{relayed_bytes / sent:.3g}") if sent else None,
         "peers": {

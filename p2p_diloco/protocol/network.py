@@ -337,8 +337,8 @@ class Swarm(Protocol):
         ...
 
     def direct_peers(self) -> set[str]:
-        """The live private peers of the run this peer holds a direct connection to (hole
-        punching): they can serve it their state, as public peers can (agreement.backed)."""
+        """The peers this peer holds a direct connection to under hole punching (empty without it):
+        the private ones among them can serve it their state, as public peers can (agreement.backed)."""
         ...
 
     def wait_for_round(self, round_: int, timeout: float) -> bool:

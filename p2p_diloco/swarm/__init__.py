@@ -271,7 +271,7 @@ class HivemindSwarm:
                 return True
             if self.punching is None:  # else a private peer it holds a direct connection to will do
                 return False
-            punched = self.punching.direct() & self._private_peers()  # (its thread punches)
+            punched = self.direct_peers() & self._private_peers()  # (its thread punches)
             return reachability.beaten_since(punched, before, self.heartbeat.beats())
 
         timeout = self.config.swarm.join_timeout_s
@@ -318,8 +318,9 @@ class HivemindSwarm:
             raise
 
     def direct_peers(self) -> set[str]:
-        """The live private peers this one holds a direct connection to (its punches)."""
-        return self.punching.direct() & self._private_peers() if self.punching is not None else set()
+        """The peers this one holds a direct connection to, under hole punching (none without):
+        the private ones among them it punched to. (No read of the records: callers hold them.)"""
+        return self.punching.direct() if self.punching is not None else set()
 
     def _private_peers(self) -> set[str]:
         """The live private peers of the run, this one aside."""
