@@ -21,13 +21,18 @@ What the punch needs, and what the nodes here are given (see HOME and RELAY belo
 - dht_mode="client" on the homes, or a DHT query connects them through the relay before their
   DCUtR handler exists, and DCUtR then fails once and never retries.
 Writes bench/results/holepunch.json (one entry per case: public nodes and kind of home).
+`HOLEPUNCH_FLAGS_RELAY` and `HOLEPUNCH_FLAGS_HOME`: more p2pd flags for the relays and the homes;
+with `-metricsAddr=127.0.0.1:PORT` among them, each trial also records the relays' relay-service
+counters and the homes' connections by transport (`relaysvc`, `home_conns`).
 
 Found here (2 cores, homes at 10 Mbit/s up): cone homes and 4 public nodes punch 5 of 5, the direct
 connection 19-29 ms after the relayed connect returns; a stream then opens on the direct connection
 and carries 8 MiB at 9.7 Mbit/s (the home's upload) with nothing through the relays. A relayed
 connection takes streams (p2pd opens every stream WithUseTransient), but its circuit carries only
-about 128 KiB and lasts 2 min (go-libp2p's relay v2 defaults, not p2pd's -relayDataLimit 4 GiB and
--relayTimeLimit 30 min): 64 KiB passes, 8 MiB is reset and the relayed connection ends with it; an
+about 128 KiB and lasts 2 min (go-libp2p's relay v2 defaults: p2pd runs a second relay service,
+the one its -relayDataLimit and -relayTimeLimit configure, and here the default one served; with
+HOLEPUNCH_FLAGS_RELAY="-relayDataLimit=32768" a 64-KiB push still passed, 3 of 3 trials): 64 KiB
+passes, 8 MiB is reset and the relayed connection ends with it; an
 idle one closes after ~2 min, while the punched one stays up. Symmetric homes, and 1, 2 or 3 public
 nodes: the DCUtR service never starts, no punch.
 """
@@ -46,8 +51,12 @@ import tempfile
 import time
 from pathlib import Path
 
-from homenet import Home, HomeNet, lab_available
-from netlab import line_reader, next_line
+if __package__:  # imported as bench.holepunch (homeswarm's relay-only nodes, in the tests)
+    from .homenet import Home, HomeNet, lab_available
+    from .netlab import line_reader, next_line
+else:  # run as a script, bench/ on sys.path
+    from homenet import Home, HomeNet, lab_available
+    from netlab import line_reader, next_line
 
 HERE = Path(__file__).resolve().parent
 RESULTS = HERE / "results" / "holepunch.json"
@@ -84,9 +93,9 @@ def _p2p_setup(role: str, folder: str) -> None:
         log(line)
 
     P2P._log_p2pd_message = staticmethod(forward)
-    if role == "home":
-        make = P2P._make_process_args
-        P2P._make_process_args = staticmethod(lambda *a, **kw: [*make(*a, **kw), "-relayDiscovery=0"])
+    make = P2P._make_process_args
+    extra = (["-relayDiscovery=0"] if role == "home" else []) + _flags(role)
+    P2P._make_process_args = staticmethod(lambda *a, **kw: [*make(*a, **kw), *extra])
 
 
 def _maddr(text: str):
@@ -124,7 +133,14 @@ async def _node(role: str, ip: str, peers: list[str]) -> None:
 
 
 async def _serve(p2p) -> None:
-    commands = {"circuit": _circuit, "dial": _dial, "push": _push, "watch": _watch, "conns": _conns}
+    commands = {
+        "circuit": _circuit,
+        "dial": _dial,
+        "push": _push,
+        "watch": _watch,
+        "conns": _conns,
+        "metrics": _metrics,
+    }
     loop = asyncio.get_running_loop()
     while line := await loop.run_in_executor(None, sys.stdin.readline):
         cmd = json.loads(line)
@@ -204,6 +220,24 @@ async def _push(p2p, peer: str, nbytes: int, timeout_s: float) -> dict:
     return {"over": str(info.addr), "open_s": opened - start, "s": seconds, "mbit_s": mbit_s, "received": received}
 
 
+def _flags(role: str) -> list[str]:
+    """Extra p2pd flags for this role's nodes: HOLEPUNCH_FLAGS_RELAY, HOLEPUNCH_FLAGS_HOME."""
+    return os.environ.get(f"HOLEPUNCH_FLAGS_{role.upper()}", "").split()
+
+
+async def _metrics(_p2p, role: str, prefixes: list[str]) -> dict:
+    """The lines of this node's own p2pd metrics page (its -metricsAddr=127.0.0.1:PORT among its
+    role's flags; read here, inside the node's namespace) that start with one of `prefixes`."""
+    import urllib.request
+
+    flags = dict(f.lstrip("-").split("=", 1) for f in _flags(role) if "=" in f)
+    if "metricsAddr" not in flags:
+        return {"metrics": None}
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    page = opener.open(f"http://{flags['metricsAddr']}/metrics", timeout=5).read().decode()
+    return {"metrics": [line for line in page.splitlines() if line.startswith(tuple(prefixes))]}
+
+
 async def _sink(_info, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
     size, got = int.from_bytes(await reader.readexactly(8), "big"), 0
     while got < size and (data := await reader.read(min(1 << 16, size - got))):
@@ -236,10 +270,12 @@ class Node:
     """A `node` subprocess on one lab host; `ask` sends it a command and waits (with a deadline)
     for its reply, keeping the p2p-holepunch log lines that arrive meanwhile."""
 
-    def __init__(self, net, host: int, role: str, peers: list[str], folder: str, verbose: bool):
+    def __init__(self, net, host: int, role: str, peers: list[str], folder: str, verbose: bool, flags: str = ""):
+        """`flags`: more p2pd flags for this node (its role's HOLEPUNCH_FLAGS_* otherwise)."""
         self.name, self.started = f"{role}@{net.hosts[host].ip}", time.monotonic()
         env = {**os.environ, "TMPDIR": folder, "GOLOG_LOG_LEVEL": "error,p2p-holepunch=debug"}
-        cmd = [sys.executable, __file__, "node", role, net.hosts[host].ip, *peers]
+        env.update({f"HOLEPUNCH_FLAGS_{role.upper()}": flags} if flags else {})
+        cmd = [sys.executable, str(Path(__file__).resolve()), "node", role, net.hosts[host].ip, *peers]
         stderr = None if verbose else subprocess.DEVNULL
         pipes = {"stdin": subprocess.PIPE, "stdout": subprocess.PIPE, "stderr": stderr}
         self.proc = net.popen(host, cmd, text=True, env=env, **pipes)
@@ -309,6 +345,10 @@ def trial(public: int, kind: str, args: argparse.Namespace, folder: str, idle_s:
             result["idle"] = {**watch, "b_conns": b.ask("conns", 5, peer=a.id)["conns"]}
         result["conns_at_end"] = {h.name: h.ask("conns", 5, peer=o.id)["conns"] for h, o in ((a, b), (b, a))}
         result["holepunch_log"] = {"A": a.logs[-8:], "B": b.logs[-8:]}  # conns: a round trip that collects them
+        relaysvc = ["libp2p_relaysvc_data", "libp2p_relaysvc_connections_total", "libp2p_relaysvc_reservations"]
+        result["relaysvc"] = [r.ask("metrics", 10, role="relay", prefixes=relaysvc)["metrics"] for r in relays]
+        swarm = ["libp2p_swarm_connections_opened_total"]
+        result["home_conns"] = [h.ask("metrics", 10, role="home", prefixes=swarm)["metrics"] for h in (a, b)]
         for node in (a, b, *relays):
             node.quit(net)
     return result

@@ -7,7 +7,9 @@ A kind of home is cone, symmetric or double; `+upnp` gives its router UPnP (mini
 `--homes cone+upnp,symmetric --set swarm.upnp=true`; `+drop` a router that drops what nobody asked
 for. Hole punching between homes, with four entry nodes as relays and no public peer:
 `--homes cone+drop,cone+drop --entry-nodes 4 --no-public-peer --set swarm.hole_punching=true`;
-`--late 2@3` starts home 2's peer once the first peer recorded round 3 (a late joiner).
+`--late 2@3` starts home 2's peer once the first peer recorded round 3 (a late joiner);
+`--relays 4` adds four relay-only nodes and gives them to every peer as swarm.relays: what their
+links carry bounds what was relayed.
 
 Reports, per peer and round, the size of the group its round was averaged in, how many all-reduce
 attempts failed (and what the log said), whether every peer holds the same digest every round, and
@@ -26,9 +28,12 @@ import time
 from pathlib import Path
 
 if __package__:  # imported as bench.homeswarm (the tests)
+    from .holepunch import Node
     from .homenet import Home, HomeNet
     from .netswarm import NetSwarm
 else:  # run as a script, bench/ on sys.path
+    from holepunch import Node
+
     from homenet import Home, HomeNet
     from netswarm import NetSwarm
 
@@ -54,13 +59,20 @@ def run(
     entry_nodes: int = 1,
     public_peer: bool = True,
     late: tuple[int, int] | None = None,
+    relays: int = 0,
 ) -> dict:
     """One scenario: returns what each peer's records and log say. `restart`: (home, round): that
     home's router restarts (HomeNet.restart_router) once its peer recorded the round. `entry_nodes`
-    bootstrap nodes on the internet (hosts 0 …), then a public peer unless not `public_peer`.
-    `late`: (home, round): that home's peer starts once the first peer recorded the round."""
+    bootstrap nodes on the internet (hosts 0 …), then a public peer unless not `public_peer`, then
+    `relays` relay-only nodes (swarm.relays: their links carry nothing but what they relay, and
+    libp2p's own identify and ping). `late`: (home, round): that home's peer starts once the first
+    peer recorded the round."""
     overrides = {**TINY, "run.rounds": str(rounds), "run.run_id": "homeswarm", **settings}
-    with HomeNet(public=entry_nodes + public_peer, homes=homes) as net:
+    with HomeNet(public=entry_nodes + public_peer + relays, homes=homes) as net:
+        relay_hosts = list(range(entry_nodes + public_peer, entry_nodes + public_peer + relays))
+        relay_nodes = [_relay_only(net, host, folder) for host in relay_hosts]
+        if relay_nodes:
+            overrides["swarm.relays"] = ",".join(f"{_tcp(r.maddrs)}/p2p/{r.id}" for r in relay_nodes)
         swarm = NetSwarm(net, folder, overrides, 0, tuple(range(1, entry_nodes)))
         peers = [entry_nodes] * public_peer + [net.home_host(j) for j in range(len(homes))]
         restarted: list[float] = []
@@ -72,7 +84,9 @@ def run(
             later = {net.home_host(late[0]): lambda: late[1] in _records_so_far(swarm.peer_dir(first))}
         wall_s = swarm.run_peers(peers, timeout_s=60 * rounds + 300, late=later)
         flows = {f"home{j}-{_kind(h)}": _by_whom(net, net.flows(j), entry_nodes) for j, h in enumerate(homes)}
-        relayed = {f"entry{h}": swarm.relayed(h) for h in range(entry_nodes)}
+        relay_links = {f"relay{h}": dict(zip(("sent", "received"), net.link_bytes(h))) for h in relay_hosts}
+        for node in relay_nodes:
+            node.quit(net)
         records = {host: swarm.records(host) for host in peers}
         logs = {host: (folder / f"peer{host}.log").read_text() for host in peers}
     names = {entry_nodes: "public", **{net.home_host(j): f"home{j}-{_kind(h)}" for j, h in enumerate(homes)}}
@@ -81,7 +95,7 @@ def run(
     digests_agree = all(len(found) == 1 for found in digests)
     allreduce = sum(r.get("bytes_sent", 0) + r.get("bytes_received", 0) for h in peers for r in records[h].values())
     sent = sum(r.get("bytes_sent", 0) for h in peers for r in records[h].values())
-    relayed_bytes = sum(r["bytes"] for r in relayed.values())
+    relayed_bytes = sum(link["received"] for link in relay_links.values())
     return {
         "wall_s": round(wall_s, 1),
         "router_restarted": {"home": restart[0], "after_round": restart[1]} if restarted else None,
@@ -92,11 +106,11 @@ def run(
         # what the peers counted of their all-reduces (sent and received).
         "router_flows": flows,
         "allreduce_bytes": allreduce,
-        # What each entry node's relay counted, from its p2pd's own counters (relay_metrics.py):
-        # homes reserve slots at their entry nodes only, but p2pd misses circuits (a floor, not a
-        # bound: docs/benchmarks.md). The share is of the all-reduce bytes the peers sent (each once).
-        "relayed": relayed,
-        "relayed_share_of_allreduce": float(f"{relayed_bytes / sent:.3g}") if sent else None,
+        # What each relay-only node's link carried (`relays`): every byte it relayed arrived on it
+        # once, so what it received bounds what it relayed. The share is of the all-reduce bytes the
+        # peers sent (each once).
+        "relay_links": relay_links,
+        "relayed_share_of_allreduce": float(f"{relayed_bytes / sent:.3g}") if sent and relay_links else None,
         "peers": {
             names[h]: {
                 "tier": next(
@@ -116,6 +130,19 @@ def run(
             for h in peers
         },
     }
+
+
+def _relay_only(net: HomeNet, host: int, folder: Path):
+    """A relay and nothing else on `host`: hivemind's P2P as a public node of the product runs it
+    (relay on, reachability forced public, processes.RELAY_LIMITS), with no DHT of the run."""
+    from p2p_diloco.swarm.transport.processes import RELAY_LIMITS
+
+    flags = " ".join(f"-{k}={v}" for k, v in RELAY_LIMITS.items())
+    return Node(net, host, "relay", [], str(folder), verbose=False, flags=flags)
+
+
+def _tcp(maddrs: list[str]) -> str:
+    return next(m.split("/p2p/")[0] for m in maddrs if "/tcp/" in m)
 
 
 def _by_whom(net: HomeNet, flows: dict[str, int], entry_nodes: int) -> dict[str, int]:
@@ -157,12 +184,14 @@ def main() -> None:
     parser.add_argument("--entry-nodes", type=int, default=1, help="bootstrap nodes on the internet (relays)")
     parser.add_argument("--no-public-peer", action="store_true", help="only the homes train")
     parser.add_argument("--late", metavar="HOME@ROUND", help="start home HOME's peer once the first peer has ROUND")
+    parser.add_argument("--relays", type=int, default=0, help="relay-only nodes on the internet (swarm.relays)")
     args = parser.parse_args()
     homes = [_home(kind) for kind in args.homes.split(",")]
     settings = dict(s.split("=", 1) for s in args.set)
     restart = tuple(map(int, args.restart_router.split("@"))) if args.restart_router else None
     late = tuple(map(int, args.late.split("@"))) if args.late else None
     shape = {"entry_nodes": args.entry_nodes, "public_peer": not args.no_public_peer, "late": late}
+    shape["relays"] = args.relays
     if args.folder is not None:
         result = run(homes, args.rounds, settings, args.folder, restart, **shape)
     else:
@@ -171,6 +200,7 @@ def main() -> None:
     key = f"{args.homes} {' '.join(args.set)}".strip() + (f" restart {args.restart_router}" if restart else "")
     key += f" entry-nodes {args.entry_nodes}" * (args.entry_nodes != 1) + " no-public-peer" * args.no_public_peer
     key += f" late {args.late}" if late else ""
+    key += f" relays {args.relays}" if args.relays else ""
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {}
     results[key] = {**result, "rounds": args.rounds, "machine": platform.machine(), "when": time.strftime("%Y-%m-%d")}
     RESULTS.write_text(json.dumps(results, indent=1) + "\n")

@@ -28,7 +28,6 @@ else:  # run as a script, bench/ on sys.path
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # peers share the machine's cores
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
-METRICS_PORT = 9464  # each bootstrap node's p2pd's metrics, on 127.0.0.1 of its own namespace
 
 
 class NetSwarm:
@@ -60,8 +59,6 @@ class NetSwarm:
                 "--config",
                 str(self.run_toml),
                 *(["--initial-peers", entry] if entry else []),
-                "--metrics-port",
-                str(METRICS_PORT),
             ],
             stdout=subprocess.PIPE,
             stderr=open(self.folder / f"{name}.log", "w"),
@@ -75,18 +72,6 @@ class NetSwarm:
             line = next_line(lines, max(0.0, deadline - time.monotonic()), "bootstrap node's address").strip()
             if line.startswith("--initial-peers"):
                 return line.split()[1]
-
-    def relayed(self, host: int) -> dict[str, int]:
-        """What the relay of the bootstrap node on `host` carried so far (relay_metrics.Relayed)."""
-        read = (
-            "import dataclasses, json; from p2p_diloco.swarm.transport import relay_metrics; "
-            f"print(json.dumps(dataclasses.asdict(relay_metrics.read({METRICS_PORT}))))"
-        )
-        proc = self.lab.popen(host, [sys.executable, "-c", read], stdout=subprocess.PIPE, text=True, env=ENV, cwd=ROOT)
-        out, _ = proc.communicate(timeout=30)
-        if proc.returncode != 0:
-            raise RuntimeError(f"the relay metrics of the bootstrap node on host {host} could not be read")
-        return json.loads(out)
 
     def peer_dir(self, host: int) -> Path:
         return self.folder / f"peer{host}"

@@ -271,8 +271,7 @@ def _add_bootstrap_command(sub: _Commands) -> None:
         "--metrics-port",
         type=_port,
         metavar="PORT",
-        help="serve p2pd's Prometheus metrics (libp2p's connections and streams; under swarm.hole_punching its relay's "
-        "bytes, circuits and reservations) on 127.0.0.1:PORT, and add what the relay carried to the status line",
+        help="serve p2pd's Prometheus metrics (libp2p's connections, streams and resources) on 127.0.0.1:PORT",
     )
     _add_bootstrap_observer_options(boot)
 

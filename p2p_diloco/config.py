@@ -161,9 +161,14 @@ class SwarmSection:
     upnp: bool = local(False, "ask the home router for a port mapping (UPnP/NAT-PMP; it probes the LAN)")
     hole_punching: bool = local(
         False,
-        "libp2p hole punching: public nodes relay, private ones reserve a slot at their entry nodes and "
+        "libp2p hole punching: public nodes relay, private ones reserve a slot at their relays and "
         "punch direct connections to each other (cone NAT, 4+ public nodes), and reduce for groups "
         "whose every member reached them directly (docs/design.md)",
+    )
+    relays: tuple[str, ...] = local(
+        (),
+        "hole punching: the public nodes a private peer holds a relay slot at and others reach it through "
+        "(multiaddrs, as initial_peers; every peer of the run gives the same); empty = the initial peers",
     )
     compression: codecs.CodecName = shared(
         codecs.DEFAULT,

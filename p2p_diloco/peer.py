@@ -134,6 +134,7 @@ class Peer:
             from p2p_diloco.swarm.transport.node import parse_initial_peers  # imports hivemind: swarm peers only
 
             parse_initial_peers(config.swarm.initial_peers)
+            parse_initial_peers(config.swarm.relays, "relay")
         sinks.require_packages(config.log)
         self._lock = claim_run_dir(self.run_dir, resume)
         self.progress = ProgressBar(False, "")

@@ -39,6 +39,15 @@ PROBE_MIN, PROBE_MAX = 1024 * 1024, 8 * 1024 * 1024  # bytes per probe: long eno
 PROBE_EVERY = 5  # rounds between probe sweeps (the first follows the first all-reduce)
 
 
+def probe_targets(others: Sequence[str], direct: Collection[str]) -> list[str]:
+    """The members of the last group a peer probes, in order: those it holds a direct (not
+    relayed) connection to. A probe is 1-8 MiB: through a relay (hole punching; a member behind a
+    NAT nobody punched) it would be bulk over a relay, and the relay would cut it at 128 KiB anyway.
+    After an all-reduce, every sender holds a direct connection to each reducer it sent to."""
+    reached = set(direct)
+    return [peer for peer in others if peer in reached]
+
+
 def probe_size(payload_bytes: int) -> int:
     """Bytes to probe each peer with: 1/8 of what this peer's pseudo-gradient weighs on the wire,
     within [PROBE_MIN, PROBE_MAX], in whole chunks. Every PROBE_EVERY rounds that adds at most

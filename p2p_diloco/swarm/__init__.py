@@ -47,7 +47,7 @@ from p2p_diloco.swarm.punching import Punching
 from p2p_diloco.swarm.run_identity import RunIdentity
 from p2p_diloco.swarm.transport import entry
 from p2p_diloco.swarm.transport.identity import load_identity, make_validator, peer_id_of, public_key_bytes
-from p2p_diloco.swarm.transport.node import start_dht
+from p2p_diloco.swarm.transport.node import relays, start_dht
 from p2p_diloco.swarm.transport.processes import children_started, stop_process
 from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.gate import Gate
@@ -107,7 +107,7 @@ class HivemindSwarm:
         # A private peer under hole punching reduces for the members it holds direct connections to.
         self.punching = None
         if sc.hole_punching and not self.serves:
-            self.punching = Punching(self.run_dht, list(sc.initial_peers), self._private_peers)
+            self.punching = Punching(self.run_dht, relays(sc, sc.initial_peers), self._private_peers)
             self._started.insert(0, self.punching)  # (its thread starts with the heartbeat's)
         entries = Entries(self.dht, list(sc.initial_peers), identity)
         self.heartbeat = Heartbeat(self.run_dht, self.peer_id, self.gate, entries)
@@ -329,9 +329,7 @@ class HivemindSwarm:
 
     def _shown_reach(self) -> dict[str, Any]:
         """What this peer shows its group of how it is reached (links.reachable_reducers)."""
-        if self.punching is None:
-            return {"serves": self.serves}
-        return self.punching.shown(self.punching.direct())
+        return {"serves": self.serves} if self.punching is None else self.punching.shown(self.punching.direct())
 
     def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
         """(metadata, [θ, momentum]) of round `round_` from one of `from_peers`, checked by `verify`

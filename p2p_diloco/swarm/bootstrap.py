@@ -20,12 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import Config
-from p2p_diloco.errors import SwarmError
 from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.deadlines import COMMAND_POLL_S, poll_until
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.swarm.heartbeat import STALE_S, Entries
-from p2p_diloco.swarm.transport import entry, relay_metrics
+from p2p_diloco.swarm.transport import entry
 from p2p_diloco.swarm.transport.identity import make_validator
 from p2p_diloco.swarm.transport.node import start_dht
 from p2p_diloco.swarm.transport.processes import stop_process
@@ -43,7 +42,7 @@ logger = logging.getLogger(__name__)
 class Bootstrap:
     def __init__(self, config: Config, identity_path: Path, watch_run: bool = True, metrics_port: int | None = None):
         """`metrics_port`: its p2pd serves Prometheus metrics on 127.0.0.1 there (0: a free port,
-        `.metrics_port`), and the status line says what its relay carried (relay_metrics.py)."""
+        `.metrics_port`)."""
         identity_path.parent.mkdir(parents=True, exist_ok=True)
         self.config, self.watch_run = config, watch_run
         validator = make_validator(identity_path, entry_node=True)
@@ -87,21 +86,12 @@ class Bootstrap:
         known = self.dht.run_coroutine(_routing_table_size)
         if not self.watch_run:
             unwatched = "peers in the routing table (pass --config RUN_TOML to see the run's rounds)"
-            return f"{known} {unwatched}{self._relayed()}"
+            return f"{known} {unwatched}"
         round_entries, progress_entries = self.run_dht.read_now(records.rounds_key, records.progress_key)
         found = records.rounds_from(round_entries, self.gate.admitted)
         reports, _ = records.progress_from(progress_entries, self.gate.admitted)
         seen = rounds_seen(found, reports, time.time())
-        return f"{known} peers in the routing table; run {self.config.run.run_id!r}: {seen}{self._relayed()}"
-
-    def _relayed(self) -> str:
-        """What the relay carried (with --metrics-port, under swarm.hole_punching), as "; relay: …"."""
-        if self.metrics_port is None or not self.config.swarm.hole_punching:
-            return ""
-        try:
-            return f"; relay: {relay_metrics.read(self.metrics_port).line()}"
-        except SwarmError as e:
-            return f"; relay: {e}"
+        return f"{known} peers in the routing table; run {self.config.run.run_id!r}: {seen}"
 
     def serve(self, stop: threading.Event, report_every_s: float, observatory: Any = None) -> None:
         """Log the status every `report_every_s` seconds until `stop` is set; meanwhile read (and

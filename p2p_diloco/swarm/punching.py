@@ -33,11 +33,12 @@ RETRY_MAX_S = 1800.0
 class Punching:
     """This peer's direct connections to other private peers, kept up by a thread of its own."""
 
-    def __init__(self, run_dht: Any, entry_nodes: Sequence[str], private_peers: Callable[[], Iterable[str]] = set):
-        """`run_dht`: the peer's RunDHT (its handle's turns); `entry_nodes`: the relays to reach
-        other private peers through (theirs are the run's entry nodes too); `private_peers()`: the
-        run's live private peers now, whom `start`'s thread punches to every EVERY_S."""
-        self._run_dht, self._relays, self._private_peers = run_dht, list(entry_nodes), private_peers
+    def __init__(self, run_dht: Any, relays: Sequence[str], private_peers: Callable[[], Iterable[str]] = set):
+        """`run_dht`: the peer's RunDHT (its handle's turns); `relays`: the relays to reach other
+        private peers through (swarm.relays or the entry nodes: the run's private peers hold their
+        slots there too); `private_peers()`: the run's live private peers now, whom `start`'s thread
+        punches to every EVERY_S."""
+        self._run_dht, self._relays, self._private_peers = run_dht, list(relays), private_peers
         self._failed: dict[str, tuple[float, int]] = {}  # peer -> (when a punch to it last failed, failures)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="hole punching", daemon=True)

@@ -121,3 +121,48 @@ def test_the_part_size_spreads_a_small_vector_over_the_members_in_hivemind_s_lay
     cut = TensorPartContainer(tensors, fractions, part_size_bytes=links.part_bytes(940_000, 3, 2 * 1024 * 1024))
     # 78,334 bytes make parts of 19,583 values: 12 of them and a 13th of the 4 values left over.
     assert cut.num_parts_by_peer == (4, 4, 5)
+
+
+def test_a_peer_probes_only_the_members_it_holds_a_direct_connection_to():
+    # A, B and C were in the last group; this peer holds direct connections to C and A (and to D,
+    # not a member): it probes A and C, in the group's order; B (a home nobody punched to) only
+    # through a relay, so not at all.
+    assert links.probe_targets(["A", "B", "C"], {"C", "A", "D"}) == ["A", "C"]
+    assert links.probe_targets(["A", "B"], set()) == []
+
+
+def test_a_sweep_sends_no_probe_to_a_member_it_reaches_only_through_a_relay():
+    import asyncio
+    import time
+
+    from hivemind.p2p import PeerID
+    from hivemind.proto import averaging_pb2
+
+    from p2p_diloco.swarm.averaging.probes import LinkProber
+
+    direct, relayed = (PeerID(bytes([0x12, 0x20, i]) + bytes(31)) for i in (1, 2))
+    probed = []
+
+    class Stub:
+        def __init__(self, peer):
+            self.peer = peer
+
+        async def rpc_probe(self, messages):
+            probed.append(self.peer)
+
+            async def replies():
+                yield averaging_pb2.AveragingData(code=averaging_pb2.ACCEPTED)
+                yield averaging_pb2.AveragingData(code=averaging_pb2.AVERAGED_PART, weight=5e6)
+
+            return replies()
+
+    async def connections():
+        return {direct.to_base58()}
+
+    async def admitted(_peer, _door):
+        return True
+
+    prober = LinkProber(Stub, admitted, connections)
+    peers = [relayed.to_base58(), direct.to_base58()]
+    reports = asyncio.run(prober.sweep(peers, links.PROBE_MIN, time.monotonic() + 10))
+    assert probed == [direct] and reports == {direct.to_base58(): 5e6}

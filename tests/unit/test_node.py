@@ -6,7 +6,7 @@ import pytest
 
 from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
-from p2p_diloco.swarm.transport.node import listen_maddrs, parse_initial_peers
+from p2p_diloco.swarm.transport.node import listen_maddrs, parse_initial_peers, relays
 
 PEER_ID = "QmW6jYSj4CRDDYnptoKGFN2nFvhFYYUrynQh5Nsu72XBP8"
 PEER = f"/ip4/1.2.3.4/tcp/31337/p2p/{PEER_ID}"
@@ -35,6 +35,15 @@ def test_bad_addresses_name_the_fix():
     with pytest.raises(ConfigError, match="is not a multiaddr"):
         parse_initial_peers(["1.2.3.4:31337"])
     assert parse_initial_peers([PEER]) == [PEER]
+
+
+def test_the_relays_are_swarm_relays_or_else_the_initial_peers():
+    relay = f"/ip4/5.6.7.8/tcp/4001/p2p/{PEER_ID}"
+    assert relays(swarm(), [PEER]) == [PEER]
+    assert relays(swarm(relays=(relay,)), [PEER]) == [relay]
+    assert relays(swarm(), []) == []
+    with pytest.raises(ConfigError, match=r"^relay '/ip4/5.6.7.8/tcp/4001' has no /p2p/<peer id> part"):
+        relays(swarm(relays=("/ip4/5.6.7.8/tcp/4001",)), [PEER])
 
 
 def test_a_dht_that_did_not_start_is_explained_by_hiveminds_text_alone():
@@ -100,6 +109,11 @@ def test_hole_punching_makes_public_nodes_relays_and_private_ones_reserve_at_the
     # p2pd's relay discovery (a 3-minute boot delay) is off wherever it looks for relays, and only there
     assert "-relayDiscovery=0" in P2P._make_process_args("p2pd", autoRelay=True, relay=True)
     assert not any(a.startswith("-relayDiscovery") for a in P2P._make_process_args("p2pd", autoRelay=False))
+    # a relay's flags-configured service keeps go-libp2p's limits, as its other one does (processes.RELAY_LIMITS)
+    relaying = P2P._make_process_args("p2pd", relay=True)
+    for flag in ("-relayDataLimit=131072", "-relayTimeLimit=2m0s", "-relayBufferSize=2048"):
+        assert flag in relaying
+    assert not any(a.startswith("-relayDataLimit") for a in P2P._make_process_args("p2pd", relay=False))
 
 
 def test_the_metrics_port_goes_to_the_next_p2pd_only_and_on_loopback():

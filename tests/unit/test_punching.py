@@ -4,7 +4,7 @@ from p2p_diloco.swarm.punching import RETRY_MAX_S, RETRY_S, Punching
 
 
 def test_a_peer_no_punch_reached_is_tried_again_after_a_wait_that_doubles_up_to_half_an_hour():
-    punching = Punching(run_dht=None, entry_nodes=[])
+    punching = Punching(run_dht=None, relays=[])
     assert punching._due("p", now=0.0)  # never tried
     waits = []
     for failures in range(1, 9):

@@ -249,7 +249,7 @@ class DiLoCoAverager(BoundedAverager):
         self._leading = True
         self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
         super().__init__(*args, start=False, **kwargs)
-        self.prober = LinkProber(self._stub, self.may_enter)
+        self.prober = LinkProber(self._stub, self.may_enter, lambda: punch.direct_peers(self._p2p))
         self.evidence = EvidenceDesk(self._stub, self.serializer, self.allreduce_kwargs["compression"], aggregation)
         self.auditor = Auditor(self._stub, self.evidence, self._ask_only_admitted_leaders)
         self.gathering = Gathering(

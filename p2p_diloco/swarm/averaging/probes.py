@@ -1,9 +1,10 @@
 """Link probes between members (protocol/links.py), outside the all-reduce's lockstep: the averager's
 `LinkProber`, run in the averager process, where probes are sent and received.
 
-A member probes each other member of its last group with ~1 MB; the receiver times the chunks and
-answers with the rate. In certified runs a probe from a peer that is not admitted is refused
-(swarm/trust/doors.py) before a byte of it is read.
+A member probes each other member of its last group it holds a direct connection to
+(links.probe_targets) with 1-8 MiB; the receiver times the chunks and answers with the rate. In
+certified runs a probe from a peer that is not admitted is refused (swarm/trust/doors.py) before a
+byte of it is read.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, Awaitable, Callable, Collection
 from typing import Any, AsyncIterator  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
 from hivemind.p2p import P2PContext, PeerID
@@ -33,9 +34,15 @@ class LinkProber:
     """Sends link probes and answers them, and keeps what they measured (`link`). Held by
     DiLoCoAverager, whose `rpc_probe` hands each incoming probe to `answer`."""
 
-    def __init__(self, stub: Callable[[PeerID], Any], may_enter: Callable[[Any, str], Awaitable[bool]]):
-        """`stub(peer)`: the averager's RPC stub for `peer`; `may_enter(peer, door)`: its doors."""
-        self._stub, self._may_enter = stub, may_enter
+    def __init__(
+        self,
+        stub: Callable[[PeerID], Any],
+        may_enter: Callable[[Any, str], Awaitable[bool]],
+        direct: Callable[[], Awaitable[Collection[str]]],
+    ):
+        """`stub(peer)`: the averager's RPC stub for `peer`; `may_enter(peer, door)`: its doors;
+        `direct()`: the peers it holds a direct (not relayed) connection to now."""
+        self._stub, self._may_enter, self._direct = stub, may_enter, direct
         self.link = links.LinkMeter()  # lives in the averager process, where probes are sent and received
         self._receiving = False  # one probe arrives at a time: two would share this peer's download
 
@@ -44,11 +51,15 @@ class LinkProber:
         return self.link.bandwidth(), self.link.seen()
 
     async def sweep(self, peers: list[str], size: int, deadline: float) -> dict[str, float | None]:
-        """Probe each peer in turn with `size` bytes until the monotonic `deadline`; {peer: the rate
-        it reported}. A receiver already timing another member's probe answers busy (two probes
-        would share its download, and each would under-read a link): it is tried again after the
-        others, with a growing pause, until the deadline."""
-        reports, pending, pause = {}, list(peers), PROBE_RETRY_S
+        """Probe each of `peers` this averager holds a direct connection to (links.probe_targets) in
+        turn with `size` bytes until the monotonic `deadline`; {peer: the rate it reported}. A
+        receiver already timing another member's probe answers busy (two probes would share its
+        download, and each would under-read a link): it is tried again after the others, with a
+        growing pause, until the deadline."""
+        pending = links.probe_targets(peers, await self._direct())
+        if len(pending) < len(peers):
+            logger.debug("not probed (no direct connection): %s", sorted(set(peers) - set(pending)))
+        reports, pause = {}, PROBE_RETRY_S
         while pending and time.monotonic() < deadline:
             busy = []
             for peer in pending:

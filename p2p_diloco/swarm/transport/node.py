@@ -63,16 +63,17 @@ class SwarmDHT(hivemind.DHT):
         setting: Setting = "public",
         host: str = "",
         hole_punching: bool = False,
+        relays: Sequence[str] = (),
         metrics_port: int | None = None,
         **kwargs: Any,
     ):
         """`preflight`: what to ask the swarm first; `setting` (swarm.reachability) and `host`
         (swarm.host): what decides the node's tier, with the preflight's answers; `hole_punching`
-        (swarm.hole_punching): p2pd's NAT features for that tier (`nat_options`); `metrics_port`:
-        where its p2pd serves Prometheus metrics, on 127.0.0.1 (processes.metrics_at)."""
+        (swarm.hole_punching): p2pd's NAT features for that tier (`nat_options`, with `relays`);
+        `metrics_port`: where its p2pd serves Prometheus metrics, on 127.0.0.1 (processes.metrics_at)."""
         self.timeout_s = timeout_s  # read by run_in_background, which hivemind's __init__ calls
         self.preflight, self.setting, self.host = preflight, setting, host
-        self.hole_punching, self.metrics_port = hole_punching, metrics_port
+        self.hole_punching, self.relays, self.metrics_port = hole_punching, list(relays), metrics_port
         self._decided, self._decide = mp.Pipe(duplex=False)
         super().__init__(*args, check_if_identity_free=False, **kwargs)  # preflight.py asks instead
 
@@ -89,7 +90,7 @@ class SwarmDHT(hivemind.DHT):
             self.setting, self.host, answers.dialback_asked, answers.dialback, mapped=bool(answers.mapped)
         )
         self.kwargs["client_mode"] = not reach.serves
-        self.kwargs.update(nat_options(self.hole_punching, reach.serves, self.initial_peers or ()))
+        self.kwargs.update(nat_options(self.hole_punching, reach.serves, self.relays))
         self._decide.send(reach)
         metrics_at(self.metrics_port)  # after the preflight's throwaway p2pd: this node's own
         super().run()
@@ -153,20 +154,27 @@ class OneSendAtATime:
         return getattr(self._pipe, name)
 
 
-def parse_initial_peers(maddrs: Sequence[str]) -> list[str]:
-    """Check each initial peer is a full multiaddr with a /p2p/ peer id, e.g. /ip4/1.2.3.4/tcp/31337/p2p/12D3..."""
+def parse_initial_peers(maddrs: Sequence[str], what: str = "initial peer") -> list[str]:
+    """Check each initial peer (or relay: `what`) is a full multiaddr with a /p2p/ peer id, e.g.
+    /ip4/1.2.3.4/tcp/31337/p2p/12D3..."""
     for text in maddrs:
         try:
             maddr = Multiaddr(text)
         except Exception as e:  # multiaddr raises several types for malformed text
             raise ConfigError(
-                f"initial peer {text!r} is not a multiaddr ({e}); copy the line the bootstrap node printed"
+                f"{what} {text!r} is not a multiaddr ({e}); copy the line the bootstrap node printed"
             ) from None
         if "/p2p/" not in str(maddr):
             raise ConfigError(
-                f"initial peer {text!r} has no /p2p/<peer id> part; copy the full line the bootstrap node printed"
+                f"{what} {text!r} has no /p2p/<peer id> part; copy the full line the bootstrap node printed"
             )
     return list(maddrs)
+
+
+def relays(cfg: SwarmSection, initial_peers: Sequence[str]) -> list[str]:
+    """The relays a private node holds a slot at and reaches other private nodes through under
+    swarm.hole_punching: swarm.relays, or else its initial peers."""
+    return parse_initial_peers(cfg.relays, "relay") or list(initial_peers)
 
 
 def listen_maddrs(cfg: SwarmSection, port: int | None = None) -> tuple[list[str], list[str]]:
@@ -217,6 +225,7 @@ def start_dht(
                 record_validators=list(validators),
                 nat_port_map=cfg.upnp,  # UPnP/NAT-PMP probe the LAN: only when asked for
                 hole_punching=cfg.hole_punching,
+                relays=relays(cfg, initial_peers),
                 metrics_port=metrics_port,
                 startup_timeout=cfg.join_timeout_s,
                 timeout_s=cfg.join_timeout_s,
@@ -233,17 +242,17 @@ def start_dht(
     return dht
 
 
-def nat_options(hole_punching: bool, serves: bool, entry_nodes: Sequence[Any]) -> dict[str, Any]:
+def nat_options(hole_punching: bool, serves: bool, relays: Sequence[Any]) -> dict[str, Any]:
     """p2pd's NAT features for a node of this tier. Off unless swarm.hole_punching: AutoNAT and
     relays reach out to other nodes unasked. With it (go-libp2p's relay, then DCUtR hole punch;
     docs/design.md, "Hole punching"):
     - a public node is a relay for private ones and answers AutoNAT. Its reachability is forced
       public: go-libp2p starts the relay service only once it believes so.
-    - a private node reserves a slot at its entry nodes (static relays, no discovery:
-      processes._our_flags), so that others reach it through them and punch a direct
+    - a private node reserves a slot at its `relays` (swarm.relays, or its entry nodes: static
+      relays, no discovery: processes._our_flags), so that others reach it through them and punch a direct
       connection. Its p2pd's own DHT is a client's: as a server, a DHT query could connect two homes
       through a relay before the hole-punch handler is up, and DCUtR would never retry."""
-    if not hole_punching or not (serves or entry_nodes):  # (a private node with no entry node has no relay)
+    if not hole_punching or not (serves or relays):  # (a private node with no relay punches nothing)
         return {"auto_nat": False, "use_relay": False, "use_auto_relay": False}
     if serves:
         return {"auto_nat": True, "use_relay": True, "use_auto_relay": False, "force_reachability": "public"}
@@ -253,7 +262,7 @@ def nat_options(hole_punching: bool, serves: bool, entry_nodes: Sequence[Any]) -
         "use_auto_relay": True,
         "force_reachability": "private",
         "dht_mode": "client",
-        "trusted_relays": list(entry_nodes),
+        "trusted_relays": list(relays),
     }
 
 

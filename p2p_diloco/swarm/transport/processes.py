@@ -284,17 +284,27 @@ def metrics_at(port: int | None) -> None:
     _METRICS_PORT[:] = [] if port is None else [port]
 
 
+# go-libp2p's relay v2 defaults. p2pd runs two relay services (docs/design.md, "Hole punching"):
+# go-libp2p's own, always with these limits, and one that its flags configure (-relayDataLimit 4 GiB,
+# -relayTimeLimit 30 min, -relayBufferSize 16 MiB unless given); whichever registered last serves.
+# Given these, both cut a relayed connection at 128 KiB each way or 2 minutes: signalling only.
+RELAY_LIMITS = {"relayDataLimit": 128 << 10, "relayTimeLimit": "2m0s", "relayBufferSize": 2048}
+
+
 def _our_flags() -> None:
     """Flags hivemind never passes p2pd:
     - relayDiscovery off: a node that looks for relays (autoRelay: a private one, under
       swarm.hole_punching) takes its entry nodes as its relays (trustedRelays) and reserves a slot at
       once: p2pd's relay discovery would wait out go-libp2p's 3-minute boot delay first;
+    - a relay's limits (RELAY_LIMITS) wherever p2pd may relay (-relay);
     - metricsAddr on loopback, once asked for (`metrics_at`)."""
     make = P2P._make_process_args
 
     def args(*positional: Any, **flags: Any) -> list[str]:
         if flags.get("autoRelay"):
             flags["relayDiscovery"] = False
+        if flags.get("relay"):
+            flags.update(RELAY_LIMITS)
         if _METRICS_PORT:
             flags["metricsAddr"] = f"127.0.0.1:{_METRICS_PORT.pop()}"
         return make(*positional, **flags)
