@@ -127,10 +127,20 @@ def beaten_since(serving: Iterable[str], before: Mapping[str, float], now: Mappi
     return any(now.get(p, -math.inf) > before.get(p, -math.inf) for p in serving)
 
 
-def nobody_serves(run_id: str, round_: int | None, timeout_s: float) -> str:
+def nobody_serves(run_id: str, round_: int | None, timeout_s: float, unpunched: int = 0) -> str:
     """Why a private peer stops: no public peer of its run beat within `timeout_s` (at start, or at
-    `round_`, where its public peers left: its own state alone is one nobody could ever adopt)."""
-    if round_ is None:
+    `round_`, where its public peers left: its own state alone is one nobody could ever adopt).
+    `unpunched`: the live private peers of the run it could not punch to (swarm.hole_punching)."""
+    if unpunched:
+        where = "" if round_ is None else f" at round {round_}"
+        why = (
+            f"{unpunched} private peer{'s' * (unpunched > 1)} of the run train{'s' * (unpunched == 1)}, but no "
+            "direct connection to "
+            f"{'any of them' if unpunched > 1 else 'it'} formed (hole punching needs both routers to keep one "
+            "public port per connection, cone NAT; one that gives each destination its own port, symmetric "
+            "NAT, cannot be punched)"
+        )
+    elif round_ is None:
         where, why = "", "a private peer (swarm.reachability) needs at least one peer that others can dial"
     else:
         where = f" at round {round_}"

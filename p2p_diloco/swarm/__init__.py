@@ -276,7 +276,8 @@ class HivemindSwarm:
 
         timeout = self.config.swarm.join_timeout_s
         if not deadlines.poll_until(beating, bool, time.monotonic() + timeout, deadlines.ROUND_POLL_S):
-            raise SwarmError(reachability.nobody_serves(self.config.run.run_id, round_, timeout))
+            unpunched = len(self._private_peers()) if self.punching is not None else 0
+            raise SwarmError(reachability.nobody_serves(self.config.run.run_id, round_, timeout, unpunched))
 
     # --- averaging and state download ---------------------------------------------------------
 

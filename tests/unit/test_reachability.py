@@ -133,6 +133,18 @@ def test_a_private_peer_without_a_public_one_is_told_what_happened_and_what_to_d
     later = nobody_serves("r", 7, 20)
     assert later.startswith("no reachable peer of run 'r' at round 7 within 20 s: its public peers left")
     assert all('set swarm.reachability = "public"' in said for said in (start, later))
+    # under hole punching, beside homes it could not punch to (a symmetric NAT's: measured in the lab)
+    homes = nobody_serves("r", None, 30, unpunched=2)
+    assert homes == (
+        "no reachable peer of run 'r' within 30 s: 2 private peers of the run train, but no direct connection "
+        "to any of them formed (hole punching needs both routers to keep one public port per connection, cone "
+        "NAT; one that gives each destination its own port, symmetric NAT, cannot be punched); start a public "
+        'peer, or set swarm.reachability = "public" if others can dial this one'
+    )
+    assert nobody_serves("r", 4, 30, unpunched=1).startswith(
+        "no reachable peer of run 'r' at round 4 within 30 s: 1 private peer of the run trains, but no direct "
+        "connection to it formed"
+    )
 
 
 def test_a_dial_counts_only_a_libp2p_greeting(monkeypatch):
