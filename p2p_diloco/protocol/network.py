@@ -288,6 +288,9 @@ class AllReduced:
     bytes_sent: int
     bytes_received: int
     link_bps: float | None = None  # the link figure this peer announced (bytes/s, links.LinkMeter), if any
+    butterfly_s: float = 0.0  # of allreduce_s: the parts' reduce-scatter and all-gather
+    audit_s: float = 0.0  # of allreduce_s: the audit of the other reducers that followed
+    audit_bytes: int = 0  # what the audit's answers took (not in bytes_received)
 
 
 class Swarm(Protocol):

@@ -37,6 +37,8 @@ class CommStats:
     averaging_s: float = 0.0  # from the start of averaging to its outcome
     blocked_s: float = 0.0  # of that, how long the training loop waited for it
     from_group: bool = False  # the figures come from a group's all-reduce
+    audit_s: float = 0.0  # of allreduce_s, the audit of the other reducers (a group's only)
+    audit_bytes: int = 0  # what the audit's answers took, apart from bytes_received
 
     def record(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -45,7 +47,7 @@ class CommStats:
             "bytes_received": self.bytes_received,
         }
         if self.from_group:
-            out["link_mbit_s"] = self.link_mbit_s
+            out.update(link_mbit_s=self.link_mbit_s, audit_s=self.audit_s, audit_bytes=self.audit_bytes)
         out.update(
             dropped=self.dropped,
             averaging_s=self.averaging_s,
@@ -241,4 +243,13 @@ def _unflatten(result: AllReduced, delta: outer.Tensors, lossy: outer.Tensors, e
 
 def _group_stats(result: AllReduced, dropped: bool) -> CommStats:
     link = round(result.link_bps * 8e-6, 2) if result.link_bps else None
-    return CommStats(result.allreduce_s, result.bytes_sent, result.bytes_received, dropped, link, from_group=True)
+    return CommStats(
+        result.allreduce_s,
+        result.bytes_sent,
+        result.bytes_received,
+        dropped,
+        link,
+        from_group=True,
+        audit_s=result.audit_s,
+        audit_bytes=result.audit_bytes,
+    )

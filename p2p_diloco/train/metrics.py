@@ -237,6 +237,8 @@ PEER_GAUGES = {
     "allreduce_s": "seconds of this peer's last all-reduce",
     "bytes_sent": "bytes this peer sent in its last all-reduce",
     "bytes_received": "bytes this peer received in its last all-reduce",
+    "audit_s": "seconds of its last all-reduce spent auditing the other reducers",
+    "audit_bytes": "bytes the audit of its last all-reduce took, apart from bytes_received",
     "alone_rounds": "rounds in a row this peer averaged alone",
 }
 

@@ -144,6 +144,9 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
                     "group": len(result.group),
                     "bytes_sent": result.bytes_sent,
                     "bytes_received": result.bytes_received,
+                    "audit_bytes": result.audit_bytes,
+                    "audit_s": result.audit_s,
+                    "butterfly_s": result.butterfly_s,
                     "residual": describe_residual(swarm, delta, codec),
                     **report,
                 }

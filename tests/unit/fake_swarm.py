@@ -90,7 +90,7 @@ class FakeSwarm:
             exact = call.exact / k if call.exact is not None else None
             members = tuple(sorted((self.peer_id, *others)))
             self.agreeing.update(p for p in others if p not in self.records)
-            return AllReduced(call.delta / k, exact, members, 0.25, 1000 * k, 2000 * k)
+            return AllReduced(call.delta / k, exact, members, 0.25, 1000 * k, 2000 * k, None, 0.15, 0.05, 500 * k)
 
         return step
 

@@ -136,6 +136,7 @@ def test_a_full_group_applies_its_average(tmp_path):
     last = records(peer)[-1]
     assert (last["round"], last["group_size"], last["bytes_sent"], last["bytes_received"]) == (1, 3, 3000, 6000)
     assert last["allreduce_s"] == 0.25 and "link_mbit_s" in last and last["dropped"] is False
+    assert (last["audit_s"], last["audit_bytes"]) == (0.05, 1500)  # the audit, apart from the butterfly's bytes
     assert last["digest"] == peer.state.digest() == fake.published[-1].digest
     assert fake.downloads == []  # the group agreed: nothing to download
 

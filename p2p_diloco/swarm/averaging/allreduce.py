@@ -54,6 +54,9 @@ class AllreduceStats:
 
     bytes_sent: int
     bytes_received: int
+    butterfly_s: float = 0.0  # the reduce-scatter and all-gather of the parts, until every average arrived
+    audit_s: float = 0.0  # then the audit of the other reducers (auditor.py), before anything is applied
+    audit_bytes: int = 0  # what their answers to the audit took, apart from bytes_received
 
 
 class PartialAllreduce(AllreduceException):

@@ -142,12 +142,14 @@ class Auditor:
             return []
         return [signed[sender] for sender in range(len(runner.sender_peer_ids))]
 
-    async def check(self, runner: ConsistentAllReduceRunner) -> None:
-        """Audit every other reducer of the group; raise if any failed (before anything is applied)."""
+    async def check(self, runner: ConsistentAllReduceRunner) -> int:
+        """Audit every other reducer of the group; raise if any failed (before anything is applied).
+        Returns the bytes the reducers' answers took (their messages' sizes)."""
         seed = runner.ledger.seed()
         me = runner.ordered_peer_ids.index(runner.peer_id)
         reducers = [j for j, n in enumerate(runner.tensor_part_container.num_parts_by_peer) if n > 0 and j != me]
-        verdicts = await asyncio.gather(*(self._audit_one(runner, j, seed) for j in reducers))
+        received: list[int] = []
+        verdicts = await asyncio.gather(*(self._audit_one(runner, j, seed, received) for j in reducers))
         convictions = [(j, v[1]) for j, v in zip(reducers, verdicts) if v is not None and v[0]]
         for j, reason in convictions:
             peer = str(runner.ordered_peer_ids[j])
@@ -162,23 +164,30 @@ class Auditor:
         if unanswered:
             j, reason = unanswered[0]
             raise AllreduceException(f"reducer {runner.ordered_peer_ids[j]}: {reason}; nothing applied")
+        return sum(received)
 
-    async def _audit_one(self, runner: ConsistentAllReduceRunner, j: int, seed: bytes) -> tuple[bool, str] | None:
-        """None if reducer `j` passes; (True, why) if it is convicted; (False, why) if it did not answer."""
+    async def _audit_one(
+        self, runner: ConsistentAllReduceRunner, j: int, seed: bytes, received: list[int]
+    ) -> tuple[bool, str] | None:
+        """None if reducer `j` passes; (True, why) if it is convicted; (False, why) if it did not
+        answer. The size of each answer goes to `received`."""
         container = runner.tensor_part_container
         count = audit.parts_to_audit(container.part_size_bytes)
         parts = audit.audited_parts(seed, str(runner.ordered_peer_ids[j]), container.num_parts_by_peer[j], count)
-        verdicts = await asyncio.gather(*(self._audit_part(runner, j, part) for part in parts))
+        verdicts = await asyncio.gather(*(self._audit_part(runner, j, part, received) for part in parts))
         failed = [v for v in verdicts if v is not None]
         return next((v for v in failed if v[0]), failed[0] if failed else None)  # a conviction first
 
-    async def _audit_part(self, runner: ConsistentAllReduceRunner, j: int, part: int) -> tuple[bool, str] | None:
+    async def _audit_part(
+        self, runner: ConsistentAllReduceRunner, j: int, part: int, received: list[int]
+    ) -> tuple[bool, str] | None:
         """The verdict on one part of reducer `j`'s span, as `_audit_one`'s."""
         peer = runner.ordered_peer_ids[j]
         try:
             shown = await self._ask(peer, runner.group_id, part, len(runner.ledger.senders), runner.sender_timeout)
         except Exception as e:  # a dead, slow or garbled reducer: the round fails, nobody is convicted
             return False, f"no answer to the audit of part {part} ({type(e).__name__})"
+        received.append(sum(message.ByteSize() for message in shown))
         return self._judge(runner, j, part, shown)
 
     async def _ask(

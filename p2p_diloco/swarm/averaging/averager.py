@@ -17,6 +17,7 @@ hivemind's pipe.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import signal
 import time
@@ -520,9 +521,11 @@ class Reduction:
         # so a failure leaves the caller's pseudo-gradient untouched (I2).
         if self._residual is not None:
             runner.residuals[LOSSY_TENSOR] = torch.zeros_like(self._residual)
+        started = time.perf_counter()
         try:
             results = [averaged async for averaged in runner]
-            await self._auditor.check(runner)  # every other reducer's answer checked before anything is applied
+            butterfly_done = time.perf_counter()
+            audit_bytes = await self._auditor.check(runner)  # every other reducer's answer checked first
         finally:
             self._auditor.settle(runner.ledger)
             if fates := runner.fates():  # clipping is routine for a robust aggregator; a dropped part is news
@@ -532,4 +535,5 @@ class Reduction:
             tensor.copy_(averaged)
         if self._residual is not None:
             self._residual.copy_(runner.residuals[LOSSY_TENSOR])
-        return runner.stats()
+        butterfly_s, audit_s = butterfly_done - started, time.perf_counter() - butterfly_done
+        return dataclasses.replace(runner.stats(), butterfly_s=butterfly_s, audit_s=audit_s, audit_bytes=audit_bytes)

@@ -181,6 +181,9 @@ class AveragingStep:
             result.stats.bytes_sent,
             result.stats.bytes_received,
             link_bps,
+            result.stats.butterfly_s,
+            result.stats.audit_s,
+            result.stats.audit_bytes,
         )
 
     def _link_report(self) -> tuple[float | None, dict[str, float]]:
