@@ -8,13 +8,19 @@ of its own with `--rate` Mbit/s up and down, average a random pseudo-gradient of
 
 with bytes_on_wire = NUMEL · the codec's bytes per value (p2p_diloco/protocol/codecs.py). Ethernet and TCP/IP
 headers (1514 bytes per 1448 of payload) and libp2p framing are not in the bound, so a perfect run
-scores ~1.05. Two checks of what really travelled, per value of Δ, in the same units
-(bytes_on_wire / NUMEL): `wire_bytes_per_value` from each peer's veth counters (which count one
-header per GSO packet of up to 64 KiB: ~0.5 % above the payload), and `reported_bytes_per_value`
-from the bytes_sent that p2p_diloco/swarm/averaging/allreduce.py reports.
+scores ~1.05. With `--up` and `--down` (a home link), the slower direction's rate. The all-reduce
+of a real run includes the audit of the other reducers (swarm/averaging/auditor.py), which the bound
+leaves out: `ratio` is the whole all-reduce's, `butterfly_ratio` the butterfly's alone, and
+`audit_median_s` and `audit_bytes_per_peer` what the audit cost. Two checks of what really
+travelled, per value of Δ, in the same units (bytes_on_wire / NUMEL): `wire_bytes_per_value` from
+each peer's veth counters (which count one header per GSO packet of up to 64 KiB: ~0.5 % above
+the payload; the audit's bytes included), and `reported_bytes_per_value` from the bytes_sent that
+p2p_diloco/swarm/averaging/allreduce.py reports (the butterfly's only).
 
     .venv/bin/python bench/allreduce.py                   # as root; k = 2, 4, 8; all codecs; ~13 min here
     .venv/bin/python bench/allreduce.py --ks 2 4 --codecs fp32 scaled-fp16 --repeats 3
+    .venv/bin/python bench/allreduce.py --ks 4 --codecs fp32 --up 10 --down 50 --numel 2.5e6 --repeats 12 \
+        --out bench/results/allreduce_home    # a home link: 10 Mbit/s up, 50 down
     .venv/bin/python bench/allreduce.py --ks 4 --codecs int8 --aggregators mean clip centered-clip trimmed-mean \
         --out bench/results/allreduce_aggregators    # what robust reduction costs (issue 14)
 
@@ -38,7 +44,10 @@ from pathlib import Path
 from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
 
-from netlab import NetLab, available, line_reader, namespaces, next_line  # bench/ is on sys.path when run as a script
+if __package__:  # imported as bench.allreduce (the tests)
+    from .netlab import NetLab, available, line_reader, namespaces, next_line
+else:  # run as a script, bench/ on sys.path
+    from netlab import NetLab, available, line_reader, namespaces, next_line
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # k peers share 2 cores
@@ -51,6 +60,8 @@ MATCHMAKING_S = 5  # the worker's swarm.matchmaking_time_s
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--rate", type=float, default=100, help="each peer's upload and download, Mbit/s")
+    p.add_argument("--up", type=float, help="each peer's upload, Mbit/s (default: --rate)")
+    p.add_argument("--down", type=float, help="each peer's download, Mbit/s (default: --rate)")
     p.add_argument("--numel", type=float, default=25e6, help="values in the pseudo-gradient (fp32)")
     p.add_argument("--numel-k8", type=float, default=10e6, help="values when k >= 8 (8 peers on 2 cores)")
     p.add_argument("--ks", type=int, nargs="+", default=[2, 4, 8], help="group sizes")
@@ -58,9 +69,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--aggregators", nargs="+", default=["clip"], help="how reducers combine parts (swarm.aggregator)")
     p.add_argument("--repeats", type=int, default=3, help="all-reduces per setting; the median is reported")
     p.add_argument(
+        "--averaging-timeout", type=float, help="the workers' swarm.averaging_timeout_s (default: 5x the bound, >= 60)"
+    )
+    p.add_argument(
         "--out", default=str(ROOT / "bench" / "results" / "allreduce"), help="path of the .json/.png, no suffix"
     )
-    return p.parse_args()
+    args = p.parse_args()
+    args.up, args.down = args.up or args.rate, args.down or args.rate
+    return args
 
 
 def known_codecs(codecs: list[str]) -> list[str]:
@@ -104,9 +120,10 @@ def bootstrap(lab: NetLab, host: int, folder: Path) -> str:
             return line.split()[1]
 
 
-def bound_s(k: int, wire_bytes: float, rate_mbit: float) -> float:
-    """Butterfly all-reduce: each peer sends and receives 2 (k - 1) / k of one encoded Δ."""
-    return 2 * (k - 1) / k * wire_bytes * 8 / (rate_mbit * 1e6)
+def bound_s(k: int, wire_bytes: float, up_mbit: float, down_mbit: float | None = None) -> float:
+    """Butterfly all-reduce: each peer sends and receives 2 (k - 1) / k of one encoded Δ, at its
+    upload and download rates: the slower direction bounds it."""
+    return 2 * (k - 1) / k * wire_bytes * 8 / (min(up_mbit, down_mbit or up_mbit) * 1e6)
 
 
 def run_setting(
@@ -114,7 +131,9 @@ def run_setting(
 ) -> dict:
     """k workers, `args.repeats` all-reduces; every member must hold the same bytes after each."""
     # The swarm's averaging deadline: generous, this measures the all-reduce, it does not police it.
-    timeout_s = max(60.0, 5 * bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], args.rate))
+    timeout_s = getattr(args, "averaging_timeout", None) or max(
+        60.0, 5 * bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], args.up, args.down)
+    )
     workers = [
         lab.popen(
             i,
@@ -148,13 +167,13 @@ def run_setting(
         runs = [one_allreduce(lab, workers, outs, timeout_s + 3 * MATCHMAKING_S + 30) for _ in range(args.repeats)]
     except RuntimeError as e:  # a worker died or fell silent: note it and go on with the next setting
         print(f"  setting abandoned: {e}; see {folder}/k{k}-{codec}-w*.log", flush=True)
-        return {"k": k, "codec": codec, "numel": numel, "rate_mbit": args.rate, "error": str(e)}
+        return {"k": k, "codec": codec, "numel": numel, "up_mbit": args.up, "down_mbit": args.down, "error": str(e)}
     finally:
         for w in workers:  # EOF on stdin: the worker leaves the swarm; then its process group ends
             w.stdin.close()
         for w in workers:
             lab.end(w, grace_s=20)
-    return {**summarize(k, codec, numel, args.rate, runs), "aggregator": aggregator}
+    return {**summarize(k, codec, numel, (args.up, args.down), runs), "aggregator": aggregator}
 
 
 def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> dict:
@@ -174,6 +193,9 @@ def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> d
     run = {
         "allreduce_s": max(r["allreduce_s"] for r in replies),  # the all-reduce ends with its slowest member
         "bytes_sent": [r["bytes_sent"] for r in replies],
+        "butterfly_s": max(r["butterfly_s"] for r in replies),
+        "audit_s": max(r["audit_s"] for r in replies),
+        "audit_bytes": [r["audit_bytes"] for r in replies],
         "bandwidth": [r.get("bandwidth") for r in replies],
         "link_sent": [lab.link_bytes(i)[0] - sent_before[i] for i in range(len(workers))],
     }
@@ -181,13 +203,14 @@ def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> d
     return run
 
 
-def summarize(k: int, codec: str, numel: int, rate: float, runs: list[dict]) -> dict:
+def summarize(k: int, codec: str, numel: int, rate: tuple[float, float], runs: list[dict]) -> dict:
     ok = [r for r in runs if "error" not in r]
     out = {
         "k": k,
         "codec": codec,
         "numel": numel,
-        "rate_mbit": rate,
+        "up_mbit": rate[0],
+        "down_mbit": rate[1],
         "runs": len(runs),
         "failed": len(runs) - len(ok),
         "nominal_bytes_per_value": NOMINAL_BYTES_PER_VALUE[codec],
@@ -200,9 +223,14 @@ def summarize(k: int, codec: str, numel: int, rate: float, runs: list[dict]) -> 
         return statistics.median(statistics.mean(r[sent]) for r in ok) * k / (2 * (k - 1)) / numel
 
     times = [r["allreduce_s"] for r in ok]
-    bound = bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], rate)
+    bound = bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], *rate)
+    butterfly = statistics.median(r["butterfly_s"] for r in ok)
     return {
         **out,
+        # the butterfly alone against the bound, and the audit that follows it, apart
+        "butterfly_ratio": butterfly / bound,
+        "audit_median_s": statistics.median(r["audit_s"] for r in ok),
+        "audit_bytes_per_peer": statistics.median(statistics.mean(r["audit_bytes"]) for r in ok),
         "wire_bytes_per_value": per_value("link_sent"),
         "reported_bytes_per_value": per_value("bytes_sent"),
         "times_s": times,
@@ -213,7 +241,7 @@ def summarize(k: int, codec: str, numel: int, rate: float, runs: list[dict]) -> 
     }
 
 
-def plot(results: list[dict], path: Path, rate: float) -> None:
+def plot(results: list[dict], path: Path, up: float, down: float) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -229,10 +257,16 @@ def plot(results: list[dict], path: Path, rate: float) -> None:
         label = codec if len({a for _, a in settings}) == 1 else f"{codec}, {aggregator}"
         (line,) = left.plot(ks, [r["median_s"] for r in rows], "o-", label=label)
         left.plot(ks, [r["bound_s"] for r in rows], "--", color=line.get_color(), alpha=0.6)
-        right.plot(ks, [r["ratio"] for r in rows], "o-", label=label)
+        right.plot(ks, [r["ratio"] for r in rows], "o-", color=line.get_color(), label=label)
+        right.plot(ks, [r["butterfly_ratio"] for r in rows], "s:", color=line.get_color(), alpha=0.7)
     right.axhline(1.0, color="gray", ls=":", label="bound")
-    left.set(xlabel="peers k", ylabel="all-reduce time, s (dashed: bound)", title=f"time at {rate:g} Mbit/s per peer")
-    right.set(xlabel="peers k", ylabel="measured / bound", title="ratio to 2(k-1)/k · bytes on wire / rate")
+    link = f"{up:g} Mbit/s" if up == down else f"{up:g} up / {down:g} down Mbit/s"
+    left.set(xlabel="peers k", ylabel="all-reduce time, s (dashed: bound)", title=f"time at {link} per peer")
+    right.set(
+        xlabel="peers k",
+        ylabel="measured / bound (dotted: the butterfly alone, no audit)",
+        title="ratio to 2(k-1)/k · bytes on wire / slower rate",
+    )
     numel = {r["k"]: r["numel"] for r in results}  # k = 8 may average a smaller Δ
     right.set_ylim(bottom=0)
     for ax in (left, right):
@@ -253,8 +287,8 @@ def main() -> int:
     print(f"logs in {folder}", flush=True)
     results = []
     kmax = max(args.ks)
-    # hosts 0..kmax-1: peers at --rate; host kmax: the bootstrap node, unlimited (it carries only DHT traffic)
-    with NetLab([(args.rate, args.rate)] * kmax + [(None, None)]) as lab:
+    # hosts 0..kmax-1: peers at --up/--down; host kmax: the bootstrap node, unlimited (only DHT traffic)
+    with NetLab([(args.up, args.down)] * kmax + [(None, None)]) as lab:
         maddr = bootstrap(lab, kmax, folder)
         for k in args.ks:
             numel = int(args.numel_k8 if k >= 8 else args.numel)
@@ -268,14 +302,15 @@ def main() -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {
-        "rate_mbit": args.rate,
+        "up_mbit": args.up,
+        "down_mbit": args.down,
         "repeats": args.repeats,
         "cpus": os.cpu_count(),
         "note": "time: the slowest member's allreduce_s (from group formed to result); "
         "the 2-core machine was shared with other work: noisy",
     }
     out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
-    plot(results, out.with_suffix(".png"), args.rate)
+    plot(results, out.with_suffix(".png"), args.up, args.down)
     print(f"wrote {out}.json and {out}.png")
     return 0
 

@@ -68,6 +68,9 @@ def average(swarm: HivemindSwarm, delta: torch.Tensor, round_: int, group: int) 
         "allreduce_s": result.allreduce_s,
         "bytes_sent": result.bytes_sent,
         "bytes_received": result.bytes_received,
+        "butterfly_s": result.butterfly_s,
+        "audit_s": result.audit_s,
+        "audit_bytes": result.audit_bytes,
         "group": len(result.group),
         "bandwidth": result.link_bps,  # the link figure this peer announced, bytes/s (protocol/links.py)
         "probes": wait_for_probes(swarm),

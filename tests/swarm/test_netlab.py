@@ -36,3 +36,23 @@ def test_an_error_inside_the_lab_still_ends_its_processes_and_namespaces():
             raise ZeroDivisionError("an error inside the lab")
     assert waiting.poll() is not None, "a process started in the lab outlived it"
     assert namespaces(prefix) == []
+
+
+@pytest.mark.scenario  # in the suite: audit.reply_timeout_s by hand (tests/unit/test_audit.py)
+@pytest.mark.timeout(1200)
+def test_four_peers_on_home_links_of_10_up_and_50_down_complete_every_all_reduce(tmp_path):
+    """Issue 30: on links of 10 Mbit/s up and 50 down, all-reduces failed ("no answer to the audit
+    of part 1 (TimeoutError)", 1 of 6 at 10 MB of fp32 here; 6 of 12 at 100 MB before): every
+    reducer answers all auditors at once through its upload, and the auditor's wait for the next
+    message was the all-reduce's fixed chunk wait (15 s). It now follows the answers' volume at the
+    butterfly's pace (audit.reply_timeout_s). Every all-reduce of 12 completes, members agree."""
+    import argparse
+
+    from bench import allreduce
+
+    args = argparse.Namespace(up=10.0, down=50.0, repeats=12, averaging_timeout=None)
+    with NetLab([(10, 50)] * 4 + [(None, None)]) as lab:
+        maddr = allreduce.bootstrap(lab, 4, tmp_path)
+        result = allreduce.run_setting(lab, maddr, 4, "fp32", 2_500_000, args, tmp_path, "clip")
+    assert "error" not in result and result["failed"] == 0, result
+    assert result["runs"] == 12

@@ -137,3 +137,16 @@ def test_a_small_model_s_span_is_audited_whole_and_a_big_model_s_one_part_at_a_t
     assert len(set(picked)) == 3 and all(0 <= p < 10 for p in picked) and picked == sorted(picked)
     assert audit.audited_parts(seed, "r", 10, 3) == picked  # every member picks the same
     assert audit.audited_parts(seed, "r", 10, 0) == audit.audited_parts(seed, "r", 10, 1)  # at least one
+
+
+def test_the_audits_wait_follows_what_the_reducer_must_upload_at_the_butterflys_pace():
+    # Measured at 10 Mbit/s up (bench/allreduce.py, k = 4, 10 MB of fp32): 625 KB parts, 3 audited
+    # per reducer, 4 senders, 3 auditors: 22.5 MB through the reducer's upload. The butterfly
+    # delivered 15 MB to each member in 13.6 s (1.1 MB/s): 3 x 20.4 s, not the fixed 15 s that let
+    # 1 all-reduce in 6 fail.
+    volume = audit.answers_bytes(auditors=3, parts=3, senders=4, part_bytes=625_000)
+    assert volume == 22_500_000
+    assert audit.reply_timeout_s(15.0, volume, 15e6 / 13.6) == pytest.approx(3 * 22.5e6 / (15e6 / 13.6))
+    # a small group on a fast link keeps the all-reduce's own wait; no pace measured: the same
+    assert audit.reply_timeout_s(15.0, 1_000_000, 100e6) == 15.0
+    assert audit.reply_timeout_s(15.0, volume, 0.0) == 15.0

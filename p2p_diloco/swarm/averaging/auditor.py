@@ -142,14 +142,16 @@ class Auditor:
             return []
         return [signed[sender] for sender in range(len(runner.sender_peer_ids))]
 
-    async def check(self, runner: ConsistentAllReduceRunner) -> int:
+    async def check(self, runner: ConsistentAllReduceRunner, pace_bytes_s: float = 0.0) -> int:
         """Audit every other reducer of the group; raise if any failed (before anything is applied).
-        Returns the bytes the reducers' answers took (their messages' sizes)."""
+        `pace_bytes_s`: how fast the butterfly moved (audit.reply_timeout_s). Returns the bytes the
+        reducers' answers took (their messages' sizes)."""
         seed = runner.ledger.seed()
         me = runner.ordered_peer_ids.index(runner.peer_id)
         reducers = [j for j, n in enumerate(runner.tensor_part_container.num_parts_by_peer) if n > 0 and j != me]
         received: list[int] = []
-        verdicts = await asyncio.gather(*(self._audit_one(runner, j, seed, received) for j in reducers))
+        audits = (self._audit_one(runner, j, seed, received, pace_bytes_s) for j in reducers)
+        verdicts = await asyncio.gather(*audits)
         convictions = [(j, v[1]) for j, v in zip(reducers, verdicts) if v is not None and v[0]]
         for j, reason in convictions:
             peer = str(runner.ordered_peer_ids[j])
@@ -167,24 +169,28 @@ class Auditor:
         return sum(received)
 
     async def _audit_one(
-        self, runner: ConsistentAllReduceRunner, j: int, seed: bytes, received: list[int]
+        self, runner: ConsistentAllReduceRunner, j: int, seed: bytes, received: list[int], pace_bytes_s: float
     ) -> tuple[bool, str] | None:
         """None if reducer `j` passes; (True, why) if it is convicted; (False, why) if it did not
         answer. The size of each answer goes to `received`."""
         container = runner.tensor_part_container
         count = audit.parts_to_audit(container.part_size_bytes)
         parts = audit.audited_parts(seed, str(runner.ordered_peer_ids[j]), container.num_parts_by_peer[j], count)
-        verdicts = await asyncio.gather(*(self._audit_part(runner, j, part, received) for part in parts))
+        senders, auditors = len(runner.ledger.senders), len(runner.ordered_peer_ids) - 1
+        volume = audit.answers_bytes(auditors, len(parts), senders, container.part_size_bytes)
+        wait_s = audit.reply_timeout_s(runner.sender_timeout or 0.0, volume, pace_bytes_s)
+        verdicts = await asyncio.gather(*(self._audit_part(runner, j, part, received, wait_s) for part in parts))
         failed = [v for v in verdicts if v is not None]
         return next((v for v in failed if v[0]), failed[0] if failed else None)  # a conviction first
 
     async def _audit_part(
-        self, runner: ConsistentAllReduceRunner, j: int, part: int, received: list[int]
+        self, runner: ConsistentAllReduceRunner, j: int, part: int, received: list[int], wait_s: float
     ) -> tuple[bool, str] | None:
-        """The verdict on one part of reducer `j`'s span, as `_audit_one`'s."""
+        """The verdict on one part of reducer `j`'s span, as `_audit_one`'s; `wait_s`: the longest
+        wait for the next message of its answer."""
         peer = runner.ordered_peer_ids[j]
         try:
-            shown = await self._ask(peer, runner.group_id, part, len(runner.ledger.senders), runner.sender_timeout)
+            shown = await self._ask(peer, runner.group_id, part, len(runner.ledger.senders), wait_s)
         except Exception as e:  # a dead, slow or garbled reducer: the round fails, nobody is convicted
             return False, f"no answer to the audit of part {part} ({type(e).__name__})"
         received.append(sum(message.ByteSize() for message in shown))
@@ -193,8 +199,9 @@ class Auditor:
     async def _ask(
         self, peer: Any, group_id: bytes, part: int, senders: int, reply_timeout_s: float
     ) -> list[averaging_pb2.AveragingData]:
-        """The reducer's answer, each signed part within the all-reduce's own wait for a chunk
-        (`next_chunk_timeout`): a member that hung after its all-reduce (its answers all sent, a
+        """The reducer's answer, each signed part within `reply_timeout_s` (audit.reply_timeout_s:
+        the all-reduce's own wait for a chunk, longer only as far as the answers' volume needs at
+        the butterfly's pace): a member that hung after its all-reduce (its answers all sent, a
         laptop gone to sleep) would cost the others the whole all-reduce deadline and then the
         retry's matchmaking (docs/design.md §3, step 7)."""
         request = averaging_pb2.AveragingData(group_id=group_id, weight=float(part))

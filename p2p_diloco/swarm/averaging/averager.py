@@ -525,7 +525,8 @@ class Reduction:
         try:
             results = [averaged async for averaged in runner]
             butterfly_done = time.perf_counter()
-            audit_bytes = await self._auditor.check(runner)  # every other reducer's answer checked first
+            pace = runner.stats().bytes_received / max(butterfly_done - started, 1e-3)
+            audit_bytes = await self._auditor.check(runner, pace)  # every other reducer's answer checked first
         finally:
             self._auditor.settle(runner.ledger)
             if fates := runner.fates():  # clipping is routine for a robust aggregator; a dropped part is news
