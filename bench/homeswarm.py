@@ -68,6 +68,7 @@ def run(
     libp2p's own identify and ping). `late`: (home, round): that home's peer starts once the first
     peer recorded the round."""
     overrides = {**TINY, "run.rounds": str(rounds), "run.run_id": "homeswarm", **settings}
+    folder.mkdir(parents=True, exist_ok=True)  # the relay-only nodes' TMPDIR (keys, sockets)
     with HomeNet(public=entry_nodes + public_peer + relays, homes=homes) as net:
         relay_hosts = list(range(entry_nodes + public_peer, entry_nodes + public_peer + relays))
         relay_nodes = [_relay_only(net, host, folder) for host in relay_hosts]
