@@ -26,6 +26,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from dataclasses import dataclass
@@ -63,6 +64,9 @@ class NetLab:
         self.hosts = self._hosts(links)
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []  # namespaces this lab created, deleted in reverse on close
+        # The lab's processes' TMPDIR (`popen`): what a SIGKILLed one leaves (torch's shared-memory
+        # folders, p2pd's sockets) goes with the lab, not into /tmp.
+        self.tmp = tempfile.mkdtemp(prefix=f"{self.prefix}tmp-")
         _delete_namespaces(self.prefix)  # what a crashed run with our pid left (this prefix only)
         try:
             self._build()
@@ -104,8 +108,13 @@ class NetLab:
 
     def popen(self, host: int, cmd: list[str], **kwargs) -> subprocess.Popen:
         """Start `cmd` inside host `host`'s namespace, in a session of its own (its process group
-        id is its pid), so that it and everything it forks (hivemind's p2pd) can be ended together."""
-        proc = subprocess.Popen(["ip", "netns", "exec", self.hosts[host].netns, *cmd], start_new_session=True, **kwargs)
+        id is its pid), so that it and everything it forks (hivemind's p2pd) can be ended together.
+        Its TMPDIR is the lab's own folder, unless `env` names another one than this process's."""
+        env = dict(kwargs.pop("env", None) or os.environ)
+        if env.get("TMPDIR") == os.environ.get("TMPDIR"):
+            env["TMPDIR"] = self.tmp
+        netns = ["ip", "netns", "exec", self.hosts[host].netns]
+        proc = subprocess.Popen([*netns, *cmd], start_new_session=True, env=env, **kwargs)
         self.procs.append(proc)
         return proc
 
@@ -153,6 +162,7 @@ class NetLab:
         for name in reversed(self._made):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
         self._made.clear()
+        shutil.rmtree(self.tmp, ignore_errors=True)  # made by this lab, used by its processes only
 
 
 def namespaces(prefix: str) -> list[str]:

@@ -3,6 +3,7 @@ lab leaves no namespace or process behind, also when the code inside it fails.""
 
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -33,9 +34,15 @@ def test_an_error_inside_the_lab_still_ends_its_processes_and_namespaces():
             prefix = lab.prefix
             waiting = lab.popen(0, [sys.executable, "-c", "import sys; sys.stdin.read()"], stdin=subprocess.PIPE)
             assert sorted(namespaces(prefix)) == [f"{prefix}br", f"{prefix}h0", f"{prefix}h1"]
+            # its processes' temporary files go in the lab's own folder (what a SIGKILLed one leaves)
+            where = "import tempfile; print(tempfile.gettempdir())"
+            shown = lab.popen(1, [sys.executable, "-c", where], stdout=subprocess.PIPE, text=True)
+            assert shown.communicate(timeout=30)[0].strip() == lab.tmp
+            (Path(lab.tmp) / "torch-shm-dir-left").mkdir()
             raise ZeroDivisionError("an error inside the lab")
     assert waiting.poll() is not None, "a process started in the lab outlived it"
     assert namespaces(prefix) == []
+    assert not Path(lab.tmp).exists(), "the lab left its processes' temporary folder behind"
 
 
 @pytest.mark.scenario  # in the suite: audit.reply_timeout_s by hand (tests/unit/test_audit.py)
