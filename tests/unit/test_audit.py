@@ -150,3 +150,49 @@ def test_the_audits_wait_follows_what_the_reducer_must_upload_at_the_butterflys_
     # a small group on a fast link keeps the all-reduce's own wait; no pace measured: the same
     assert audit.reply_timeout_s(15.0, 1_000_000, 100e6) == 15.0
     assert audit.reply_timeout_s(15.0, volume, 0.0) == 15.0
+
+
+def test_an_answer_slower_than_the_chunk_wait_but_as_fast_as_its_volume_allows_is_waited_for(monkeypatch):
+    """The home-link failure, reproduced with a delay in place of a busy upload: a reducer's answer
+    whose messages come 0.3 s apart, while the all-reduce's chunk wait is 0.1 s. With the answers'
+    volume at the butterfly's pace (3 x 2 MB / 8 MB/s x 3 = 2.25 s) the auditor waits for them;
+    with no pace measured it keeps the chunk wait and gives up, as every auditor did before."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from hivemind.proto import averaging_pb2
+
+    from p2p_diloco.swarm.averaging.auditor import Auditor
+
+    senders = 3
+
+    class SlowReducer:
+        def __init__(self, _peer):
+            pass
+
+        async def rpc_audit(self, requests):
+            async def answers():
+                async for _ in requests:
+                    for _ in range(senders):
+                        await asyncio.sleep(0.3)  # its upload is busy with the other auditors' answers
+                        yield averaging_pb2.AveragingData(code=averaging_pb2.PART_FOR_AVERAGING)
+                    return
+
+            return answers()
+
+    container = SimpleNamespace(part_size_bytes=1_000_000, num_parts_by_peer=(1, 1))
+    runner = SimpleNamespace(
+        tensor_part_container=container,
+        ordered_peer_ids=("me", "reducer", "other"),
+        ledger=SimpleNamespace(senders=("me", "reducer", "other")),
+        sender_timeout=0.1,
+        group_id=b"g",
+    )
+    auditor = Auditor(SlowReducer, evidence=None, left_out_changed=lambda: None)
+    monkeypatch.setattr(auditor, "_judge", lambda runner, j, part, shown: None if len(shown) == senders else "short")
+    # volume: 2 auditors x 1 part x 3 senders x 1 MB = 6 MB, at 8 MB/s: 0.75 s, x 3 = 2.25 s
+    received: list[int] = []
+    assert asyncio.run(auditor._audit_one(runner, 1, b"seed", received, pace_bytes_s=8e6)) is None
+    assert len(received) == 1
+    verdict = asyncio.run(auditor._audit_one(runner, 1, b"seed", [], pace_bytes_s=0.0))
+    assert verdict == (False, "no answer to the audit of part 0 (TimeoutError)")
