@@ -51,9 +51,16 @@ else:  # run as a script, bench/ on sys.path
 
 ROOT = Path(__file__).resolve().parents[1]
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # k peers share 2 cores
-CODECS = ["fp32", "scaled-fp16", "bf16", "int8", "int4"]
+CODECS = ["fp32", "scaled-fp16", "bf16", "int8", "int4", "int2"]
 # p2p_diloco/protocol/codecs.py: int8 has one fp32 scale per 128 values, int4 one per 64
-NOMINAL_BYTES_PER_VALUE = {"fp32": 4, "scaled-fp16": 2, "bf16": 2, "int8": 1 + 4 / 128, "int4": 0.5 + 4 / 64}
+NOMINAL_BYTES_PER_VALUE = {
+    "fp32": 4,
+    "scaled-fp16": 2,
+    "bf16": 2,
+    "int8": 1 + 4 / 128,
+    "int4": 0.5 + 4 / 64,
+    "int2": 0.25 + 4 / 128,
+}
 MATCHMAKING_S = 5  # the worker's swarm.matchmaking_time_s
 
 

@@ -30,6 +30,7 @@ RUNS = {
     "int8 + EF": {"swarm.compression": "int8"},
     "int4 + EF": {"swarm.compression": "int4"},
     "int4, no EF": {"swarm.compression": "int4", "swarm.error_feedback": "false"},
+    "int2 + EF": {"swarm.compression": "int2"},
     "fp32 overlapped (delayed)": {"swarm.compression": "fp32", "swarm.overlap": "delayed"},
     "fp32 overlapped (eager)": {"swarm.compression": "fp32", "swarm.overlap": "eager"},
 }

@@ -173,7 +173,7 @@ class SwarmSection:
     compression: codecs.CodecName = shared(
         codecs.DEFAULT,
         "pseudo-gradient codec on the wire: fp32 (exact), bf16, scaled-fp16, "
-        "int8 or int4 (blockwise); norms and biases always travel exact",
+        "int8, int4 or int2 (blockwise); norms and biases always travel exact",
     )
     error_feedback: bool = shared(True, "add what the codec failed to send to the next round's pseudo-gradient")
     aggregator: robust.Aggregator = shared(

@@ -9,6 +9,12 @@ A home peer's uplink is the bottleneck of a round, so Δ is encoded before it le
 | `scaled-fp16` | 2 (+8/part) | (x - mean) / std in float16, mean and std in fp32 (the default)   |
 | `int8`        | 1.03        | blockwise absmax: 128 values share one fp32 scale, q in [-127, 127] |
 | `int4`        | 0.5625      | blockwise absmax: 64 values share one fp32 scale, q in [-7, 7]     |
+| `int2`        | 0.28125     | blockwise RMS: 128 values share one fp32 scale, 4 levels (below)   |
+
+int2 gives each value one of four levels, ±0.4528 and ±1.510 times its block's RMS, split at 0 and
+±0.9816 RMS: the Lloyd-Max quantizer of a normal distribution (mean squared error 0.1175 of the
+variance, against 0.19 for four uniform levels at the block's absmax). What it clips from an
+outlier, error feedback sends in later rounds.
 
 Blockwise scales keep heavy-tailed data honest: one outlier only coarsens its own block, not the
 whole vector (a single global scale, as in hivemind's Uniform8Bit, loses over 50 % on such data).
@@ -33,7 +39,7 @@ from typing import Literal
 
 import torch
 
-CodecName = Literal["fp32", "bf16", "scaled-fp16", "int8", "int4"]
+CodecName = Literal["fp32", "bf16", "scaled-fp16", "int8", "int4", "int2"]
 CODECS: tuple[CodecName, ...] = typing.get_args(CodecName)
 DEFAULT = "scaled-fp16"
 LOSSY = frozenset(CODECS) - {"fp32"}
@@ -68,8 +74,7 @@ class Codec:
             return 2 * numel + 8
         block = _BLOCK[self.name]
         blocks = math.ceil(numel / block)
-        payload = blocks * block if self.name == "int8" else blocks * block // 2
-        return payload + 4 * blocks
+        return blocks * block * _BITS[self.name] // 8 + 4 * blocks
 
     def bytes_per_value(self, numel: int = 1 << 20) -> float:
         return self.encoded_size(numel) / numel
@@ -88,8 +93,11 @@ def residual(sent: torch.Tensor, codec: Codec) -> torch.Tensor:
 
 # --- the encodings ---------------------------------------------------------------------------
 
-_BLOCK = {"int8": 128, "int4": 64}
+_BLOCK = {"int8": 128, "int4": 64, "int2": 128}
+_BITS = {"int8": 8, "int4": 4, "int2": 2}
 _LEVELS = {"int8": 127, "int4": 7}
+INT2_LEVELS = (-1.510, -0.4528, 0.4528, 1.510)  # in units of the block's RMS (Lloyd-Max, normal)
+INT2_SPLIT = 0.9816  # the boundary between the inner and the outer levels
 
 
 def _raw(x: torch.Tensor) -> bytes:
@@ -173,12 +181,31 @@ def _decode_blockwise(name: str, data: bytes, numel: int) -> torch.Tensor:
     return (q.view(n_blocks, block) * scale[:, None]).reshape(-1)[:numel]
 
 
+def _encode_int2(x: torch.Tensor) -> bytes:
+    blocks = _blocks(x, _BLOCK["int2"])
+    scale = blocks.square().mean(dim=1).sqrt()  # (blocks,); 0 for an all-zero block
+    z = blocks / torch.where(scale > 0, scale, torch.ones_like(scale))[:, None]
+    codes = ((z > -INT2_SPLIT).to(torch.uint8) + (z > 0).to(torch.uint8) + (z > INT2_SPLIT).to(torch.uint8)).view(-1, 4)
+    packed = codes[:, 0] | (codes[:, 1] << 2) | (codes[:, 2] << 4) | (codes[:, 3] << 6)  # first value lowest
+    return _raw(packed) + _raw(scale)
+
+
+def _decode_int2(data: bytes, numel: int) -> torch.Tensor:
+    n_blocks = math.ceil(numel / _BLOCK["int2"])
+    packed = _view(memoryview(data)[: len(data) - 4 * n_blocks], torch.uint8)
+    scale = _view(memoryview(data)[len(data) - 4 * n_blocks :], torch.float32)
+    codes = torch.stack([(packed >> shift) & 3 for shift in (0, 2, 4, 6)], dim=1).reshape(-1).long()
+    values = torch.tensor(INT2_LEVELS, dtype=torch.float32)[codes]  # every code is a level: nothing to reject
+    return (values.view(n_blocks, -1) * scale[:, None]).reshape(-1)[:numel]
+
+
 _ENCODERS = {
     "fp32": _encode_fp32,
     "bf16": _encode_bf16,
     "scaled-fp16": _encode_scaled_fp16,
     "int8": lambda x: _encode_blockwise("int8", x),
     "int4": lambda x: _encode_blockwise("int4", x),
+    "int2": _encode_int2,
 }
 _DECODERS = {
     "fp32": _decode_fp32,
@@ -186,4 +213,5 @@ _DECODERS = {
     "scaled-fp16": _decode_scaled_fp16,
     "int8": lambda d, n: _decode_blockwise("int8", d, n),
     "int4": lambda d, n: _decode_blockwise("int4", d, n),
+    "int2": _decode_int2,
 }
