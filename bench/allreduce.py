@@ -138,7 +138,7 @@ def run_setting(
 ) -> dict:
     """k workers, `args.repeats` all-reduces; every member must hold the same bytes after each."""
     # The swarm's averaging deadline: generous, this measures the all-reduce, it does not police it.
-    timeout_s = getattr(args, "averaging_timeout", None) or max(
+    timeout_s = args.averaging_timeout or max(
         60.0, 5 * bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], args.up, args.down)
     )
     workers = [

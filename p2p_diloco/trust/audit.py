@@ -94,15 +94,16 @@ def parts_to_audit(part_bytes: int, budget_bytes: int = AUDIT_BYTES) -> int:
 AUDIT_MARGIN = 3.0  # the audit's wait: this many times what its answers take at the butterfly's pace
 
 
-def reply_timeout_s(chunk_timeout_s: float, answers_bytes: int, pace_bytes_s: float) -> float:
+def reply_timeout_s(chunk_timeout_s: float | None, answers_bytes: int, pace_bytes_s: float) -> float | None:
     """How long an auditor waits for the next message of a reducer's answer. The reducer answers
     every auditor of its group at once, `answers_bytes` in all, through its own upload; one stream's
     next message may wait for most of the others. So: AUDIT_MARGIN times that volume at the pace the
     group's butterfly just moved (this member's bytes received over its butterfly time: the
     lockstep moves at the slowest member's pace), never under the all-reduce's wait for a chunk
     (`chunk_timeout_s`). At 10 Mbit/s up, 4 members and 10 MB of fp32, the reducer's answers take
-    22.5 MB (~20 s): a fixed 15 s wait failed 1 all-reduce in 6 (bench/allreduce.py)."""
-    if pace_bytes_s <= 0 or answers_bytes <= 0:
+    22.5 MB (~20 s): a fixed 15 s wait failed 1 all-reduce in 6 (bench/allreduce.py). No chunk
+    wait (None): no wait limit, as the all-reduce's."""
+    if chunk_timeout_s is None or pace_bytes_s <= 0 or answers_bytes <= 0:
         return chunk_timeout_s
     return max(chunk_timeout_s, AUDIT_MARGIN * answers_bytes / pace_bytes_s)
 

@@ -196,3 +196,7 @@ def test_an_answer_slower_than_the_chunk_wait_but_as_fast_as_its_volume_allows_i
     assert len(received) == 1
     verdict = asyncio.run(auditor._audit_one(runner, 1, b"seed", [], pace_bytes_s=0.0))
     assert verdict == (False, "no answer to the audit of part 0 (TimeoutError)")
+
+
+def test_an_all_reduce_with_no_chunk_wait_keeps_no_limit_on_its_audit():
+    assert audit.reply_timeout_s(None, 22_500_000, 1e6) is None

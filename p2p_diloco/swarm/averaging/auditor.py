@@ -178,13 +178,13 @@ class Auditor:
         parts = audit.audited_parts(seed, str(runner.ordered_peer_ids[j]), container.num_parts_by_peer[j], count)
         senders, auditors = len(runner.ledger.senders), len(runner.ordered_peer_ids) - 1
         volume = audit.answers_bytes(auditors, len(parts), senders, container.part_size_bytes)
-        wait_s = audit.reply_timeout_s(runner.sender_timeout or 0.0, volume, pace_bytes_s)
+        wait_s = audit.reply_timeout_s(runner.sender_timeout, volume, pace_bytes_s)
         verdicts = await asyncio.gather(*(self._audit_part(runner, j, part, received, wait_s) for part in parts))
         failed = [v for v in verdicts if v is not None]
         return next((v for v in failed if v[0]), failed[0] if failed else None)  # a conviction first
 
     async def _audit_part(
-        self, runner: ConsistentAllReduceRunner, j: int, part: int, received: list[int], wait_s: float
+        self, runner: ConsistentAllReduceRunner, j: int, part: int, received: list[int], wait_s: float | None
     ) -> tuple[bool, str] | None:
         """The verdict on one part of reducer `j`'s span, as `_audit_one`'s; `wait_s`: the longest
         wait for the next message of its answer."""
@@ -197,7 +197,7 @@ class Auditor:
         return self._judge(runner, j, part, shown)
 
     async def _ask(
-        self, peer: Any, group_id: bytes, part: int, senders: int, reply_timeout_s: float
+        self, peer: Any, group_id: bytes, part: int, senders: int, reply_timeout_s: float | None
     ) -> list[averaging_pb2.AveragingData]:
         """The reducer's answer, each signed part within `reply_timeout_s` (audit.reply_timeout_s:
         the all-reduce's own wait for a chunk, longer only as far as the answers' volume needs at

@@ -40,13 +40,13 @@ async def ask(
     request: Any,
     complete: Callable[[list[Any]], bool],
     limit: int,
-    reply_timeout_s: float,
+    reply_timeout_s: float | None,
 ) -> list[Any]:
     """Send `request` through `call` (a stub method taking a request stream) and collect the replies
     until `complete(replies)`; only then end the request stream, and read on until the handler
     ends. Raises ValueError on more than `limit` replies, and asyncio.TimeoutError if the stream
-    does not open, or the next reply does not come, within `reply_timeout_s` (a peer that hung: a
-    laptop asleep, whose p2pd accepts nothing, holds a stream open for ever)."""
+    does not open, or the next reply does not come, within `reply_timeout_s` (None: no limit; a
+    peer that hung, a laptop asleep whose p2pd accepts nothing, holds a stream open for ever)."""
     received = asyncio.Event()
 
     async def requests() -> AsyncIterator[Any]:
