@@ -79,6 +79,33 @@ class Codec:
     def bytes_per_value(self, numel: int = 1 << 20) -> float:
         return self.encoded_size(numel) / numel
 
+    def piece(self, data: bytes, numel: int, start: int, end: int) -> bytes:
+        """The encoding of values [start, end) of the `numel` that `data` encodes, on its own:
+        `decode(piece, end - start)` is `decode(data, numel)[start:end]`, bit for bit. `start` is a
+        multiple of CHUNK_VALUES (of every codec's block), so a piece is whole blocks; a blockwise
+        piece takes its blocks' codes and scales, a scaled-fp16 piece the part's mean and std. What
+        the audit checks of a part (trust/audit.py). ValueError if `data` cannot encode `numel`."""
+        if len(data) != self.encoded_size(numel) or not (0 <= start <= end <= numel) or start % CHUNK_VALUES:
+            raise ValueError(f"{self.name}: no piece [{start}, {end}) of {len(data)} bytes for {numel} values")
+        if self.name in ("fp32", "bf16"):
+            width = 4 if self.name == "fp32" else 2
+            return bytes(data[width * start : width * end])
+        if self.name == "scaled-fp16":
+            return bytes(data[:8]) + bytes(data[8 + 2 * start : 8 + 2 * end])
+        block, n_blocks = _BLOCK[self.name], math.ceil(numel / _BLOCK[self.name])
+        first, last = start // block, math.ceil(end / block)
+        code_bytes = block * _BITS[self.name] // 8  # of one block
+        scales = len(data) - 4 * n_blocks
+        return bytes(data[first * code_bytes : last * code_bytes]) + bytes(data[scales + 4 * first : scales + 4 * last])
+
+
+CHUNK_VALUES = 16384  # the audit's unit: 64 KiB of fp32, whole blocks of every codec
+
+
+def chunk_bounds(numel: int) -> list[tuple[int, int]]:
+    """[start, end) of each chunk of a part of `numel` values: CHUNK_VALUES each, the last shorter."""
+    return [(start, min(numel, start + CHUNK_VALUES)) for start in range(0, numel, CHUNK_VALUES)]
+
 
 def get(name: str) -> Codec:
     if name not in CODECS:

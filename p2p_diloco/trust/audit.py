@@ -5,18 +5,25 @@ A reducer answers every sender with one combination of the group's parts of its 
 move every honest peer's θ at will, since all members apply the same bytes (I1). So:
 
 1. **Commitments.** Every part a sender sends carries the sender's signature over
-   `part_statement(group, reducer, part index, weight, bytes, size, codec)`; every average a reducer answers
-   carries the reducer's signature over `output_statement(group, reducer, part index, bytes)`.
-   The keys are the peers' libp2p identity keys, bound to their peer ids (swarm/transport/identity.py), so a
-   statement is evidence anyone can check, and nobody can sign for someone else.
+   `part_statement(group, reducer, part index, weight, seal root, size, codec)`, where the seal
+   (`Seal`) is the digest and the norm of each CHUNK_VALUES-value chunk of the part; every average a
+   reducer answers carries the reducer's signature over `output_statement(group, reducer, part
+   index, bytes)`. The keys are the peers' libp2p identity keys, bound to their peer ids
+   (swarm/transport/identity.py), so a statement is evidence anyone can check, and nobody can sign
+   for someone else. A reducer refuses a part whose signed norms are not its chunks' (`misnormed`):
+   the sender signed a malformed part, a case against it.
 2. **The check's randomness comes after.** Once every average arrived, each member derives the
    audit `seed` from the group id and the hashes of every average it received. No reducer knows,
-   when it answers, which of its parts will be checked; no reducer can change an answer after.
-3. **The audit.** For each other reducer, every member asks it for every sender's signed part of
-   some of its part indices (`audited_parts`: as many as fit 2 MiB, one of a big model's), checks
-   every signature, recomputes the combination and compares it with the signed average it
-   received (`disagreement`). Every honest member checks the same parts with the same data, so
-   all reach the same verdict.
+   when it answers, which of its chunks will be checked; no reducer can change an answer after.
+3. **The audit.** For each other reducer, every member asks it for every sender's signed chunk of
+   AUDIT_CHUNKS chunks of its span (`audited_chunks`), each with the sender's seal, checks the
+   signatures and the chunks against the seals, recomputes the combination of the chunks
+   (`chunk_disagreement`: the clip scales from the signed norms, so every aggregator but
+   centered-clip is chunk-local) and compares it with the same chunk of the signed average it
+   received. A chunk that does not check is no proof yet (aligned-clip may have dropped a part,
+   which only the whole part shows): the member then asks for every sender's whole part and
+   judges that (`disagreement`), as it does for centered-clip's parts. Every honest member checks
+   the same chunks with the same data, so all reach the same verdict.
 
 A reducer whose answer is not the combination of the signed parts is convicted: the round's
 average is discarded (I2), and the members refuse it for the rest of the run. A sender cannot
@@ -31,16 +38,22 @@ bias its span by at most that much per round, the size of the codec's own roundi
 from __future__ import annotations
 
 import hashlib
+import math
 import struct
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 
 from p2p_diloco.protocol import codecs
-from p2p_diloco.trust import robust
+from p2p_diloco.trust import robust, wire
 
 TOLERANCE = 0.01  # of the recomputed average's norm (after the codec)
-AUDIT_BYTES = 2 * 1024 * 1024  # of each reducer's parts checked per audit (one part of a big model)
+AUDIT_BYTES = 2 * 1024 * 1024  # of each reducer's parts checked whole, where a whole part is audited
+AUDIT_CHUNKS = 4  # chunks of each reducer's span every member checks per all-reduce
+NORM_TOLERANCE = 1e-6  # a signed chunk norm against the one recomputed (float64 sums in another order)
+CHUNK_AUDITABLE = ("mean", "clip", "aligned-clip", "trimmed-mean")  # centered-clip needs whole parts
+MAX_CHUNKS = 1 << 16  # a seal's chunks: 1 Gi values in a part, far past any part size
 _PART = b"p2p-diloco/part/v1"
 _OUTPUT = b"p2p-diloco/average/v1"
 
@@ -54,15 +67,88 @@ def _framed(*fields: bytes) -> bytes:
     return b"".join(struct.pack(">I", len(f)) + f for f in fields)
 
 
+@dataclass(frozen=True)
+class Seal:
+    """What a sender signs of a part's bytes: each chunk's digest (of its piece, codecs.Codec.piece)
+    and the norm of its decoded values. A member holding one chunk checks it against its digest;
+    the norms give the part's norm (clip's scale) without the part."""
+
+    digests: tuple[bytes, ...]
+    norms: tuple[float, ...]
+
+    def root(self) -> bytes:
+        return digest(_framed(b"seal", *self.digests, struct.pack(f">{len(self.norms)}d", *self.norms)))
+
+    def norm(self) -> float:
+        """The part's norm, as every member computes it from the signed chunk norms (bit for bit)."""
+        return math.sqrt(math.fsum(n * n for n in self.norms))
+
+
+def chunk_digests(codec: codecs.Codec | None, payload: bytes, numel: int) -> tuple[bytes, ...]:
+    """The digest of each chunk's piece of `payload`; bytes that are no encoding of `numel` values
+    in `codec` (a liar's; None: a codec this run does not know) count as one chunk, so that what
+    they are is still a statement its signer is held to."""
+    if codec is None or numel <= 0 or len(payload) != codec.encoded_size(numel):
+        return (digest(payload),)
+    return tuple(digest(codec.piece(payload, numel, s, e)) for s, e in codecs.chunk_bounds(numel))
+
+
+def chunk_norms(decoded: torch.Tensor) -> tuple[float, ...]:
+    """The norm of each chunk of a decoded part, in float64."""
+    flat = decoded.reshape(-1).double()
+    return tuple(float(flat[s:e].norm()) for s, e in codecs.chunk_bounds(flat.numel()))
+
+
+def misnormed(signed: Sequence[float], decoded: torch.Tensor) -> str | None:
+    """Why the signed chunk norms are not those of `decoded` (its sender signed a malformed part),
+    or None: as many as its chunks, each within NORM_TOLERANCE."""
+    actual = chunk_norms(decoded)
+    if len(signed) != len(actual):
+        return f"{len(signed)} chunk norms for {len(actual)} chunks"
+    for i, (claimed, norm) in enumerate(zip(signed, actual)):
+        if not abs(claimed - norm) <= NORM_TOLERANCE * max(norm, 1e-30):  # a NaN fails too
+            return f"chunk {i} signed with norm {claimed:.6g}, its values' is {norm:.6g}"
+    return None
+
+
+def pack_seal(norms: Sequence[float], digests: Sequence[bytes], signature: bytes) -> bytes:
+    """A part's signature with its chunk norms, and where a member needs them (the audit's
+    chunks) its chunk digests, as one field of a part message."""
+    return b"".join(
+        (struct.pack(f">H{len(norms)}d", len(norms), *norms), struct.pack(">H", len(digests)), *digests, signature)
+    )
+
+
+def unpack_seal(raw: bytes) -> tuple[tuple[float, ...], tuple[bytes, ...], bytes]:
+    """(norms, digests, signature) of a `pack_seal` field from another node (untrusted): WireError
+    if it is not one."""
+    n = _count(raw, 0)
+    at = 2 + 8 * n
+    norms = struct.unpack(f">{n}d", raw[2:at])
+    m = _count(raw, at)
+    end = at + 2 + 32 * m
+    if len(raw) < end:
+        raise wire.WireError(f"a seal of {len(raw)} bytes cannot hold {m} digests")
+    digests = tuple(raw[i : i + 32] for i in range(at + 2, end, 32))
+    return norms, digests, raw[end:]
+
+
+def _count(raw: bytes, at: int) -> int:
+    if len(raw) < at + 2:
+        raise wire.WireError("a seal cut short")
+    n = struct.unpack(">H", raw[at : at + 2])[0]
+    if len(raw) < at + 2 + 8 * n:
+        raise wire.WireError(f"a seal of {len(raw)} bytes cannot hold {n} norms")
+    return n
+
+
 def part_statement(
-    group_id: bytes, reducer: str, part: int, weight: float, payload: bytes, numel: int = 0, codec: str = ""
+    group_id: bytes, reducer: str, part: int, weight: float, root: bytes, numel: int = 0, codec: str = ""
 ) -> bytes:
     """What a sender signs for one part it sends: which group, to whom, which part, its weight, its
-    bytes, and how they decode (how many values, which codec), so nobody can make honest bytes
-    look malformed by telling another size or codec."""
-    return _framed(
-        _PART, group_id, reducer.encode(), struct.pack(">QdQ", part, weight, numel), codec.encode(), digest(payload)
-    )
+    bytes and norms (`Seal.root`), and how they decode (how many values, which codec), so nobody
+    can make honest bytes look malformed by telling another size or codec."""
+    return _framed(_PART, group_id, reducer.encode(), struct.pack(">QdQ", part, weight, numel), codec.encode(), root)
 
 
 def output_statement(group_id: bytes, reducer: str, part: int, payload: bytes) -> bytes:
@@ -81,6 +167,25 @@ def audited_parts(audit_seed: bytes, reducer: str, num_parts: int, count: int = 
     value = int.from_bytes(digest(audit_seed + reducer.encode())[:8], "big")
     count = max(1, min(count, num_parts))
     return sorted((value + i * num_parts // count) % num_parts for i in range(count))
+
+
+def audited_chunks(
+    audit_seed: bytes, reducer: str, chunks: Sequence[int], count: int = AUDIT_CHUNKS
+) -> list[tuple[int, int]]:
+    """Which chunks of `reducer`'s span every member checks: (part, chunk) pairs, `count` of the
+    span's chunks (all when it has no more; `chunks[p]`: part p's), spread evenly from an offset
+    the seed chooses, in order."""
+    total = sum(chunks)
+    value = int.from_bytes(digest(audit_seed + b"chunks" + reducer.encode())[:8], "big")
+    count = max(1, min(count, total))
+    flat = sorted({(value + i * total // count) % total for i in range(count)}) if total else []
+    picked = []
+    for index in flat:
+        part = 0
+        while index >= chunks[part]:
+            index, part = index - chunks[part], part + 1
+        picked.append((part, index))
+    return picked
 
 
 def parts_to_audit(part_bytes: int, budget_bytes: int = AUDIT_BYTES) -> int:
@@ -110,7 +215,7 @@ def reply_timeout_s(chunk_timeout_s: float | None, answers_bytes: int, pace_byte
 
 def answers_bytes(auditors: int, parts: int, senders: int, part_bytes: int) -> int:
     """What one reducer uploads to answer a group's audits: each auditor asks for `parts` of its
-    parts, each with every sender's signed part."""
+    parts (or chunks: then `part_bytes` is a chunk's), each with every sender's signed one."""
     return auditors * parts * senders * part_bytes
 
 
@@ -124,7 +229,27 @@ def disagreement(
     """Why `answered` (the decoded average a reducer signed) is not the combination of `parts`
     (decoded, with their signed weights) under `aggregation`, or None if it is, within TOLERANCE."""
     how, clip, cap = aggregation
-    expected = robust.aggregate(parts, weights, how, clip, cap)
+    return _compared(robust.aggregate(parts, weights, how, clip, cap), codec, answered)
+
+
+def chunk_disagreement(
+    pieces: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    norms: Sequence[float],
+    aggregation: tuple[robust.Aggregator, float, float],
+    codec: codecs.Codec,
+    answered: torch.Tensor,
+) -> str | None:
+    """`disagreement` on one chunk: `pieces`, each sender's decoded chunk, `norms`, each sender's
+    signed part norm (clip's scales). aligned-clip is checked as clip with every part kept: a part
+    it dropped shows as a disagreement here, which the whole part then settles. Not for
+    centered-clip (CHUNK_AUDITABLE)."""
+    how, clip, cap = aggregation
+    how = "clip" if how == "aligned-clip" else how
+    return _compared(robust.aggregate(pieces, weights, how, clip, cap, norms), codec, answered)
+
+
+def _compared(expected: torch.Tensor, codec: codecs.Codec, answered: torch.Tensor) -> str | None:
     expected = codec.roundtrip(expected.reshape(-1)).view_as(expected)
     if answered.shape != expected.shape:
         return f"an average of shape {tuple(answered.shape)} for parts of shape {tuple(expected.shape)}"

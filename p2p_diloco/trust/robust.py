@@ -84,9 +84,13 @@ def weighted_mean(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> to
     return out
 
 
-def clipped(parts: Sequence[torch.Tensor], clip: float) -> tuple[list[torch.Tensor], list[bool]]:
-    """Each part scaled down to at most `clip` × the lower-median norm of the parts, and which were."""
-    norms = [float(p.float().norm()) for p in parts]
+def clipped(
+    parts: Sequence[torch.Tensor], clip: float, norms: Sequence[float] | None = None
+) -> tuple[list[torch.Tensor], list[bool]]:
+    """Each part scaled down to at most `clip` × the lower-median norm of the parts, and which were.
+    `norms`: the norms of the whole parts these are chunks of (the audit's, trust/audit.py), else
+    the parts' own."""
+    norms = [float(p.float().norm()) for p in parts] if norms is None else list(norms)
     limit = clip * lower_median(norms)
     return [p.float() * (limit / n) if n > limit else p.float() for p, n in zip(parts, norms)], [
         n > limit for n in norms
@@ -136,18 +140,28 @@ def aligned(parts: Sequence[torch.Tensor], weights: Sequence[float]) -> list[flo
 
 
 def aggregate(
-    parts: Sequence[torch.Tensor], weights: Sequence[float], how: Aggregator, clip: float, weight_cap: float
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    how: Aggregator,
+    clip: float,
+    weight_cap: float,
+    norms: Sequence[float] | None = None,
 ) -> torch.Tensor:
     """What a reducer answers for one part of its span, given every sender's part and weight (in
-    the group's sender order)."""
-    return combine(parts, weights, how, clip, weight_cap)[0]
+    the group's sender order). `norms`: see `clipped`."""
+    return combine(parts, weights, how, clip, weight_cap, norms)[0]
 
 
 Fate = Literal["", "clipped", "dropped"]
 
 
 def combine(
-    parts: Sequence[torch.Tensor], weights: Sequence[float], how: Aggregator, clip: float, weight_cap: float
+    parts: Sequence[torch.Tensor],
+    weights: Sequence[float],
+    how: Aggregator,
+    clip: float,
+    weight_cap: float,
+    norms: Sequence[float] | None = None,
 ) -> tuple[torch.Tensor, list[Fate]]:
     """`aggregate`, and what it did to each sender's part: "dropped" (aligned-clip: it pointed
     against the median), "clipped" (clip, aligned-clip: scaled down to the clip norm), or ""."""
@@ -156,7 +170,7 @@ def combine(
         return weighted_mean(parts, weights), untouched
     capped = cap_weights(weights, weight_cap)
     if how in ("clip", "aligned-clip"):
-        scaled, scaled_down = clipped(parts, clip)
+        scaled, scaled_down = clipped(parts, clip, norms)
         kept = aligned(parts, capped) if how == "aligned-clip" else capped
         fates: list[Fate] = [
             "dropped" if w > 0 and k == 0 else "clipped" if down else ""

@@ -91,7 +91,8 @@ def lie_in_parts() -> None:
     def encode_input(self, peer_index, part_index, part, info):
         flat = part.reshape(-1)
         encoded = self.codec.compress(torch.cat([flat, flat[:1]]), info)
-        return encoded, self.ledger.sign_part(peer_index, part_index, self.weight, encoded)
+        decoded = self.codec.extract(encoded)
+        return encoded, self.ledger.sign_part(peer_index, part_index, self.weight, encoded, decoded)
 
     ConsistentAllReduceRunner.__init__ = init
     if KIND == "part-shape":

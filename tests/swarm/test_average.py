@@ -9,6 +9,7 @@ import time
 import pytest
 import torch
 
+from p2p_diloco.protocol.codecs import CHUNK_VALUES
 from tests.swarm.average_worker import EXACT, NUMEL
 from tests.swarm.conftest import ENV
 
@@ -105,12 +106,17 @@ def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
         vector = numel * 4 + EXACT * 4
         shares = [r["bytes_received"] / vector - 1 for r in results]
         assert max(shares) <= 0.51 and sum(shares) == pytest.approx(1.0, abs=0.01), shares
-        # The audit, counted apart (issue 30's honest figures): a vector this small is audited
-        # whole (audit.parts_to_audit), so each member fetches every other reducer's span with the
-        # 3 senders' signed parts of it: 3 V (1 - f) = 3 (2 V - bytes_received), plus the
-        # signatures and framing (measured: +0.6 %).
-        for r in results:
-            assert r["audit_bytes"] == pytest.approx(3 * (2 * vector - r["bytes_received"]), rel=0.02), r
+        # The audit, counted apart (issue 30's honest figures): each member checks AUDIT_CHUNKS (4)
+        # chunks of each other reducer's span, every sender's (3) chunk of each with its seal. A
+        # chunk holds 16,384 values (64 KiB of fp32); of 4 picks spread over a span, at most two
+        # are a part's short last chunk (the 10 exact values make a part of their own), so each
+        # other reducer with a span costs at least 3 x min(its span, 2 x 64 KiB) and at most 3 x 4
+        # x (64 KiB + 2 KiB of seal and framing). Whole spans cost 3 (2 V - bytes_received) before.
+        chunk = 4 * CHUNK_VALUES
+        for i, r in enumerate(results):
+            spans = [share * vector for j, share in enumerate(shares) if j != i and share > 0]
+            assert sum(3 * min(span, 2 * chunk) for span in spans) <= r["audit_bytes"], (r["audit_bytes"], shares)
+            assert r["audit_bytes"] <= len(spans) * 3 * 4 * (chunk + 2048), (r["audit_bytes"], shares)
             assert 0 < r["audit_s"] and 0 < r["butterfly_s"], r
         # Every peer probed the two others, and announced a figure measured from probes.
         for r in results:

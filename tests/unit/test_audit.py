@@ -85,13 +85,18 @@ def test_the_ledger_keeps_only_parts_and_averages_their_signers_signed(keys):
     at_x = Ledger(b"group", [x, y], [x, y], kx, public)
     at_y = Ledger(b"group", [x, y], [x, y], ky, public)
     part = runtime_pb2.Tensor(buffer=b"\x00" * 8, size=[2], dtype="fp32")
-    signed = at_y.sign_part(0, 0, 1.0, part)  # y sends x (reducer 0) its part 0
+    decoded = torch.zeros(2)
+    signed = at_y.sign_part(0, 0, 1.0, part, decoded)  # y sends x (reducer 0) its part 0
     at_x.accept_part(0, 1, 0, 1.0, part, signed)
-    assert at_x.parts[0][1].signature == signed
+    assert at_x.parts[0][1].sealed() == signed
     with pytest.raises(AllreduceException, match="valid signature"):  # the weight was changed on the way
         at_x.accept_part(0, 1, 0, 5.0, part, signed)
     with pytest.raises(AllreduceException, match="valid signature"):  # x cannot sign for y
-        at_x.accept_part(0, 1, 0, 1.0, part, at_x.sign_part(0, 0, 1.0, part))
+        at_x.accept_part(0, 1, 0, 1.0, part, at_x.sign_part(0, 0, 1.0, part, decoded))
+    with pytest.raises(AllreduceException, match="valid signature"):  # its norms changed on the way
+        at_x.accept_part(0, 1, 0, 1.0, part, audit.pack_seal((1.0,), (), audit.unpack_seal(signed)[2]))
+    with pytest.raises(AllreduceException, match="valid signature"):  # no seal at all
+        at_x.accept_part(0, 1, 0, 1.0, part, b"\x00")
     average = runtime_pb2.Tensor(buffer=b"\x01" * 8, size=[2], dtype="fp32")
     at_y.accept_average(0, 0, average, at_x.sign_average(0, 0, average))
     with pytest.raises(AllreduceException, match="valid signature"):
@@ -185,6 +190,7 @@ def test_an_answer_slower_than_the_chunk_wait_but_as_fast_as_its_volume_allows_i
         tensor_part_container=container,
         ordered_peer_ids=("me", "reducer", "other"),
         ledger=SimpleNamespace(senders=("me", "reducer", "other")),
+        aggregation=("centered-clip", 1.0, 2.0),  # audited whole parts, as before chunks
         sender_timeout=0.1,
         group_id=b"g",
     )
@@ -200,3 +206,141 @@ def test_an_answer_slower_than_the_chunk_wait_but_as_fast_as_its_volume_allows_i
 
 def test_an_all_reduce_with_no_chunk_wait_keeps_no_limit_on_its_audit():
     assert audit.reply_timeout_s(None, 22_500_000, 1e6) is None
+
+
+def test_a_seal_commits_to_every_chunks_digest_and_norm():
+    seal = audit.Seal((b"a" * 32, b"b" * 32), (3.0, 4.0))
+    assert seal.norm() == 5.0  # the part's norm from its chunks': sqrt(9 + 16)
+    assert seal.root() != audit.Seal((b"a" * 32, b"c" * 32), (3.0, 4.0)).root()  # a chunk's bytes
+    assert seal.root() != audit.Seal((b"a" * 32, b"b" * 32), (3.0, 4.5)).root()  # a chunk's norm
+    assert seal.root() != audit.Seal((b"a" * 32,), (3.0, 4.0)).root()  # how many chunks
+    packed = audit.pack_seal(seal.norms, seal.digests, b"signature")
+    assert audit.unpack_seal(packed) == (seal.norms, seal.digests, b"signature")
+    assert audit.unpack_seal(audit.pack_seal((1.5,), (), b"s")) == ((1.5,), (), b"s")  # as the butterfly sends it
+
+
+def test_a_seal_from_another_node_is_a_seal_or_a_wire_error():
+    from hypothesis import given
+    from hypothesis import strategies as st
+
+    from p2p_diloco.trust import wire
+
+    @given(raw=st.binary(max_size=200))
+    def fuzz(raw):
+        try:
+            norms, digests, signature = audit.unpack_seal(raw)
+        except wire.WireError:
+            return
+        assert all(len(d) == 32 for d in digests) and 2 + 8 * len(norms) + 2 + 32 * len(digests) + len(
+            signature
+        ) == len(raw)
+
+    fuzz()
+    with pytest.raises(wire.WireError, match="norms"):
+        audit.unpack_seal(b"\x00\x05" + b"\x00" * 16)  # 5 norms in 16 bytes
+
+
+def test_the_audited_chunks_spread_over_the_span_and_every_member_picks_the_same():
+    chunks = [3, 1, 2]  # a span of three parts: 6 chunks
+    everything = [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1)]
+    assert audit.audited_chunks(b"seed", "r", chunks, 6) == everything
+    assert audit.audited_chunks(b"seed", "r", chunks, 10) == everything  # no more than there are
+    picked = audit.audited_chunks(b"seed", "r", chunks, 4)
+    assert len(set(picked)) == 4 and set(picked) <= set(everything)
+    assert audit.audited_chunks(b"seed", "r", chunks, 4) == picked
+    seen = {pick for i in range(100) for pick in audit.audited_chunks(bytes([i]), "r", chunks, 1)}
+    assert seen == set(everything)  # the seed decides: every chunk can be the one
+
+
+def test_a_chunk_is_combined_with_its_parts_signed_norms():
+    # Three senders' chunks [1], [2], [3], their whole parts' norms 10, 1, 1: clip (1 x the lower
+    # median, 1) scales the first by 1/10: (0.1 + 2 + 3) / 3 = 1.7. With the chunks' own norms it
+    # would be (1 + 2 + 2) / 3: the chunk alone cannot tell clip's scales, the seal does.
+    pieces = [torch.tensor([1.0]), torch.tensor([2.0]), torch.tensor([3.0])]
+    norms = [10.0, 1.0, 1.0]
+    assert audit.chunk_disagreement(pieces, [1.0] * 3, norms, CLIP, FP32, torch.tensor([1.7])) is None
+    assert audit.chunk_disagreement(pieces, [1.0] * 3, norms, CLIP, FP32, torch.tensor([5 / 3])) is not None
+    aligned = ("aligned-clip", 1.0, 2.0)  # checked as clip with every part kept
+    assert audit.chunk_disagreement(pieces, [1.0] * 3, norms, aligned, FP32, torch.tensor([1.7])) is None
+
+
+@pytest.fixture(scope="module")
+def trio(tmp_path_factory):
+    """Three members with real keys: (ids, {id: private key}, {id: public key})."""
+    ids, private = [], {}
+    for name in ("x", "y", "z"):
+        path = tmp_path_factory.mktemp(name) / "identity.key"
+        ids.append(identity.peer_id_of(path))
+        private[ids[-1]] = identity.load_identity(path)
+    return ids, private, {p: identity.key_of(p, identity.public_key_bytes(k)) for p, k in private.items()}
+
+
+def _reduced(trio, parts, aggregation, lie=None):
+    """Reducer x's part 0 of 40,000 values (3 chunks) from x, y and z, each signed, and x's signed
+    average (`lie` applied to it); (x's ledger, y's ledger holding the average)."""
+    from p2p_diloco.swarm.averaging.ledger import SignedAverage
+    from p2p_diloco.trust import robust
+
+    ids, private, public = trio
+    at = {p: Ledger(b"g", ids, ids, private[p], public) for p in ids}
+    for sender, (peer, values) in enumerate(zip(ids, parts)):
+        encoded = runtime_pb2.Tensor(buffer=FP32.encode(values), size=[values.numel()], dtype="fp32")
+        sealed = at[peer].sign_part(0, 0, 1.0, encoded, values)
+        at[ids[0]].accept_part(0, sender, 0, 1.0, encoded, sealed)
+    average = robust.aggregate(parts, [1.0] * 3, *aggregation)
+    average = average if lie is None else lie(average)
+    encoded = runtime_pb2.Tensor(buffer=FP32.encode(average), size=[average.numel()], dtype="fp32")
+    at[ids[1]].averages[(0, 0)] = SignedAverage(encoded, at[ids[0]].sign_average(0, 0, encoded))
+    return at[ids[0]], at[ids[1]]
+
+
+def _chunk_verdicts(reducer, auditor, aggregation):
+    from p2p_diloco.swarm.averaging.auditor import _shown, chunk_disagreement
+
+    signed = reducer.parts[0]
+    return [
+        chunk_disagreement(auditor, aggregation, 0, 0, chunk, [_shown(signed[s], chunk) for s in range(3)])
+        for chunk in range(3)
+    ]
+
+
+def test_the_audit_of_a_chunk_passes_an_honest_reducer_and_sees_a_lie_where_it_is(trio):
+    """The auditor's check of one chunk (swarm/averaging/auditor.py), with real keys and seals:
+    x reduces 40,000 values from x, y and z (clip); y checks each chunk as x shows it."""
+    gen = torch.Generator().manual_seed(1)
+    parts = [torch.randn(40_000, generator=gen) * scale for scale in (1.0, 2.0, 9.0)]  # z's is clipped
+    assert _chunk_verdicts(*_reduced(trio, parts, CLIP), CLIP) == [None, None, None]
+
+    def lie_in_the_last_chunk(average):
+        average = average.clone()
+        average[32_768:] *= 100
+        return average
+
+    verdicts = _chunk_verdicts(*_reduced(trio, parts, CLIP, lie_in_the_last_chunk), CLIP)
+    assert verdicts[:2] == [None, None] and "off by" in verdicts[2]  # seen only where audited
+
+    reducer, auditor = _reduced(trio, parts, CLIP)
+    from p2p_diloco.swarm.averaging.auditor import _shown, chunk_disagreement
+
+    signed = reducer.parts[0]
+    swapped = [_shown(signed[s], 0) for s in range(3)]
+    swapped[1].tensor_part.buffer = _shown(signed[1], 1).tensor_part.buffer  # another chunk's bytes
+    assert "not its seal's" in chunk_disagreement(auditor, CLIP, 0, 0, 0, swapped)
+    forged = [_shown(signed[s], 0) for s in range(3)]
+    forged[2].weight = 5.0  # a weight its sender did not sign
+    assert "not signed" in chunk_disagreement(auditor, CLIP, 0, 0, 0, forged)
+
+
+def test_a_part_aligned_clip_dropped_fails_its_chunk_and_passes_whole(trio):
+    """aligned-clip drops z's part, which points against the median: its chunks, checked as clip
+    with every part kept, do not check; the whole part, which the auditor then asks for, does."""
+    gen = torch.Generator().manual_seed(2)
+    base = torch.randn(40_000, generator=gen)
+    parts = [base + 0.1 * torch.randn(40_000, generator=gen), base * 1.1, -base]
+    aligned = ("aligned-clip", 1.0, 2.0)
+    reducer, auditor = _reduced(trio, parts, aligned)
+    assert all(v is not None for v in _chunk_verdicts(reducer, auditor, aligned))
+    whole = [reducer.parts[0][s].encoded for s in range(3)]
+    decoded = [FP32.decode(e.buffer, 40_000) for e in whole]
+    answered = FP32.decode(auditor.averages[(0, 0)].encoded.buffer, 40_000)
+    assert audit.disagreement(decoded, [1.0] * 3, aligned, FP32, answered) is None

@@ -123,3 +123,23 @@ def test_int2_is_the_lloyd_max_quantizer_of_a_normal():
     x = torch.randn(128 * 1000, generator=torch.Generator().manual_seed(0))
     error = (codecs.get("int2").roundtrip(x) - x).square().mean() / x.var()
     assert 0.11 < float(error) < 0.125
+
+
+@pytest.mark.parametrize("name", codecs.CODECS)
+def test_a_chunks_piece_decodes_to_the_same_values_as_the_whole_part(name):
+    # The audit checks one chunk of a part (trust/audit.py): its piece must decode, on its own, to
+    # exactly the values the whole encoding decodes to there. 40,000 values: chunks of 16,384,
+    # 16,384 and 7,232 (not a whole number of int4's 64-value blocks: 113 blocks, the last padded).
+    codec = codecs.get(name)
+    x = torch.randn(40_000, generator=torch.Generator().manual_seed(0))
+    data = codec.encode(x)
+    whole = codec.decode(data, 40_000)
+    assert codecs.chunk_bounds(40_000) == [(0, 16_384), (16_384, 32_768), (32_768, 40_000)]
+    for start, end in codecs.chunk_bounds(40_000):
+        piece = codec.piece(data, 40_000, start, end)
+        assert len(piece) == codec.encoded_size(end - start)
+        assert torch.equal(codec.decode(piece, end - start), whole[start:end])
+    with pytest.raises(ValueError):
+        codec.piece(data, 40_000, 100, 200)  # not on a chunk's start
+    with pytest.raises(ValueError):
+        codec.piece(data[:-1], 40_000, 0, 16_384)  # not an encoding of 40,000 values

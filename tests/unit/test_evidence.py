@@ -41,8 +41,7 @@ def case_of(group, values, average, forge_sender=None):
     for peer, value in zip(ids, values):
         encoded = CODEC.compress(torch.tensor(value), info=_Info())
         signer = private[forge_sender or peer] if peer == ids[1] else private[peer]
-        signature = signer.sign(part_statement(b"g", ids[0], 0, 1.0, encoded))
-        shown.append(averaging_pb2.AveragingData(tensor_part=encoded, weight=1.0, peer_id=signature))
+        shown.append(averaging_pb2.AveragingData(tensor_part=encoded, weight=1.0, peer_id=sealed(signer, ids, encoded)))
     answer = CODEC.compress(torch.tensor(average), info=_Info())
     signature = private[ids[0]].sign(audit.output_statement(b"g", ids[0], 0, answer.buffer))
     return Case(b"g", ids, ids, public, 0, 0, shown, answer, signature)
@@ -50,6 +49,13 @@ def case_of(group, values, average, forge_sender=None):
 
 class _Info:
     key = 1  # an exact tensor: fp32 on the wire
+
+
+def sealed(signer, ids, encoded, weight=1.0, norms=None):
+    """A part's seal as its sender sends it (ledger.Ledger.sign_part): its chunk norms (those of
+    its values unless given), signed with the part for reducer x's part 0."""
+    norms = audit.chunk_norms(CODEC.extract(encoded)) if norms is None else norms
+    return audit.pack_seal(norms, (), signer.sign(part_statement(b"g", ids[0], 0, weight, encoded, norms)))
 
 
 def test_an_honest_reducers_case_does_not_hold(group):
@@ -104,12 +110,12 @@ def test_many_accusations_are_judged_a_few_at_a_time():
     assert codecs.get("fp32")  # the case's codec travels by name
 
 
-def signed_part(group, values, signer_index=1, weight=1.0):
+def signed_part(group, values, signer_index=1, weight=1.0, norms=None):
     """Member 1's part 0 for reducer 0 (x), signed by member `signer_index`."""
     ids, private, _ = group
     encoded = CODEC.compress(torch.tensor(values), info=_Info())
-    signature = private[ids[signer_index]].sign(part_statement(b"g", ids[0], 0, weight, encoded))
-    return averaging_pb2.AveragingData(tensor_part=encoded, weight=weight, peer_id=signature)
+    seal = sealed(private[ids[signer_index]], ids, encoded, weight, norms)
+    return averaging_pb2.AveragingData(tensor_part=encoded, weight=weight, peer_id=seal)
 
 
 def against_sender(group, message):
@@ -162,6 +168,16 @@ def test_the_reducer_keeps_a_case_against_every_malformed_signed_part_and_refuse
     assert "sent a part of shape (3,), expected (2,)" in why and ledger.misfits == {ids[1]} and not ledger.garbage
 
 
+def test_a_signed_norm_that_is_not_its_parts_convicts_its_sender_for_anyone(group):
+    # [3, 4] has norm 5; a sender that signs 1 would escape clip's scale in the audit of a chunk,
+    # where the auditor takes the norms from the seal (trust/audit.py): it signed a malformed part.
+    verdict = judge(against_sender(group, signed_part(group, [3.0, 4.0], norms=(1.0,))), CODEC, CLIP)
+    assert verdict == (False, "signed a malformed part 0 (chunk 0 signed with norm 1, its values' is 5)")
+    assert judge(against_sender(group, signed_part(group, [3.0, 4.0], norms=(5.0,))), CODEC, CLIP) is None
+    two = judge(against_sender(group, signed_part(group, [3.0, 4.0], norms=(5.0, 0.0))), CODEC, CLIP)
+    assert two == (False, "signed a malformed part 0 (2 chunk norms for 1 chunks)")
+
+
 def test_a_part_header_of_any_size_has_a_statement(group):
     # A part's header is the sender's word: sizes (uint32 each) whose product passes 64 bits made
     # struct.pack raise while the reducer checked the signature.
@@ -169,7 +185,7 @@ def test_a_part_header_of_any_size_has_a_statement(group):
     message = signed_part(group, [1.0, 2.0])
     for size in ([2**32 - 1] * 3, [2**31, 2**31, 8], [0]):
         message.tensor_part.size[:] = size
-        assert part_statement(b"g", ids[0], 0, 1.0, message.tensor_part)
+        assert part_statement(b"g", ids[0], 0, 1.0, message.tensor_part, (1.0,))
 
 
 def test_nobody_can_make_a_senders_honest_part_look_malformed(group):

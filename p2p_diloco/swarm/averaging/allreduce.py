@@ -40,7 +40,7 @@ from hivemind.utils.asyncio import aiter_with_timeout, amap_in_executor, as_aite
 from p2p_diloco import faults
 from p2p_diloco.protocol import codecs
 from p2p_diloco.swarm.averaging.ledger import Ledger
-from p2p_diloco.trust import robust
+from p2p_diloco.trust import audit, robust
 
 logger = get_logger(__name__)
 
@@ -339,13 +339,15 @@ class ConsistentAllReduceRunner(AllReduceRunner):
     def _encode_input(
         self, peer_index: int, part_index: int, part: torch.Tensor, info: CompressionInfo
     ) -> tuple[runtime_pb2.Tensor, bytes]:
-        """One part for `peer_index`, encoded and signed; what the codec lost goes to `residuals`."""
+        """One part for `peer_index`, encoded, and its seal signed (ledger.py); what the codec lost
+        goes to `residuals`."""
         encoded = self.codec.compress(part, info)
+        decoded = self.codec.extract(encoded)
         residual = self.residuals.get(info.key)
         if residual is not None:
             start = part.storage_offset() - self.tensor_part_container.local_tensors[info.key].storage_offset()
-            residual[start : start + part.numel()] = part.reshape(-1) - self.codec.extract(encoded).reshape(-1)
-        return encoded, self.ledger.sign_part(peer_index, part_index, self.weight, encoded)
+            residual[start : start + part.numel()] = part.reshape(-1) - decoded.reshape(-1)
+        return encoded, self.ledger.sign_part(peer_index, part_index, self.weight, encoded, decoded)
 
     def _take_part(
         self,
@@ -357,11 +359,14 @@ class ConsistentAllReduceRunner(AllReduceRunner):
     ) -> torch.Tensor:
         """A sender's part of our span, checked (I4) once its signature verified. A malformed part
         its sender signed (a weight that is not finite and >= 0, bytes that do not decode, values
-        that are not finite) is kept as a case against the sender (ledger.py), which anyone can
-        judge; a well-formed part of the wrong size makes this member refuse the sender."""
+        that are not finite, chunk norms that are not its values') is kept as a case against the
+        sender (ledger.py), which anyone can judge; a well-formed part of the wrong size makes this
+        member refuse the sender."""
         sender = str(self.sender_peer_ids[sender_index])
-        self.ledger.accept_part(self._my_index, sender_index, part_index, msg.weight, msg.tensor_part, msg.peer_id)
-        why = malformed(decoded, msg.weight)
+        signed = self.ledger.accept_part(
+            self._my_index, sender_index, part_index, msg.weight, msg.tensor_part, msg.peer_id
+        )
+        why = malformed(decoded, msg.weight, signed.seal.norms)
         if why is not None:
             self.ledger.garbage[sender] = (self._my_index, part_index, msg)
             raise AllreduceException(f"{sender} signed and sent a malformed part ({why})")
@@ -450,16 +455,19 @@ async def _end_after(messages: AsyncIterator[Any], event: asyncio.Event) -> Asyn
     await event.wait()
 
 
-def malformed(decoded: torch.Tensor | AllreduceException, weight: float) -> str | None:
+def malformed(
+    decoded: torch.Tensor | AllreduceException, weight: float, norms: Sequence[float] | None = None
+) -> str | None:
     """Why a signed part is malformed whatever the group (anyone can check it from the part
-    alone, evidence.judge): its weight, its bytes, its values. None if it is not."""
+    alone, evidence.judge): its weight, its bytes, its values, its signed chunk norms (where
+    given). None if it is not."""
     if not (0.0 <= weight < float("inf")):
         return f"weight {weight}"
     if isinstance(decoded, AllreduceException):
         return str(decoded)
     if not bool(torch.isfinite(decoded).all()):
         return "non-finite values"
-    return None
+    return None if norms is None else audit.misnormed(norms, decoded)
 
 
 def check_part(part: torch.Tensor, like: torch.Tensor, peer: Any) -> None:

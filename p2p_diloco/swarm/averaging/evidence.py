@@ -82,32 +82,45 @@ def judge(case: Case, codec: WireCodec, aggregation: tuple[robust.Aggregator, fl
     answered = codec.extract(case.answer)
     parts: list[torch.Tensor] = []
     for sender, message in enumerate(case.shown):
-        statement = part_statement(
-            case.group_id, case.peers[case.reducer], case.part, message.weight, message.tensor_part
-        )
-        if not case.keys[case.senders[sender]].verify(statement, message.peer_id):
+        norms = signed_norms(case, case.senders[sender], message)
+        if norms is None:
             return True, f"showed a part {case.part} that sender {case.senders[sender]} did not sign"
         try:
             parts.append(codec.extract(message.tensor_part))
             check_part(parts[-1], answered, case.senders[sender])
         except AllreduceException as e:  # signed garbage: the reducer should have refused it
             return False, f"combined a malformed part {case.part} ({e})"
+        if (why := audit.misnormed(norms, parts[-1])) is not None:
+            return False, f"combined a malformed part {case.part} ({why})"
     weights = [m.weight for m in case.shown]
     reason = audit.disagreement(parts, weights, aggregation, codecs.get(case.answer.dtype), answered)
     return None if reason is None else (False, f"part {case.part}: {reason}")
 
 
+def signed_norms(case: Case, sender: str, message: averaging_pb2.AveragingData) -> tuple[float, ...] | None:
+    """The chunk norms `sender` signed with the whole part in `message` (its seal in `peer_id`), or
+    None if it did not sign that part."""
+    try:
+        norms, _, signature = audit.unpack_seal(message.peer_id)
+    except wire.WireError:
+        return None
+    statement = part_statement(
+        case.group_id, case.peers[case.reducer], case.part, message.weight, message.tensor_part, norms
+    )
+    return norms if case.keys[sender].verify(statement, signature) else None
+
+
 def _judge_sender(case: Case, codec: WireCodec) -> tuple[bool, str] | None:
     assert case.sender is not None
     sender, message = case.senders[case.sender], case.shown[0]
-    statement = part_statement(case.group_id, case.peers[case.reducer], case.part, message.weight, message.tensor_part)
-    if not case.keys[sender].verify(statement, message.peer_id):
+    norms = signed_norms(case, sender, message)
+    if norms is None:
         return True, f"a part {case.part} that sender {sender} did not sign"
     try:
         decoded: torch.Tensor | AllreduceException = codec.extract(message.tensor_part)
     except AllreduceException as e:
         decoded = e
-    why = malformed(decoded, message.weight)
+    why = malformed(decoded, message.weight, norms)
     if why == "non-finite values":
         return False, f"signed a part {case.part} with non-finite values"
     return None if why is None else (False, f"signed a malformed part {case.part} ({why})")

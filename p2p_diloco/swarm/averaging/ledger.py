@@ -1,9 +1,10 @@
 """The signed record of one all-reduce, kept for the audit that follows it (trust/audit.py).
 
-As a sender, a member signs every part it sends; as a reducer, it checks each sender's signature,
-keeps every signed part of its span (about one encoded model copy over the group, while the
-all-reduce is audited) and signs every average it answers; as a receiver of an average, it checks
-the reducer's signature and keeps the signed bytes. A part or an average whose signature does not
+As a sender, a member signs every part it sends (with its chunks' norms: the seal,
+trust/audit.py); as a reducer, it checks each sender's signature, keeps every signed part of its
+span (about one encoded model copy over the group, while the all-reduce is audited) and signs
+every average it answers; as a receiver of an average, it checks the reducer's signature and
+keeps the signed bytes. A part or an average whose signature does not
 verify fails the all-reduce at once: nothing unsigned is ever combined or applied.
 """
 
@@ -13,20 +14,47 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from hivemind.averaging.allreduce import AllreduceException
 from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
-from p2p_diloco.trust import audit
+from p2p_diloco.protocol import codecs
+from p2p_diloco.trust import audit, wire
 
 
-def part_statement(group_id: bytes, reducer: str, part: int, weight: float, encoded: runtime_pb2.Tensor) -> bytes:
-    """audit.part_statement of an encoded part: its bytes, its number of values and its codec. A
-    size no honest part has (negative, or past 64 bits: a part's header is the sender's word)
-    stands as 2**64 - 1, so its statement is still one a liar can sign and be held to."""
+def numel_of(encoded: runtime_pb2.Tensor) -> int:
+    """How many values a part's header says it holds. A size no honest part has (negative, or past
+    64 bits: the header is the sender's word) stands as 2**64 - 1, so its statement is still one a
+    liar can sign and be held to."""
     numel = math.prod(encoded.size) if len(encoded.size) else 0
-    numel = numel if 0 <= numel < 2**64 else 2**64 - 1
-    return audit.part_statement(group_id, reducer, part, weight, encoded.buffer, numel, encoded.dtype)
+    return numel if 0 <= numel < 2**64 else 2**64 - 1
+
+
+def codec_of(encoded: runtime_pb2.Tensor) -> codecs.Codec | None:
+    return codecs.get(encoded.dtype) if encoded.dtype in codecs.CODECS else None
+
+
+def seal_of(encoded: runtime_pb2.Tensor, norms: tuple[float, ...]) -> audit.Seal:
+    """The seal of a whole encoded part with these (signed) chunk norms: its digests from its bytes."""
+    return audit.Seal(audit.chunk_digests(codec_of(encoded), encoded.buffer, numel_of(encoded)), norms)
+
+
+def part_statement(
+    group_id: bytes, reducer: str, part: int, weight: float, encoded: runtime_pb2.Tensor, norms: tuple[float, ...]
+) -> bytes:
+    """audit.part_statement of a whole encoded part: its seal, its number of values and its codec."""
+    root = seal_of(encoded, norms).root()
+    return audit.part_statement(group_id, reducer, part, weight, root, numel_of(encoded), encoded.dtype)
+
+
+def unsealed(sealed: bytes, signer: str) -> tuple[tuple[float, ...], tuple[bytes, ...], bytes]:
+    """audit.unpack_seal of a part message's `peer_id` field; a field that is no seal is a part
+    without a valid signature."""
+    try:
+        return audit.unpack_seal(sealed)
+    except wire.WireError as e:
+        raise AllreduceException(f"{signer} sent a part without a valid signature ({e})") from None
 
 
 @dataclass(frozen=True)
@@ -37,6 +65,11 @@ class SignedPart:
     weight: float
     encoded: runtime_pb2.Tensor
     signature: bytes
+    seal: audit.Seal  # its chunks' digests and signed norms
+
+    def sealed(self, digests: bool = False) -> bytes:
+        """Its signature and norms as they travel (with the chunk digests for the audit of a chunk)."""
+        return audit.pack_seal(self.seal.norms, self.seal.digests if digests else (), self.signature)
 
 
 @dataclass(frozen=True)
@@ -76,19 +109,34 @@ class Ledger:
         # refused here from then on, like a bad signer.
         self.misfits: set[str] = set()
 
-    def sign_part(self, reducer: int, part: int, weight: float, encoded: runtime_pb2.Tensor) -> bytes:
-        statement = part_statement(self.group_id, self.peers[reducer], part, weight, encoded)
-        return self._signer.sign(statement)
+    def sign_part(
+        self, reducer: int, part: int, weight: float, encoded: runtime_pb2.Tensor, decoded: torch.Tensor
+    ) -> bytes:
+        """The seal of a part this member sends, signed (audit.pack_seal): `decoded`, what its bytes decode to."""
+        norms = audit.chunk_norms(decoded)
+        signature = self._signer.sign(part_statement(self.group_id, self.peers[reducer], part, weight, encoded, norms))
+        return audit.pack_seal(norms, (), signature)
 
     def accept_part(
-        self, reducer: int, sender: int, part: int, weight: float, encoded: runtime_pb2.Tensor, signature: bytes
-    ) -> None:
-        """Keep a sender's part of this member's span, once its signature verifies."""
-        statement = part_statement(self.group_id, self.peers[reducer], part, weight, encoded)
-        if not self.keys[self.senders[sender]].verify(statement, signature):
-            self.bad_signers.add(self.senders[sender])
-            raise AllreduceException(f"sender {self.senders[sender]} sent part {part} without a valid signature")
-        self.parts.setdefault(part, {})[sender] = SignedPart(sender, weight, encoded, signature)
+        self, reducer: int, sender: int, part: int, weight: float, encoded: runtime_pb2.Tensor, sealed: bytes
+    ) -> SignedPart:
+        """Keep a sender's part of this member's span, once its signature verifies. Its norms are
+        not checked here (the caller decodes it: audit.misnormed)."""
+        signer = self.senders[sender]
+        try:
+            norms, _, signature = unsealed(sealed, signer)
+        except AllreduceException:
+            self.bad_signers.add(signer)
+            raise
+        seal = seal_of(encoded, norms)
+        statement = audit.part_statement(
+            self.group_id, self.peers[reducer], part, weight, seal.root(), numel_of(encoded), encoded.dtype
+        )
+        if not self.keys[signer].verify(statement, signature):
+            self.bad_signers.add(signer)
+            raise AllreduceException(f"sender {signer} sent part {part} without a valid signature")
+        signed = self.parts.setdefault(part, {})[sender] = SignedPart(sender, weight, encoded, signature, seal)
+        return signed
 
     def sign_average(self, reducer: int, part: int, encoded: runtime_pb2.Tensor) -> bytes:
         signature = self._signer.sign(audit.output_statement(self.group_id, self.peers[reducer], part, encoded.buffer))
