@@ -26,6 +26,7 @@ from typing import Any, Literal, Protocol, get_args
 import torch
 
 from p2p_diloco.errors import StateDownloadError, WriteError
+from p2p_diloco.protocol import chunks
 from p2p_diloco.protocol.budget import SwarmProgress
 from p2p_diloco.protocol.genesis import Genesis, Verdict
 from p2p_diloco.trust import wire
@@ -105,6 +106,74 @@ def download_verified(
             shown if actual is None else f"digest {actual}",
         )
     raise StateDownloadError(f"no peer served {describe}: {'; '.join(problems) or 'no peers'}", served)
+
+
+@dataclass(frozen=True)
+class Assembled:
+    """What a download of one manifest's chunks from several holders brought (swarm/averaging/chunked.py)."""
+
+    tensors: list[torch.Tensor] | None  # the state's tensors, each chunk checked; None: it did not finish
+    problem: str  # why it did not finish ("" if it did)
+    dropped: dict[str, str]  # holder -> why it was asked no more
+    liars: frozenset[str]  # those of them that sent what no honest holder sends
+
+
+# Asks holders for their manifests of (round, digest): {holder: its manifest}, those that sent one.
+Manifests = Callable[[list[str]], dict[str, chunks.Manifest]]
+# Downloads one manifest's chunks from the holders that sent it.
+Chunks = Callable[[chunks.Manifest, list[str]], Assembled]
+
+
+def download_chunked(
+    manifests: Manifests,
+    fetch: Chunks,
+    from_peers: list[str],
+    verify: StateCheck,
+    wanted: tuple[int, str],
+    say: Callable[..., None] = logger.info,
+) -> tuple[list[str], ServedState] | None:
+    """(its holders, the state) of round and digest `wanted`, downloaded from several holders at
+    once, or None if none of `from_peers` sends manifests (peers of an older version: the caller
+    asks them one at a time, `download_verified`).
+
+    The manifest most holders sent is tried first (`chunks.manifest_groups`), then the next: each
+    chunk is checked against the manifest as it arrives, and the assembled state against the
+    digest the swarm agreed on (`verify`), which the manifest cannot prove by itself. A manifest
+    whose state misses it costs one download, and its holders are named in the StateDownloadError,
+    like the holders dropped for a lying chunk, so that the catch-up asks them nothing more
+    (sync.Retry). StateDownloadError if no manifest gave the state."""
+    round_, digest = wanted
+    try:
+        sent = manifests(from_peers)
+    except Exception as e:  # the averager process failed to answer: ask one holder at a time
+        say("asking %d holders for their manifests failed: %s %s", len(from_peers), type(e).__name__, e)
+        return None
+    if not sent:
+        return None
+    served: dict[str, tuple[int, str | None]] = {p: (m.round, m.digest) for p, m in sent.items() if m.digest != digest}
+    problems = [f"{p[-6:]}: manifest of round {r} digest {d[:12]}" for p, (r, d) in served.items() if d]
+    for manifest, holders in chunks.manifest_groups(sent, round_, digest):
+        try:
+            got = fetch(manifest, holders)
+        except Exception as e:  # the averager process failed to answer: no holder is to blame
+            got = Assembled(None, f"{type(e).__name__} {str(e)[:80]}", {}, frozenset())
+        served |= {p: (round_, None) for p in got.liars}
+        problems += [f"{p[-6:]}: {why}" for p, why in got.dropped.items()]
+        if got.tensors is None:
+            problems.append(f"chunks from {len(holders)} holders: {got.problem}")
+            continue
+        metadata = {"round": manifest.round, "digest": manifest.digest}
+        actual = verify(metadata, got.tensors)
+        if actual == digest:
+            return holders, (metadata, got.tensors)
+        served |= {p: (round_, actual) for p in holders}
+        shown = MALFORMED if actual is None else f"digest {actual[:12]}"
+        problems.append(
+            f"{', '.join(p[-6:] for p in holders)}: state of round {round_} {shown} in chunks does not match "
+            f"the published digest {digest[:12]} (rejected)"
+        )
+        say("rejected the state assembled from the chunks of %s: round %s %s", holders, round_, shown)
+    raise StateDownloadError(f"no peer served round {round_} with digest {digest[:12]}: {'; '.join(problems)}", served)
 
 
 MAX_GROUP = 64  # members listed in a round record

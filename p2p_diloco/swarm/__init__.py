@@ -35,6 +35,7 @@ from p2p_diloco.protocol.network import (
     RoundRecord,
     ServedState,
     StateCheck,
+    download_chunked,
     download_verified,
     history_after,
     published_loss,
@@ -333,21 +334,14 @@ class HivemindSwarm:
         return {"serves": self.serves} if self.punching is None else self.punching.shown(self.punching.direct())
 
     def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
-        """(metadata, [θ, momentum]) of round `round_` from one of `from_peers`, checked by `verify`
-        (which returns the digest of what arrived). A peer that sends anything else is skipped.
+        """(metadata, [θ, momentum]) of round `round_` from `from_peers`, checked by `verify` (which
+        returns the digest of what arrived): in chunks from all of them at once (`download_chunked`),
+        or, from holders that serve no chunks, whole from one at a time. A peer that sends anything
+        else is skipped.
         A revoked peer stops here too (AdmissionError, exit 2): one that is behind only ever asks
         for states, and the others refuse to serve it."""
         self.gate.check_self()
-        stall_s = self.download.stall_s
-        _, state = download_verified(
-            lambda peer, timeout: self.averager.download_state_from(peer, timeout, stall_s),
-            from_peers,
-            self.download.total_s,
-            verify,
-            lambda r, d: (r, d) == (round_, digest),
-            f"the published round {round_} with digest {digest[:12]}",
-        )
-        return state
+        return download_from(self.averager, self.download, (round_, digest), from_peers, verify)
 
     def close(self) -> None:
         """Leave the swarm: stop the averager and the DHT processes, in that order (also on errors
@@ -358,6 +352,37 @@ class HivemindSwarm:
             else:
                 stop_process(part, "averaging process" if part is not self.dht else "DHT process")
         self._started = []
+
+
+def download_from(
+    averager: DiLoCoAverager,
+    download: deadlines.Download,
+    wanted: tuple[int, str],
+    holders: list[str],
+    verify: StateCheck,
+) -> ServedState:
+    """The state `wanted` (round, digest) from `holders`, through this peer's averager process."""
+    (round_, digest), stall_s = wanted, download.stall_s
+    chunked = download_chunked(
+        lambda peers: averager.state_manifests(peers, wanted, stall_s),
+        lambda manifest, some: averager.download_chunks(manifest, some, download.total_s, stall_s),
+        holders,
+        verify,
+        wanted,
+    )
+    if chunked is not None:
+        logger.info("downloaded round %d (digest %s) in chunks from %d holder(s)", round_, digest[:12], len(chunked[0]))
+        return chunked[1]
+    # No holder serves chunks (peers of an older version): the whole state from one at a time.
+    _, state = download_verified(
+        lambda peer, timeout: averager.download_state_from(peer, timeout, stall_s),
+        holders,
+        download.total_s,
+        verify,
+        lambda r, d: (r, d) == wanted,
+        f"the published round {round_} with digest {digest[:12]}",
+    )
+    return state
 
 
 __all__ = ["HivemindSwarm"]

@@ -9,9 +9,9 @@ the other members: the link prober (probes.py), the auditor (auditor.py), the ev
 creates in the averager process after the fork; the averager declares their RPC handlers.
 
 hivemind runs it as a child process of the peer; `start_step`, `set_target_group_size`,
-`set_revoked`, `download_state_from`, `probe`, `link_report`, `convicted_peers` and
-`verify_accusation` are called in the peer's process and answered in the averager's, through
-hivemind's pipe.
+`set_revoked`, `download_state_from`, `state_manifests`, `download_chunks`, `probe`,
+`link_report`, `convicted_peers` and `verify_accusation` are called in the peer's process and
+answered in the averager's, through hivemind's pipe.
 """
 
 from __future__ import annotations
@@ -44,10 +44,12 @@ from hivemind.utils.mpfuture import MPFuture
 from hivemind.utils.timed_storage import get_dht_time
 
 from p2p_diloco import faults
-from p2p_diloco.protocol import links
+from p2p_diloco.protocol import chunks, links
 from p2p_diloco.protocol.deadlines import state_bytes
+from p2p_diloco.protocol.network import Assembled
 from p2p_diloco.swarm.averaging.allreduce import LOSSY_TENSOR, AllreduceStats, ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.auditor import Auditor
+from p2p_diloco.swarm.averaging.chunked import ChunkFetcher, ChunkServer
 from p2p_diloco.swarm.averaging.evidence import EvidenceDesk
 from p2p_diloco.swarm.averaging.gathered import Entry, Gathering, LedMatchmaking, fair, reducers
 from p2p_diloco.swarm.averaging.ledger import Ledger
@@ -215,6 +217,42 @@ class BoundedAverager(DecentralizedAverager):
         stream = await self._stub(peer).rpc_download_state(averaging_pb2.DownloadRequest())
         return await read_served_state(stream, state_bytes(self.total_size), peer, stall_s)
 
+    def state_manifests(self, peers: list[str], wanted: tuple[int, str], stall_s: float) -> dict[str, chunks.Manifest]:
+        """{holder: its manifest of the state `wanted`} (round, digest), asked of `peers` at once,
+        each within `stall_s` (chunked.py); those that sent none are left out."""
+        future = self._in_process("_state_manifests", peers=peers, wanted=wanted, stall_s=stall_s)
+        return wait_result(self, future, "averaging process", stall_s + 5)
+
+    async def _state_manifests(
+        self, peers: list[str], wanted: tuple[int, str], stall_s: float, future: MPFuture
+    ) -> None:
+        fetching = self.chunk_fetcher.manifests(peers, wanted, state_bytes(self.total_size), stall_s)
+        await _answer(future, fetching)
+
+    def download_chunks(
+        self, manifest: chunks.Manifest, holders: list[str], timeout: float, stall_s: float
+    ) -> Assembled:
+        """The state of `manifest` in chunks from `holders` at once, within `timeout` in all (chunked.py)."""
+        deadline = time.monotonic() + timeout
+        future = self._in_process(
+            "_download_chunks", manifest=manifest, holders=holders, deadline=deadline, stall_s=stall_s
+        )
+        return wait_result(self, future, "averaging process", timeout + 5)
+
+    async def _download_chunks(
+        self, manifest: chunks.Manifest, holders: list[str], deadline: float, stall_s: float, future: MPFuture
+    ) -> None:
+        await _answer(future, self.chunk_fetcher.download(manifest, holders, deadline, stall_s))
+
+
+async def _answer(future: MPFuture, work: Any) -> None:
+    """`work`'s result, or its failure, to the peer's process."""
+    try:
+        future.set_result(await work)
+    except BaseException as e:  # every failure goes to the caller, which says so
+        if not future.done():
+            future.set_exception(e if isinstance(e, Exception) else RuntimeError(repr(e)))
+
 
 class DiLoCoAverager(BoundedAverager):
     """The averager with the consistent runner (`Reduction`), copying results into the averaged
@@ -250,6 +288,8 @@ class DiLoCoAverager(BoundedAverager):
         self._leading = True
         self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
         super().__init__(*args, start=False, **kwargs)
+        self.chunk_server = ChunkServer(self._get_current_state_from_host_process)
+        self.chunk_fetcher = ChunkFetcher(self._stub)
         self.prober = LinkProber(self._stub, self.may_enter, lambda: punch.direct_peers(self._p2p))
         self.evidence = EvidenceDesk(self._stub, self.serializer, self.allreduce_kwargs["compression"], aggregation)
         self.auditor = Auditor(self._stub, self.evidence, self._ask_only_admitted_leaders)
@@ -345,6 +385,16 @@ class DiLoCoAverager(BoundedAverager):
             return
         async for message in super().rpc_download_state(request, context):
             yield message
+
+    async def rpc_download_chunk(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.DownloadData]:
+        """The manifest or one chunk of this peer's state, only for admitted peers (`ChunkServer.answer`)."""
+        if not self.allow_state_sharing or not await self.may_enter(context.remote_id, "state download"):
+            return
+        async with aclosing(self.chunk_server.answer(request)) as answers:
+            async for message in answers:
+                yield message
 
     async def rpc_probe(
         self, stream: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext

@@ -31,7 +31,7 @@ async def read_served_state(stream: Any, limit: int, peer: Any, stall_s: float) 
     tensors: list[torch.Tensor] = []
     parts: list[runtime_pb2.Tensor] = []
     received = 0
-    async for message in _until_silent(stream, stall_s, peer):
+    async for message in until_silent(stream, stall_s, peer):
         received += len(message.tensor_part.buffer) + len(message.metadata)
         if received > limit:
             raise AllreduceException(f"{peer} sent more than the {limit:,} bytes a state of this model takes")
@@ -48,7 +48,7 @@ async def read_served_state(stream: Any, limit: int, peer: Any, stall_s: float) 
     return served_metadata(metadata), tensors  # untrusted: WireError if malformed (the caller's problem line)
 
 
-async def _until_silent(stream: Any, stall_s: float, peer: Any) -> Any:
+async def until_silent(stream: Any, stall_s: float, peer: Any) -> Any:
     """The stream's messages; AllreduceException once none came for `stall_s`."""
     messages = stream.__aiter__()
     while True:
