@@ -1,9 +1,12 @@
 """Emulated internet links on one machine: each host in a Linux network namespace of its own, a
 veth pair from each host into a bridge that lives in a namespace of its own, and `tc tbf` on both
 ends of each veth (egress of the host end = the host's upload, egress of the bridge end = its
-download). netem is absent from this kernel, so links have a rate but no added delay or loss.
+download). netem is absent from this kernel (and fq, which an eBPF delay would need): a host given
+a one-way delay (`delays_ms`) keeps its address on a TAP device, and bench/delaylink.py, in its
+namespace, carries its frames to and from its veth that much later. Links have no loss.
 
     with NetLab([(100, 100), (100, 100), (5, 100)]) as lab:   # (up, down) Mbit/s per host; None = no limit
+    with NetLab([(20, 20)] * 2, delays_ms=[10, 10]) as lab:   # a round trip of 2 x (10 + 10) = 40 ms
         proc = lab.popen(0, [sys.executable, "-c", "..."], stdout=subprocess.PIPE)
         print(measure_tcp(lab, 2, 0, seconds=2))             # ~4.8 Mbit/s: host 2 uploads at 5 Mbit/s
 
@@ -13,7 +16,7 @@ Every process started with `popen` runs in a session of its own and is ended by 
 `close()` (also on errors), which then deletes every namespace the lab made. A lab left behind by a
 crashed run whose pid was reused is deleted on start (only namespaces with this very prefix).
 
-    python bench/netlab.py selftest     # 2 hosts at 20 Mbit/s: prints the measured TCP rate
+    python bench/netlab.py selftest     # 2 hosts at 20 Mbit/s: the measured TCP rate and round trip
 """
 
 from __future__ import annotations
@@ -52,16 +55,21 @@ class Host:
     ip: str
     up_mbit: float | None  # None: no limit
     down_mbit: float | None
+    delay_ms: float = 0.0  # added to every frame it sends and receives (bench/delaylink.py)
 
 
 class NetLab:
     """N hosts behind one bridge; `links[i]` = (upload, download) of host i in Mbit/s."""
 
-    def __init__(self, links: list[tuple[float | None, float | None]], tag: str = "pdl"):
-        """`tag`: the namespaces' prefix before the pid (a lab of another shape has its own)."""
+    def __init__(
+        self, links: list[tuple[float | None, float | None]], tag: str = "pdl", delays_ms: list[float] | None = None
+    ):
+        """`tag`: the namespaces' prefix before the pid (a lab of another shape has its own);
+        `delays_ms[i]`: host i's one-way delay each way (the round trip between hosts i and j
+        grows by 2 (delays_ms[i] + delays_ms[j])."""
         self.prefix = f"{tag}{os.getpid()}-"
         self.bridge_ns = self.prefix + "br"
-        self.hosts = self._hosts(links)
+        self.hosts = self._hosts(links, delays_ms or [0.0] * len(links))
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []  # namespaces this lab created, deleted in reverse on close
         # The lab's processes' TMPDIR (`popen`): what a SIGKILLed one leaves (torch's shared-memory
@@ -80,8 +88,11 @@ class NetLab:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _hosts(self, links: list[tuple[float | None, float | None]]) -> list[Host]:
-        return [Host(i, f"{self.prefix}h{i}", f"{SUBNET}.{i + 1}", up, down) for i, (up, down) in enumerate(links)]
+    def _hosts(self, links: list[tuple[float | None, float | None]], delays_ms: list[float]) -> list[Host]:
+        return [
+            Host(i, f"{self.prefix}h{i}", f"{SUBNET}.{i + 1}", up, down, delay)
+            for i, ((up, down), delay) in enumerate(zip(links, delays_ms, strict=True))
+        ]
 
     def _build(self) -> None:
         self._add_netns(self.bridge_ns)
@@ -91,6 +102,21 @@ class NetLab:
             self._add_netns(host.netns)
             _ip(host.netns, "link", "set", "lo", "up")
             self._plug(host.netns, f"v{host.index}", f"{host.ip}/24", host.up_mbit, host.down_mbit)
+            if host.delay_ms > 0:
+                self._delay(host)
+
+    def _delay(self, host: Host) -> None:
+        """Move host's address from its veth to a TAP device and start bench/delaylink.py between them."""
+        _ip(host.netns, "addr", "del", f"{host.ip}/24", "dev", "eth0")
+        _run("ip", "netns", "exec", host.netns, "sysctl", "-qw", "net.ipv4.conf.eth0.arp_ignore=1")
+        _ip(host.netns, "tuntap", "add", "dev", "tap0", "mode", "tap")
+        _ip(host.netns, "addr", "add", f"{host.ip}/24", "dev", "tap0")
+        _ip(host.netns, "link", "set", "tap0", "up")
+        script = os.path.join(os.path.dirname(os.path.abspath(__file__)), "delaylink.py")
+        forwarder = self.popen(
+            host.index, [sys.executable, script, f"{host.delay_ms:g}"], stdout=subprocess.PIPE, text=True
+        )
+        next_line(line_reader(forwarder), 30, f"host {host.index}'s delay forwarder")
 
     def _plug(self, netns: str, port: str, address: str, up: float | None, down: float | None) -> None:
         """A veth pair from `netns` (its end `eth0`, with `address`) into the bridge (its end `port`),
@@ -272,6 +298,41 @@ def measure_tcp(lab: NetLab, src: int, dst: int, seconds: float = 2.0) -> float:
     return result["mbit_s"]
 
 
+def measure_rtt(lab: NetLab, src: int, dst: int, tries: int = 5) -> float:
+    """The lowest of `tries` TCP handshakes' times (one round trip each) from host `src` to `dst`, in s."""
+    receiver = lab.popen(
+        dst, [sys.executable, __file__, "_listen", lab.hosts[dst].ip], stdout=subprocess.PIPE, text=True
+    )
+    port = next_line(line_reader(receiver), 30, "TCP listener's port")
+    prober = lab.popen(
+        src,
+        [sys.executable, __file__, "_connect", lab.hosts[dst].ip, port, str(tries)],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    result = json.loads(next_line(line_reader(prober), 60, "round trip"))
+    prober.wait(timeout=30)
+    lab.end(receiver, grace_s=0)
+    return result["rtt_s"]
+
+
+def _listen(ip: str) -> None:
+    with socket.create_server((ip, 0), backlog=64) as server:
+        print(server.getsockname()[1], flush=True)
+        server.settimeout(60)
+        while True:  # the lab ends it
+            server.accept()[0].close()
+
+
+def _connect(ip: str, port: int, tries: int) -> None:
+    times = []
+    for _ in range(tries):
+        start = time.perf_counter()
+        with socket.create_connection((ip, port), timeout=30):
+            times.append(time.perf_counter() - start)
+    print(json.dumps({"rtt_s": min(times)}), flush=True)
+
+
 def _recv(ip: str, seconds: float) -> None:
     warmup_s = min(0.5, seconds / 4)
     with socket.create_server((ip, 0)) as server:
@@ -303,8 +364,16 @@ def _send(ip: str, port: int, seconds: float) -> None:
 if __name__ == "__main__":
     if sys.argv[1] == "_recv":
         _recv(sys.argv[2], float(sys.argv[3]))
+    elif sys.argv[1] == "_listen":
+        _listen(sys.argv[2])
+    elif sys.argv[1] == "_connect":
+        _connect(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
     elif sys.argv[1] == "_send":
         _send(sys.argv[2], int(sys.argv[3]), float(sys.argv[4]))
     elif sys.argv[1] == "selftest":
         with NetLab([(20, 20), (20, 20)]) as lab:
             print(f"host 0 -> host 1 at 20 Mbit/s: {measure_tcp(lab, 0, 1):.2f} Mbit/s of TCP payload")
+            print(f"round trip: {measure_rtt(lab, 0, 1) * 1000:.2f} ms")
+        with NetLab([(20, 20), (20, 20)], delays_ms=[10, 10]) as lab:
+            print(f"with 10 ms each way at each host: {measure_tcp(lab, 0, 1):.2f} Mbit/s of TCP payload")
+            print(f"round trip: {measure_rtt(lab, 0, 1) * 1000:.2f} ms (2 x (10 + 10) = 40 ms added)")

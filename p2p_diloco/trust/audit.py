@@ -96,7 +96,9 @@ def chunk_digests(codec: codecs.Codec | None, payload: bytes, numel: int) -> tup
 def chunk_norms(decoded: torch.Tensor) -> tuple[float, ...]:
     """The norm of each chunk of a decoded part, in float64."""
     flat = decoded.reshape(-1).double()
-    return tuple(float(flat[s:e].norm()) for s, e in codecs.chunk_bounds(flat.numel()))
+    whole = flat.numel() // codecs.CHUNK_VALUES * codecs.CHUNK_VALUES
+    norms = flat[:whole].view(-1, codecs.CHUNK_VALUES).norm(dim=1).tolist()
+    return tuple(norms + ([float(flat[whole:].norm())] if whole < flat.numel() else []))
 
 
 def misnormed(signed: Sequence[float], decoded: torch.Tensor) -> str | None:

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.netlab import NetLab, available, measure_tcp, namespaces
+from bench.netlab import NetLab, available, measure_rtt, measure_tcp, namespaces
 
 pytestmark = pytest.mark.skipif(available() is not None, reason=f"no network lab here: {available()}")
 
@@ -22,9 +22,25 @@ def test_tcp_gets_the_rate_set_on_each_host_link():
         prefix = lab.prefix
         both_fast = measure_tcp(lab, 0, 1, seconds=1.5)
         slow_upload = measure_tcp(lab, 2, 0, seconds=1.5)
+        rtt = measure_rtt(lab, 0, 1)
+    assert rtt < 0.005  # no delay: a veth pair and a bridge
     assert both_fast == pytest.approx(20 * GOODPUT, rel=0.15)  # 19.1 Mbit/s
     assert slow_upload == pytest.approx(5 * GOODPUT, rel=0.15)  # 4.8 Mbit/s: the sender's upload limits
     assert namespaces(prefix) == []
+
+
+@pytest.mark.timeout(60)
+def test_a_hosts_delay_adds_to_every_round_trip_and_keeps_its_rate():
+    # bench/delaylink.py: 10 ms each way at host 0, 15 at host 1: a round trip of 2 x (10 + 15) = 50 ms
+    # more; a TCP handshake takes one. 20 Mbit/s with 50 ms is a window of 125 KB: TCP still fills it.
+    with NetLab([(20, 20), (20, 20)], delays_ms=[10, 15]) as lab:
+        prefix = lab.prefix
+        rtt = measure_rtt(lab, 0, 1)
+        rate = measure_tcp(lab, 0, 1, seconds=2.5)
+        forwarders = list(lab.procs)
+    assert 0.050 <= rtt < 0.058, rtt  # the forwarders' own time: under 2 ms each way here
+    assert rate == pytest.approx(20 * GOODPUT, rel=0.15)
+    assert all(proc.poll() is not None for proc in forwarders) and namespaces(prefix) == []
 
 
 @pytest.mark.timeout(60)
