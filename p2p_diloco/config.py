@@ -18,6 +18,7 @@ import difflib
 import hashlib
 import json
 import math
+import re
 import sys
 import typing
 from collections.abc import Mapping
@@ -38,13 +39,33 @@ from p2p_diloco.trust import robust
 
 # The fields that take one of a fixed set of values; validate() names the choices on a bad value.
 Source = Literal["stdlib", "files", "hub"]
-ShardBy = Literal["document", "folder"]
+ShardBy = Literal["document", "folder", "file"]
 Precision = Literal["auto", "fp32", "bf16"]
 Overlap = Literal["off", "delayed", "eager"]
 ReachabilitySetting = Literal["auto", "public", "private"]
 LogLevel = Literal["debug", "info", "warning", "error"]
 AdmissionMode = Literal["open", "certified"]
 WandbMode = Literal["online", "offline"]
+
+
+# A Hugging Face Hub repository id (org/name), and the revision a spec may pin after "@": a commit
+# hash, a tag or a branch (git ref names; refs/pr/1 too).
+HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
+REVISION = re.compile(r"[A-Za-z0-9][\w.-]*(/[\w.-]+)*")
+
+
+def hub_spec(spec: str) -> tuple[str, str | None]:
+    """`org/name@revision` -> (org/name, revision); a spec without "@" -> (spec, None): a name or a
+    local path, loaded at the Hub's latest revision or from disk. ConfigError on a malformed pin."""
+    if "@" not in spec:
+        return spec, None
+    name, _, revision = spec.partition("@")
+    if not HUB_ID.fullmatch(name) or not REVISION.fullmatch(revision) or ".." in revision:
+        raise ConfigError(
+            f"{spec!r} is not a pinned Hub id: write org/name@revision, the revision a commit hash, tag or "
+            "branch (e.g. HuggingFaceFW/fineweb-edu@main); a local path may not contain '@'"
+        )
+    return name, revision
 
 
 def shared(default: Any, doc: str) -> Any:
@@ -87,7 +108,7 @@ class ModelSection:
     tokenizer: str = shared(
         "bytes",
         "bytes (byte-level, no download), a tokenizer folder / tokenizer.json, or a Hugging Face Hub id "
-        "org/name (downloaded once into the Hub cache)",
+        "org/name (downloaded once into the Hub cache), best pinned as org/name@revision (a commit hash)",
     )
     seq_len: int = shared(1024, "tokens per training sequence")
 
@@ -96,16 +117,23 @@ class ModelSection:
 class DataSection:
     source: Source = shared("stdlib", "stdlib (embedded default corpus), files (local text/jsonl/parquet) or hub")
     path: str = local("", "source=files: a file, a folder or a glob of .txt, .jsonl/.json or .parquet files")
-    name: str = shared("", "source=hub: dataset name, e.g. allenai/c4 (streamed, never fully downloaded)")
+    name: str = shared(
+        "",
+        "source=hub: dataset name, e.g. allenai/c4 (streamed, never fully downloaded), best pinned as "
+        "org/name@revision (a commit hash): every peer then reads the same files",
+    )
     subset: str = shared("", "source=hub: dataset configuration, e.g. en")
     text_field: str = shared("text", "column holding the text in jsonl, parquet and hub datasets")
-    heldout_fraction: float = shared(0.05, "share of documents held out for evaluation (by document)")
+    heldout_fraction: float = shared(
+        0.05, "share of documents held out for evaluation (shard_by = file: share of the files, at least one)"
+    )
     num_shards: int = shared(64, "the training documents are split into this many disjoint shards")
     shard: int = local(-1, "this peer's shard; -1 picks one from the peer id and seed")
     shard_by: ShardBy = shared(
         "document",
-        "document (each document to a random shard: i.i.d. shards) or folder (whole "
-        "top-level folders per shard: non-i.i.d.; source = stdlib only)",
+        "document (each document to a random shard: i.i.d. shards; every peer reads the whole corpus), folder "
+        "(whole top-level folders per shard: non-i.i.d.; source = stdlib only) or file (whole files per shard, "
+        "streamed: a peer reads only its own files; source = files or hub; too few files: by document)",
     )
 
 
@@ -577,6 +605,14 @@ def _validate_model(m: ModelSection) -> None:
         f"one of {', '.join(PRESETS)}, or set model.config_path",
     )
     _require(m.seq_len >= 2, "model.seq_len", f"must be >= 2, got {m.seq_len}", "e.g. 1024")
+    _require_hub_spec(m.tokenizer, "model.tokenizer")
+
+
+def _require_hub_spec(spec: str, where: str) -> None:
+    try:
+        hub_spec(spec)
+    except ConfigError as e:
+        _require(False, where, f"= {e}", "or leave the revision out: the Hub's latest")
 
 
 def _validate_data(d: DataSection) -> None:
@@ -612,6 +648,8 @@ def _validate_data(d: DataSection) -> None:
         "-1 picks one for you",
     )
     _require(bool(d.text_field), "data.text_field", "must not be empty", "e.g. text")
+    if d.source == "hub":
+        _require_hub_spec(d.name, "data.name")
 
 
 def _validate_sharding(d: DataSection) -> None:
@@ -622,9 +660,15 @@ def _validate_sharding(d: DataSection) -> None:
         "document is the default",
     )
     _require(
-        d.shard_by == "document" or d.source == "stdlib",
+        d.shard_by != "folder" or d.source == "stdlib",
         "data.shard_by",
         f"= folder needs a corpus with folders (source = stdlib), got source = {d.source}",
+        "use document",
+    )
+    _require(
+        d.shard_by != "file" or d.source in ("files", "hub"),
+        "data.shard_by",
+        f"= file needs a corpus of files (source = files or hub), got source = {d.source}",
         "use document",
     )
 

@@ -1,21 +1,26 @@
 """Corpora, the train/held-out split, per-peer shards and packed token batches.
 
-Every split is a pure function of a document's key, so peers agree on it without talking:
-held-out by sha256 of the key alone (the same for every seed, so no run trains on another
-run's evaluation data), shard by sha256 of (seed, key). A peer's train stream walks all
-documents in the epoch's order and keeps its shard's train documents; its position is three
-ints, which is what makes a checkpoint resume bit-exactly.
+Every split is a pure function of keys, so peers agree on it without talking. By document
+(`data.shard_by = document`): held-out by sha256 of a document's key alone (the same for every
+seed, so no run trains on another run's evaluation data), shard by sha256 of (seed, key); a peer's
+train stream walks all documents in the epoch's order and keeps its shard's train documents. By
+file (`data.shard_by = file`, streamed files and hub datasets): held-out is whole files chosen by
+sha256 of their names alone, and each shard is a set of the other files, balanced by size where
+sizes are known (`plan_files`), so a peer reads only its own files. Either way a stream's position
+is a few ints, which is what makes a checkpoint resume bit-exactly.
 
 Sources: `stdlib` (the Python standard library's own source, the embedded default), `files`
 (local .txt, .jsonl/.json or .parquet through `datasets`) and `hub` (a streamed `datasets` hub
-dataset, e.g. allenai/c4). `datasets` is imported only by the last two: it takes a second to
-import and the default run does not need it.
+dataset, e.g. allenai/c4, optionally pinned as name@revision). `datasets` is imported only by the
+last two: it takes a second to import and the default run does not need it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import glob
 import hashlib
+import itertools
 import logging
 import os
 import sys
@@ -27,20 +32,25 @@ from typing import Any
 
 import torch
 
-from p2p_diloco.config import DataSection
+from p2p_diloco.config import DataSection, hub_spec
 from p2p_diloco.errors import DataError
 
 log = logging.getLogger(__name__)
 
 KeyFilter = Callable[[str], bool] | None
-Packed = tuple[int, int, list[int]]  # (epoch, position in the epoch order, tokens + eos) of one document
+Position = tuple[int, ...]  # where a document stands in an epoch's order: (index,) or (file, row)
+Packed = tuple[int, Position, list[int]]  # (epoch, position, tokens + eos) of one document
 STDLIB_SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
+# A streamed file is read front to back; its rows are shuffled within windows of this many rows
+# (a window is held in memory: ~5 MB of FineWeb-Edu text), the most order streaming allows without
+# reading a file twice.
+SHUFFLE_ROWS = 1024
 
 
 @dataclass(frozen=True)
 class Document:
-    key: str  # stable id: a posix path under the stdlib root, or the row index of a dataset
+    key: str  # stable id: a posix path under the stdlib root, a dataset's row index, or file:row
     text: str
 
 
@@ -49,12 +59,18 @@ class Corpus:
 
     description: str
     finite: bool
+    position_names: tuple[str, ...] = ("index",)  # the ints of a position, as a stream's state names them
 
-    def documents(self, epoch: int, seed: int, start: int = 0) -> Iterator[Document]:
+    def documents(self, epoch: int, seed: int, start: int | Position = 0) -> Iterator[Document]:
         """All documents (train and held-out, every shard) in the epoch's order, from position `start`."""
-        return (doc for _, doc in self._scan(epoch, seed, start, None))
+        return (doc for _, doc in self._scan(epoch, seed, self.position(start), None))
 
-    def _scan(self, epoch: int, seed: int, start: int, keep: KeyFilter) -> Iterator[tuple[int, Document]]:
+    def position(self, start: int | Position = 0) -> Position:
+        """`start` as a full position: an int is the first of its ints, the others 0."""
+        head = (start,) if isinstance(start, int) else tuple(start)
+        return head + (0,) * (len(self.position_names) - len(head))
+
+    def _scan(self, epoch: int, seed: int, start: Position, keep: KeyFilter) -> Iterator[tuple[Position, Document]]:
         """(position, document) for the documents whose key passes `keep`; only those are read."""
         raise NotImplementedError
 
@@ -73,12 +89,12 @@ class FiniteCorpus(Corpus):
         self._read = read
         self.sizes = sizes
 
-    def _scan(self, epoch: int, seed: int, start: int, keep: KeyFilter) -> Iterator[tuple[int, Document]]:
+    def _scan(self, epoch: int, seed: int, start: Position, keep: KeyFilter) -> Iterator[tuple[Position, Document]]:
         order = _epoch_order(self._keys, seed, epoch)
-        for position in range(start, len(order)):
+        for position in range(start[0], len(order)):
             key = order[position]
             if keep is None or keep(key):
-                yield position, Document(key, self._read(key))
+                yield (position,), Document(key, self._read(key))
 
 
 class StreamingCorpus(Corpus):
@@ -92,12 +108,69 @@ class StreamingCorpus(Corpus):
         self._dataset = dataset
         self._text_field = text_field
 
-    def _scan(self, epoch: int, seed: int, start: int, keep: KeyFilter) -> Iterator[tuple[int, Document]]:
-        rows = self._dataset.skip(start) if start else self._dataset
-        for position, row in enumerate(rows, start):
+    def _scan(self, epoch: int, seed: int, start: Position, keep: KeyFilter) -> Iterator[tuple[Position, Document]]:
+        rows = self._dataset.skip(start[0]) if start[0] else self._dataset
+        for position, row in enumerate(rows, start[0]):
             key = str(position)
             if keep is None or keep(key):
-                yield position, Document(key, _row_text(row, self._text_field, self.description))
+                yield (position,), Document(key, _row_text(row, self._text_field, self.description))
+
+
+class FileCorpus(Corpus):
+    """A dataset streamed file by file (`data.shard_by = file`). A position is (file, row): the
+    file's place in the epoch's order of this corpus's files (`_epoch_order` of their keys) and the
+    row's place in that file's epoch order. Rows come front to back in windows of `SHUFFLE_ROWS`,
+    each window permuted by sha256(seed, epoch, key); a document's key is `file:row`, its row in
+    the file. `subset` is the same dataset restricted to some files: a peer's shard, the held-out."""
+
+    finite = False
+    position_names = ("file", "row")
+
+    def __init__(
+        self,
+        description: str,
+        sizes: dict[str, int | None],
+        open_file: Callable[[str], Any],
+        text_field: str,
+        per_file: bool = True,
+        window: int = SHUFFLE_ROWS,
+    ):
+        """`sizes`: bytes of each file by key (None where unknown); `open_file(key)`: its rows, an
+        IterableDataset (`skip` and iteration); `per_file`: whether the run shards it by file, or
+        (too few files, `plan_files`) by document."""
+        self.description, self.sizes, self._open_file = description, sizes, open_file
+        self._text_field, self.per_file, self._window = text_field, per_file, window
+
+    @property
+    def keys(self) -> list[str]:
+        return sorted(self.sizes)
+
+    def subset(self, keys: list[str], description: str) -> FileCorpus:
+        sizes = {key: self.sizes[key] for key in keys}
+        return FileCorpus(description, sizes, self._open_file, self._text_field, True, self._window)
+
+    def _scan(self, epoch: int, seed: int, start: Position, keep: KeyFilter) -> Iterator[tuple[Position, Document]]:
+        order = _epoch_order(self.keys, seed, epoch)
+        for slot in range(start[0], len(order)):
+            first = start[1] if slot == start[0] else 0
+            for row, doc in self._file_rows(order[slot], epoch, seed, first):
+                if keep is None or keep(doc.key):
+                    yield (slot, row), doc
+
+    def _file_rows(self, key: str, epoch: int, seed: int, start: int) -> Iterator[tuple[int, Document]]:
+        """(row in the file's epoch order, document) from row `start`: the window holding it is read
+        whole (the rows before it skipped, not decoded), then the windows after it."""
+        rows = self._open_file(key)
+        base = start - start % self._window
+        stream = iter(rows.skip(base) if base else rows)
+        while block := list(itertools.islice(stream, self._window)):
+            docs = [
+                Document(f"{key}:{base + i}", _row_text(row, self._text_field, self.description))
+                for i, row in enumerate(block)
+            ]
+            docs.sort(key=lambda doc: _sha256(f"order/{seed}/{epoch}/{doc.key}"))
+            yield from ((base + i, doc) for i, doc in enumerate(docs) if base + i >= start)
+            base += len(block)
 
 
 def _epoch_order(keys: list[str], seed: int, epoch: int) -> list[str]:
@@ -144,18 +217,79 @@ def folder_shards(sizes: dict[str, int], num_shards: int) -> dict[str, int]:
     return assignment
 
 
+def heldout_files(keys: list[str], fraction: float) -> list[str]:
+    """The held-out files of `data.shard_by = file`: round(fraction x files), at least one, those of
+    lowest sha256 of their key alone, so the same for every seed (as `is_heldout` for documents)."""
+    count = max(1, round(fraction * len(keys)))
+    return sorted(keys, key=lambda key: _sha256(f"heldout-file/{key}"))[:count]
+
+
+def file_shards(sizes: dict[str, int | None], seed: int, num_shards: int) -> dict[str, int]:
+    """Training files to shards: the largest first, each onto the shard with the fewest bytes so far
+    (ties: the lowest shard). Where any size is unknown (a hub dataset) every file counts as one, so
+    shards get equal counts. Files of one size go in the order of sha256(seed, key): round-robin in a
+    per-seed order. Depends only on the keys, sizes and seed."""
+    known = all(size is not None for size in sizes.values())
+    weight = {key: (size or 0) if known else 1 for key, size in sizes.items()}
+    load = [0] * num_shards
+    assignment = {}
+    for key in sorted(weight, key=lambda key: (-weight[key], _sha256(f"shard/{seed}/{key}"))):
+        shard = min(range(num_shards), key=lambda i: (load[i], i))
+        assignment[key] = shard
+        load[shard] += weight[key]
+    return assignment
+
+
+@dataclass(frozen=True)
+class FilePlan:
+    """Who reads which file: the held-out files and each training file's shard."""
+
+    heldout: tuple[str, ...]
+    shards: dict[str, int]
+
+    def files_of(self, shard: int) -> list[str]:
+        return sorted(key for key, owner in self.shards.items() if owner == shard)
+
+
+def plan_files(sizes: dict[str, int | None], seed: int, num_shards: int, fraction: float) -> FilePlan | None:
+    """The per-file split, or None when the files do not give every shard one beside the held-out
+    ones (then the corpus is sharded by document: every peer reads every file). Whether it is None
+    depends on the file count, data.num_shards and data.heldout_fraction only, never the seed."""
+    heldout = heldout_files(sorted(sizes), fraction)
+    train = {key: size for key, size in sizes.items() if key not in heldout}
+    if len(train) < num_shards:
+        return None
+    return FilePlan(tuple(heldout), file_shards(train, seed, num_shards))
+
+
+def file_of(key: str) -> str:
+    """The file of a `FileCorpus` document key (`file:row`)."""
+    return key.rpartition(":")[0]
+
+
 def sharding(corpus: Corpus, cfg: DataSection, seed: int) -> Callable[[str], int]:
-    """The run's key -> shard function: by document (`shard_of`) or by top-level folder."""
-    if cfg.shard_by == "document":
+    """The run's key -> shard function: by document (`shard_of`), by top-level folder, or by file
+    (a held-out file's documents are in no shard: -1; too few files: by document)."""
+    if cfg.shard_by == "folder":
+        if not isinstance(corpus, FiniteCorpus) or corpus.sizes is None:
+            raise _no_such_units(corpus, "folder", "stdlib")
+        assignment = folder_shards(corpus.sizes, cfg.num_shards)
+        return lambda key: assignment[folder_of(key)]
+    plan = None
+    if cfg.shard_by == "file":
+        if not isinstance(corpus, FileCorpus):
+            raise _no_such_units(corpus, "file", "files or hub")
+        plan = plan_files(corpus.sizes, seed, cfg.num_shards, cfg.heldout_fraction)
+    if plan is None:
         return lambda key: shard_of(key, seed, cfg.num_shards)
-    sizes = getattr(corpus, "sizes", None)
-    if sizes is None:
-        raise DataError(
-            f"data.shard_by = folder needs a corpus with folders (data.source = stdlib); "
-            f"{corpus.description} has none: use data.shard_by = document"
-        )
-    assignment = folder_shards(sizes, cfg.num_shards)
-    return lambda key: assignment[folder_of(key)]
+    return lambda key: plan.shards.get(file_of(key), -1)
+
+
+def _no_such_units(corpus: Corpus, unit: str, sources: str) -> DataError:
+    return DataError(
+        f"data.shard_by = {unit} needs a corpus with {unit}s (data.source = {sources}); "
+        f"{corpus.description} has none: use data.shard_by = document"
+    )
 
 
 def pick_shard(peer_id: str, seed: int, num_shards: int) -> int:
@@ -171,7 +305,18 @@ def _sha256(text: str) -> int:
 
 def shard_stream(corpus: Corpus, tokenizer: Any, cfg: DataSection, seq_len: int, seed: int, shard: int) -> TrainStream:
     """The training tokens of shard `shard`, cut as the run's config says: what a peer (every rank
-    of it) and a data-parallel worker read."""
+    of it) and a data-parallel worker read. By file, the stream opens only the shard's own files."""
+    if isinstance(corpus, FileCorpus) and corpus.per_file and cfg.shard_by == "file":
+        plan = plan_files(corpus.sizes, seed, cfg.num_shards, cfg.heldout_fraction)
+        if plan is not None:
+            mine = plan.files_of(shard)
+            log.info(
+                "shard %d/%d: %d of %d files (%d held out), the only ones this peer reads",
+                shard, cfg.num_shards, len(mine), len(corpus.sizes), len(plan.heldout),
+            )  # fmt: skip
+            own = corpus.subset(mine, f"{corpus.description}, the {len(mine)} files of shard {shard}")
+            # Every document of these files is the shard's: no held-out row among them to skip.
+            return TrainStream(own, tokenizer, seq_len, shard, cfg.num_shards, seed, 0.0, lambda key: shard)
     return TrainStream(
         corpus, tokenizer, seq_len, shard, cfg.num_shards, seed, cfg.heldout_fraction, sharding(corpus, cfg, seed)
     )
@@ -181,8 +326,9 @@ class TrainStream:
     """One peer's training tokens: its shard's train documents, each followed by eos, concatenated
     and cut into rows of seq_len tokens; after the last document of an epoch comes the next epoch.
 
-    The position is always exact: `_index` is the position (in the epoch order of all documents)
-    of the document holding the next token and `_offset` the next token within its packed tokens.
+    The position is always exact: `_position` is the position (in the corpus's epoch order: the
+    index of a document, or the file and row of a `FileCorpus`) of the document holding the next
+    token, and `_offset` the next token within its packed tokens.
     """
 
     def __init__(
@@ -207,7 +353,7 @@ class TrainStream:
         self._heldout_fraction = heldout_fraction
         self._shard_of_key = shard_of_key or (lambda key: shard_of(key, seed, num_shards))
         self.tokens_consumed = 0
-        self._docs, (self._epoch, self._index, self._tokens) = self._open(0, 0)
+        self._docs, (self._epoch, self._position, self._tokens) = self._open(0, corpus.position())
         self._offset = 0
 
     def next_batch(self, n: int) -> torch.LongTensor:
@@ -220,15 +366,16 @@ class TrainStream:
             self._offset += len(chunk)
             if self._offset == len(self._tokens):
                 # Move on at once, so that state_dict() names the document of the next token.
-                self._epoch, self._index, self._tokens = next(self._docs)
+                self._epoch, self._position, self._tokens = next(self._docs)
                 self._offset = 0
         self.tokens_consumed += need
         return torch.tensor(out, dtype=torch.long).view(n, self._seq_len)
 
     def state_dict(self) -> dict:
+        """{epoch, index, offset, tokens_consumed}; by file, {epoch, file, row, offset, tokens_consumed}."""
         return {
             "epoch": self._epoch,
-            "index": self._index,
+            **dict(zip(self._corpus.position_names, self._position, strict=True)),
             "offset": self._offset,
             "tokens_consumed": self.tokens_consumed,
         }
@@ -236,44 +383,46 @@ class TrainStream:
     def load_state_dict(self, state: dict) -> None:
         """Continue from `state_dict()` of a stream of the same corpus, shard and seed. On a bad
         state it raises DataError and leaves the stream as it was."""
-        _check_state(state)
-        docs, (epoch, index, tokens) = self._open(state["epoch"], state["index"])
-        if (epoch, index) != (state["epoch"], state["index"]) or state["offset"] >= len(tokens):
+        _check_state(state, self._corpus.position_names)
+        position = tuple(state[name] for name in self._corpus.position_names)
+        docs, (epoch, found, tokens) = self._open(state["epoch"], position)
+        if (epoch, found) != (state["epoch"], position) or state["offset"] >= len(tokens):
             raise DataError(
                 f"data state {state} does not point into a train document of shard "
                 f"{self._shard} of {self._num_shards}; the checkpoint is from another "
                 f"corpus, shard or seed"
             )
-        self._docs, self._epoch, self._index, self._tokens = docs, epoch, index, tokens
+        self._docs, self._epoch, self._position, self._tokens = docs, epoch, position, tokens
         self._offset, self.tokens_consumed = state["offset"], state["tokens_consumed"]
 
-    def _open(self, epoch: int, start: int) -> tuple[Iterator[Packed], Packed]:
+    def _open(self, epoch: int, start: Position) -> tuple[Iterator[Packed], Packed]:
         """The packed-document iterator from (epoch, start) and its first item."""
         docs = self._packed_docs(epoch, start)
         return docs, next(docs)
 
-    def _packed_docs(self, epoch: int, start: int) -> Iterator[Packed]:
+    def _packed_docs(self, epoch: int, start: Position) -> Iterator[Packed]:
         """This shard's train documents from (epoch, start) on, epoch after epoch."""
+        beginning = self._corpus.position()
         while True:
             found = False
             for position, doc in self._corpus._scan(epoch, self._seed, start, self._is_mine):
                 found = True
                 yield epoch, position, list(self._tokenizer.encode(doc.text)) + [self._tokenizer.eos_token_id]
-            if start == 0 and not found:  # a whole epoch without a document: it would loop forever
+            if start == beginning and not found:  # a whole epoch without a document: it would loop forever
                 raise DataError(
                     f"shard {self._shard} of {self._num_shards} has no training documents "
                     f"in {self._corpus.description}; lower data.num_shards"
                 )
-            epoch, start = epoch + 1, 0
+            epoch, start = epoch + 1, beginning
             log.info("shard %d/%d: epoch %d begins", self._shard, self._num_shards, epoch)
 
     def _is_mine(self, key: str) -> bool:
         return not is_heldout(key, self._heldout_fraction) and self._shard_of_key(key) == self._shard
 
 
-def _check_state(state: Any) -> None:
-    """DataError unless `state` is exactly the four non-negative ints of `TrainStream.state_dict`."""
-    names = {"epoch", "index", "offset", "tokens_consumed"}
+def _check_state(state: Any, position_names: tuple[str, ...]) -> None:
+    """DataError unless `state` is exactly the non-negative ints of `TrainStream.state_dict`."""
+    names = {"epoch", *position_names, "offset", "tokens_consumed"}
     if not isinstance(state, dict) or set(state) != names:
         keys = sorted(state) if isinstance(state, dict) else type(state).__name__
         raise DataError(f"data state must have exactly the keys {sorted(names)}, got {keys}")
@@ -284,10 +433,12 @@ def _check_state(state: Any) -> None:
 
 def heldout_batch(corpus: Corpus, tokenizer: Any, seq_len: int, n: int, heldout_fraction: float) -> torch.LongTensor:
     """The first n packed rows [n, seq_len] of the held-out documents in epoch 0, seed 0: the same for
-    every peer and run, so held-out losses compare. It reads the corpus: compute it once and keep it."""
+    every peer and run, so held-out losses compare. It reads the corpus (by file: the held-out files
+    only, up to the window holding the last row it needs): compute it once and keep it."""
     need = n * seq_len
     tokens: list[int] = []
-    for _, doc in corpus._scan(0, 0, 0, lambda key: is_heldout(key, heldout_fraction)):
+    source, keep = _heldout_source(corpus, heldout_fraction)
+    for _, doc in source._scan(0, 0, source.position(), keep):
         tokens += list(tokenizer.encode(doc.text)) + [tokenizer.eos_token_id]
         if len(tokens) >= need:
             return torch.tensor(tokens[:need], dtype=torch.long).view(n, seq_len)
@@ -296,6 +447,15 @@ def heldout_batch(corpus: Corpus, tokenizer: Any, seq_len: int, n: int, heldout_
         f"of {n} sequences of {seq_len} tokens; lower run.eval_sequences or raise "
         f"data.heldout_fraction"
     )
+
+
+def _heldout_source(corpus: Corpus, fraction: float) -> tuple[Corpus, KeyFilter]:
+    """Where the held-out documents are: whole files of a corpus sharded by file, else documents
+    of any file, picked by their key."""
+    if isinstance(corpus, FileCorpus) and corpus.per_file:
+        files = heldout_files(corpus.keys, fraction)
+        return corpus.subset(files, f"{corpus.description}, its {len(files)} held-out files"), None
+    return corpus, lambda key: is_heldout(key, fraction)
 
 
 def open_corpus(cfg: DataSection) -> Corpus:
@@ -327,20 +487,21 @@ def _open_stdlib(cfg: DataSection) -> Corpus:
 
 
 def _open_files(cfg: DataSection) -> Corpus:
-    """Local files loaded (and cached) by `datasets`: a .txt file is one document, a row is one."""
+    """Local files loaded (and cached) by `datasets`: a .txt file is one document, a row is one. By
+    file (`data.shard_by = file`) they are streamed instead, file by file, never cached whole."""
     import datasets  # slow to import; only these sources need it
 
     files = _list_files(cfg.path)
     builder = _builder_of(files, cfg.path)
     options = {"sample_by": "document"} if builder == "text" else {}
-    try:
-        dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
-    except Exception as exc:  # datasets raises many types, StopIteration for an empty .jsonl among them
-        raise DataError(
-            f"cannot load {cfg.path} with the datasets {builder!r} builder ({type(exc).__name__}: "
-            f"{exc}); check that the files are non-empty and well-formed"
-        ) from exc
     field = "text" if builder == "text" else cfg.text_field
+    what = f"cannot load {cfg.path} with the datasets {builder!r} builder"
+    if cfg.shard_by == "file":
+        with _load_error(what, "check the files"):
+            loader = datasets.load_dataset_builder(builder, data_files=[str(f) for f in files], **options)
+        return _streamed_files(cfg, f"files {cfg.path}", loader, field)
+    with _load_error(what, "check that the files are non-empty and well-formed"):
+        dataset = datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train", **options)
     if field not in dataset.column_names:
         raise DataError(
             f"{cfg.path} has no column {field!r} (it has {', '.join(dataset.column_names)}); set data.text_field"
@@ -350,6 +511,56 @@ def _open_files(cfg: DataSection) -> Corpus:
     rows = dataset.select_columns([field])
     description = f"files {cfg.path} ({len(files):,} files, {len(dataset):,} documents)"
     return FiniteCorpus(description, [str(i) for i in range(len(dataset))], lambda key: rows[int(key)][field] or "")
+
+
+@contextlib.contextmanager
+def _load_error(what: str, fix: str) -> Iterator[None]:
+    """datasets raises many types (StopIteration for an empty .jsonl, OSError offline...): one DataError."""
+    try:
+        yield
+    except Exception as exc:
+        raise DataError(f"{what} ({type(exc).__name__}: {exc}); {fix}") from exc
+
+
+def _streamed_files(cfg: DataSection, description: str, loader: Any, text_field: str) -> FileCorpus:
+    """A `datasets` builder's train split streamed file by file: file i is `shard(n, i)` of the
+    stream, as datasets hands one file to each of n workers. Sizes from the files where local."""
+    with _load_error(f"cannot stream {description}", "check the files, or use data.shard_by = document"):
+        files = [str(f) for f in loader.config.data_files["train"]]
+        dataset = loader.as_streaming_dataset(split="train")
+    if dataset.n_shards != len(files):
+        raise DataError(
+            f"{description} streams as {dataset.n_shards} pieces, not its {len(files)} files; "
+            "use data.shard_by = document"
+        )
+    keys = _file_keys(files)
+    index = {key: i for i, key in enumerate(keys)}
+    sizes = {key: os.path.getsize(path) if os.path.isfile(path) else None for key, path in zip(keys, files)}
+    per_file = plan_files(sizes, 0, cfg.num_shards, cfg.heldout_fraction) is not None
+    if not per_file:
+        log.warning(
+            "data.shard_by = file: %s has %d files, too few for data.num_shards = %d beside the "
+            "held-out ones: sharding by document instead, so every peer reads every file (about "
+            "%dx the bytes it trains); lower data.num_shards for a peer to read its own files only",
+            description, len(files), cfg.num_shards, cfg.num_shards,
+        )  # fmt: skip
+    return FileCorpus(
+        f"{description} ({len(files):,} files, streamed by file)",
+        sizes,
+        lambda key: dataset.shard(num_shards=len(files), index=index[key]),
+        text_field,
+        per_file,
+    )
+
+
+def _file_keys(paths: list[str]) -> list[str]:
+    """Each file's path below the files' deepest common folder, so that a local folder and the Hub
+    repository it copies (hf://datasets/org/name@rev/...) name the same file alike."""
+    parts = [path.split("/") for path in paths]
+    common = 0
+    while all(len(p) > common + 1 and p[common] == parts[0][common] for p in parts):
+        common += 1
+    return ["/".join(p[common:]) for p in parts]
 
 
 def _list_files(path: str) -> list[Path]:
@@ -383,20 +594,22 @@ def _builder_of(files: list[Path], path: str) -> str:
 
 
 def _open_hub(cfg: DataSection) -> Corpus:
-    """A hub dataset's train split, streamed: C4-sized corpora are never downloaded whole."""
+    """A hub dataset's train split, streamed: C4-sized corpora are never downloaded whole. A name
+    `org/name@rev` pins the dataset's revision (a commit, tag or branch)."""
     import datasets  # slow to import; only these sources need it
 
     if not cfg.name:
         raise DataError("data.source=hub needs data.name, e.g. allenai/c4")
-    try:
-        dataset = datasets.load_dataset(cfg.name, cfg.subset or None, split="train", streaming=True)
-    except Exception as exc:  # not found, offline, gated: datasets raises many types
-        raise DataError(
-            f"cannot open hub dataset {cfg.name!r} ({type(exc).__name__}: {exc}); hub datasets "
-            f"need network access, or use data.source=files with local copies"
-        ) from exc
-    subset = f"/{cfg.subset}" if cfg.subset else ""
-    return StreamingCorpus(f"hub dataset {cfg.name}{subset} (streamed)", dataset, cfg.text_field)
+    name, revision = hub_spec(cfg.name)
+    fix = "hub datasets need network access, or use data.source=files with local copies"
+    with _load_error(f"cannot open hub dataset {cfg.name!r}", fix):  # not found, offline, gated
+        loader = datasets.load_dataset_builder(name, cfg.subset or None, revision=revision)
+    description = f"hub dataset {cfg.name}{'/' + cfg.subset if cfg.subset else ''}"
+    if cfg.shard_by == "file":
+        return _streamed_files(cfg, description, loader, cfg.text_field)
+    with _load_error(f"cannot open hub dataset {cfg.name!r}", fix):
+        dataset = loader.as_streaming_dataset(split="train")
+    return StreamingCorpus(f"{description} (streamed)", dataset, cfg.text_field)
 
 
 def _row_text(row: dict, field: str, description: str) -> str:

@@ -31,7 +31,7 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-from p2p_diloco.config import ModelSection
+from p2p_diloco.config import ModelSection, hub_spec
 from p2p_diloco.errors import ModelError
 
 
@@ -102,7 +102,8 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")
 
 
 def load_tokenizer(spec: str) -> Tokenizer:
-    """`bytes`, a tokenizer.json file, a transformers tokenizer folder, or a Hub tokenizer id `org/name`.
+    """`bytes`, a tokenizer.json file, a transformers tokenizer folder, or a Hub tokenizer id `org/name`,
+    optionally pinned as `org/name@revision` (a commit hash, tag or branch).
 
     A local path wins over a Hub id of the same spelling. The spec itself is the tokenizer's identity
     in the config fingerprint (`model.tokenizer` is a shared field), so peers must spell it alike.
@@ -112,8 +113,9 @@ def load_tokenizer(spec: str) -> Tokenizer:
     path = Path(spec)
     if path.exists():
         return _FolderTokenizer(spec) if path.is_dir() else _JsonTokenizer(path)
-    if _HUB_ID.fullmatch(spec) and not spec.endswith(".json"):
-        return _FolderTokenizer(spec, from_hub=True)
+    name, revision = hub_spec(spec)
+    if _HUB_ID.fullmatch(name) and not name.endswith(".json"):
+        return _FolderTokenizer(name, from_hub=True, revision=revision)
     raise ModelError(
         f"tokenizer {spec!r} does not exist; set [model] tokenizer to 'bytes', a tokenizer.json file, "
         "a local tokenizer folder or a Hugging Face Hub id such as org/name"
@@ -159,12 +161,12 @@ class _FolderTokenizer:
     reads from there afterwards (also offline, HF_HUB_OFFLINE=1). Never with trust_remote_code:
     a tokenizer's repository does not get to run code on a volunteer's machine."""
 
-    def __init__(self, source: str, from_hub: bool = False) -> None:
+    def __init__(self, source: str, from_hub: bool = False, revision: str | None = None) -> None:
         try:
-            self._tok = AutoTokenizer.from_pretrained(source, local_files_only=not from_hub)
+            self._tok = AutoTokenizer.from_pretrained(source, local_files_only=not from_hub, revision=revision)
         except Exception as e:  # transformers raises OSError, ValueError, ImportError... by case
             if from_hub:
-                raise _hub_error(source, e) from e
+                raise _hub_error(source + (f"@{revision}" if revision else ""), e) from e
             raise ModelError(f"cannot read tokenizer folder {source}: {e}") from e
         self.source = source
         self.vocab_size = len(self._tok)  # with added tokens; `.vocab_size` leaves them out

@@ -58,7 +58,13 @@ def test_saved_config_loads_back_equal(tmp_path):
         ({"run.device": "gpu"}, "run.device must be auto, cpu, cuda or cuda:N"),
         ({"outer.nesterov": "maybe"}, "--outer.nesterov must be true or false"),
         ({"outer.drop_rate": "1"}, "outer.drop_rate must be in [0, 1), got 1.0"),
-        ({"data.shard_by": "file"}, "data.shard_by must be one of document, folder, got 'file'"),
+        ({"data.shard_by": "row"}, "data.shard_by must be one of document, folder, file, got 'row'"),
+        ({"data.shard_by": "file"}, "data.shard_by = file needs a corpus of files (source = files or hub)"),
+        ({"data.source": "hub", "data.name": "org/name@"}, "data.name = 'org/name@' is not a pinned Hub id"),
+        ({"data.source": "hub", "data.name": "c4@main"}, "write org/name@revision"),
+        ({"data.source": "hub", "data.name": "a/b@v1@v2"}, "data.name = 'a/b@v1@v2' is not a pinned Hub id"),
+        ({"data.source": "hub", "data.name": "a/b@x y"}, "data.name = 'a/b@x y' is not a pinned Hub id"),
+        ({"model.tokenizer": "org/tok@../main"}, "model.tokenizer = 'org/tok@../main' is not a pinned Hub id"),
         ({"swarm.claim_cap": "0.5"}, "swarm.claim_cap must be 0 (by admission.mode) or >= 1, got 0.5"),
         ({"swarm.claim_cap": "inf"}, "swarm.claim_cap must be 0 (by admission.mode) or >= 1, got inf"),
         (
@@ -103,3 +109,25 @@ def test_diff_shared_names_each_differing_field():
     a = config.load().shared_dict()
     b = config.load(None, {"inner.steps": "100", "outer.lr": "0.5"}).shared_dict()
     assert config.diff_shared(a, b) == ["inner.steps: 500 != 100", "outer.lr: 0.7 != 0.5"]
+
+
+@pytest.mark.parametrize(
+    "spec, parsed",
+    [
+        ("HuggingFaceFW/fineweb-edu", ("HuggingFaceFW/fineweb-edu", None)),
+        ("HuggingFaceFW/fineweb-edu@main", ("HuggingFaceFW/fineweb-edu", "main")),
+        ("org/name@0123456789abcdef0123456789abcdef01234567", ("org/name", "0123456789abcdef0123456789abcdef01234567")),
+        ("org/name@refs/pr/1", ("org/name", "refs/pr/1")),
+        ("org/name@v1.0", ("org/name", "v1.0")),
+        ("/data/corpus", ("/data/corpus", None)),  # no "@": a local path, as before
+    ],
+)
+def test_a_hub_spec_splits_into_name_and_pinned_revision(spec, parsed):
+    assert config.hub_spec(spec) == parsed
+
+
+def test_pinned_names_load_and_the_pin_is_part_of_the_fingerprint():
+    pinned = config.load(None, {"data.source": "hub", "data.name": "org/data@abc123", "model.tokenizer": "org/tok@v2"})
+    assert (pinned.data.name, pinned.model.tokenizer) == ("org/data@abc123", "org/tok@v2")
+    latest = config.load(None, {"data.source": "hub", "data.name": "org/data", "model.tokenizer": "org/tok@v2"})
+    assert pinned.fingerprint() != latest.fingerprint()

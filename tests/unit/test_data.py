@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import builtins
+import hashlib
 import json
+import logging
 import re
 
 import datasets
@@ -15,15 +18,20 @@ import torch
 from p2p_diloco.config import DataSection
 from p2p_diloco.errors import DataError
 from p2p_diloco.train.data import (
+    FileCorpus,
     FiniteCorpus,
     TrainStream,
+    file_shards,
     folder_of,
     folder_shards,
     heldout_batch,
+    heldout_files,
     is_heldout,
     open_corpus,
     pick_shard,
+    plan_files,
     shard_of,
+    shard_stream,
     sharding,
 )
 from p2p_diloco.train.model import ByteTokenizer
@@ -340,3 +348,161 @@ def test_folder_sharding_needs_a_corpus_with_folders():
     corpus = FiniteCorpus("rows", ["0", "1"], lambda key: "x")
     with pytest.raises(DataError, match="data.shard_by = folder needs a corpus with folders"):
         sharding(corpus, DataSection(num_shards=2, shard_by="folder"), seed=0)
+
+
+# --- sharded by file ------------------------------------------------------------------------
+
+
+def write_parquet_files(folder, files: int, rows: int, sizes: dict[int, int] | None = None):
+    """files x rows documents; row r of file f reads 'ffrr' (4 bytes): one row of seq_len 5 each.
+    `sizes`: extra rows (a bigger file) by file number."""
+    folder.mkdir(exist_ok=True)
+    for f in range(files):
+        texts = [f"{f:02d}{r:02d}" for r in range(rows + (sizes or {}).get(f, 0))]
+        pq.write_table(pa.table({"text": texts, "id": list(range(len(texts)))}), folder / f"part-{f:02d}.parquet")
+    return folder
+
+
+def file_section(folder, **changes) -> DataSection:
+    return DataSection(source="files", path=str(folder), shard_by="file", **changes)
+
+
+@pytest.fixture
+def opened(monkeypatch):
+    """The paths of the .parquet files Python opened, as datasets streams them (its local `open`)."""
+    paths: list[str] = []
+    real_open = builtins.open
+
+    def spy(file, *args, **kwargs):
+        if str(file).endswith(".parquet"):
+            paths.append(str(file))
+        return real_open(file, *args, **kwargs)
+
+    monkeypatch.setattr(builtins, "open", spy)
+    return paths
+
+
+def hash_order(keys, text: str) -> list[str]:
+    return sorted(keys, key=lambda key: int.from_bytes(hashlib.sha256(f"{text}{key}".encode()).digest()[:8], "big"))
+
+
+def test_heldout_files_are_the_lowest_hashes_of_their_names_whatever_the_seed():
+    keys = [f"part-{i:02d}.parquet" for i in range(20)]
+    assert heldout_files(keys, 0.1) == hash_order(keys, "heldout-file/")[:2]
+    assert heldout_files(keys, 0.01) == hash_order(keys, "heldout-file/")[:1]  # at least one
+    assert heldout_files(list(reversed(keys)), 0.1) == heldout_files(keys, 0.1)  # not the listing order
+
+
+def test_file_shards_balance_bytes_largest_first_or_counts_when_sizes_are_unknown():
+    sizes = {"a": 100, "b": 60, "c": 30, "d": 25, "e": 10}
+    # a -> 0; b -> 1 (loads 100, 0, 0); c -> 2 (100, 60, 0); d -> 2 (100, 60, 30); e -> 2 (100, 60, 55)
+    assert file_shards(sizes, seed=0, num_shards=3) == {"a": 0, "b": 1, "c": 2, "d": 2, "e": 2}
+    unknown = {f"f{i}": None for i in range(7)}
+    by_seed = [file_shards(unknown, seed, 3) for seed in range(4)]
+    for assignment in by_seed:  # counts 3, 2, 2 in the order sha256(seed, key): round-robin
+        order = hash_order(unknown, f"shard/{by_seed.index(assignment)}/")
+        assert [assignment[key] for key in order] == [0, 1, 2, 0, 1, 2, 0]
+    assert len({tuple(sorted(a.items())) for a in by_seed}) > 1  # the seed changes who reads what
+
+
+def test_plan_files_needs_a_file_per_shard_beside_the_heldout_ones():
+    sizes = {f"f{i}": 10 for i in range(5)}  # 0.2 x 5 = 1 held out, 4 to train
+    plan = plan_files(sizes, seed=0, num_shards=4, fraction=0.2)
+    assert plan is not None and len(plan.heldout) == 1
+    assert sorted(k for s in range(4) for k in plan.files_of(s)) == sorted(set(sizes) - set(plan.heldout))
+    assert all(len(plan.files_of(s)) == 1 for s in range(4))
+    assert plan_files(sizes, seed=0, num_shards=5, fraction=0.2) is None
+
+
+def test_a_file_shard_opens_only_its_own_files_and_the_shards_cover_the_train_files(tmp_path, opened):
+    folder = write_parquet_files(tmp_path / "data", files=9, rows=4, sizes={0: 8})
+    cfg = file_section(folder, num_shards=4, heldout_fraction=0.1)  # round(0.9) = 1 held-out file
+    corpus = open_corpus(cfg)
+    plan = plan_files(corpus.sizes, 3, 4, 0.1)
+    assert corpus.per_file and "9 files, streamed by file" in corpus.description and len(plan.heldout) == 1
+    assert corpus.sizes == {p.name: p.stat().st_size for p in folder.iterdir()}  # what file_shards balances
+    seen: dict[int, list[str]] = {}
+    for shard in range(4):
+        opened.clear()
+        stream = shard_stream(corpus, ByteTokenizer(), cfg, seq_len=5, seed=3, shard=shard)
+        while stream.state_dict()["epoch"] == 0:
+            seen.setdefault(shard, []).extend(row_keys(stream.next_batch(1)))
+        mine = {str(folder / key) for key in plan.files_of(shard)}
+        assert set(opened) == mine, f"shard {shard} opened other files"
+        rows = {key: 12 if key == "part-00.parquet" else 4 for key in plan.files_of(shard)}
+        assert sorted(seen[shard]) == sorted(f"{key[5:7]}{r:02d}" for key, n in rows.items() for r in range(n))
+    held = int(plan.heldout[0][5:7])
+    every = [key for keys in seen.values() for key in keys]
+    assert len(every) == len(set(every)) == 12 + 8 * 4 - (12 if held == 0 else 4)
+    assert all(int(key[:2]) != held for key in every)
+
+
+def test_the_heldout_batch_of_a_file_corpus_reads_the_heldout_files_only(tmp_path, opened):
+    folder = write_parquet_files(tmp_path / "data", files=9, rows=4)
+    corpus = open_corpus(file_section(folder, num_shards=4, heldout_fraction=0.1))
+    (held,) = heldout_files(corpus.keys, 0.1)
+    opened.clear()
+    batch = heldout_batch(corpus, ByteTokenizer(), 5, 3, 0.1)
+    assert set(opened) == {str(folder / held)}
+    assert {key[:2] for key in row_keys(batch)} == {held[5:7]} and len(set(row_keys(batch))) == 3
+    assert torch.equal(
+        batch, heldout_batch(open_corpus(file_section(folder, num_shards=2)), ByteTokenizer(), 5, 3, 0.1)
+    )
+    with pytest.raises(DataError, match="fill only 4 of 5 sequences"):
+        heldout_batch(corpus, ByteTokenizer(), 5, 5, 0.1)
+
+
+def test_a_file_epoch_permutes_the_files_and_the_rows_within_each_window(tmp_path):
+    folder = write_parquet_files(tmp_path / "data", files=3, rows=7)
+    whole = open_corpus(file_section(folder, num_shards=1, heldout_fraction=0.01))
+    corpus = FileCorpus("windows of 3", whole.sizes, whole._open_file, "text", window=3)
+    files = sorted(whole.sizes)
+    for epoch, seed in [(0, 0), (1, 0), (0, 5)]:
+        expected = []
+        for key in hash_order(files, f"order/{seed}/{epoch}/"):
+            for start in (0, 3, 6):  # windows of rows 0-2, 3-5 and 6
+                window = [f"{key}:{r}" for r in range(start, min(start + 3, 7))]
+                expected += hash_order(window, f"order/{seed}/{epoch}/")
+        assert [doc.key for doc in corpus.documents(epoch, seed)] == expected
+        assert [doc.key for doc in corpus.documents(epoch, seed, start=(1, 4))] == expected[7 + 4 :]
+    first = [d.key for d in corpus.documents(0, 0)]
+    assert first != [d.key for d in corpus.documents(1, 0)] and first != [d.key for d in corpus.documents(0, 5)]
+    assert [d.text for d in corpus.documents(0, 0)][:1] == [
+        f"{int(first[0][5:7]):02d}{int(first[0].split(':')[1]):02d}"
+    ]
+
+
+def test_a_file_shard_resumes_bit_exactly_across_windows_files_and_epochs(tmp_path):
+    folder = write_parquet_files(tmp_path / "data", files=7, rows=5)
+    cfg = file_section(folder, num_shards=2, heldout_fraction=0.1)
+    whole = open_corpus(cfg)
+    corpus = FileCorpus(whole.description, whole.sizes, whole._open_file, "text", window=2)
+    stream = shard_stream(corpus, ByteTokenizer(), cfg, seq_len=7, seed=1, shard=1)
+    assert set(stream.state_dict()) == {"epoch", "file", "row", "offset", "tokens_consumed"}
+    assert_resumes_bit_exactly(lambda: shard_stream(corpus, ByteTokenizer(), cfg, 7, 1, 1), batches=14, n=2)
+    with pytest.raises(DataError, match="data state must have exactly the keys"):
+        stream.load_state_dict({"epoch": 0, "index": 0, "offset": 0, "tokens_consumed": 0})
+
+
+def test_too_few_files_for_the_shards_fall_back_to_document_sharding_in_one_warning(tmp_path, caplog, opened):
+    folder = write_parquet_files(tmp_path / "data", files=3, rows=10)
+    cfg = file_section(folder, num_shards=4, heldout_fraction=0.2)
+    with caplog.at_level(logging.WARNING, logger="p2p_diloco.train.data"):
+        corpus = open_corpus(cfg)
+    (line,) = [r.getMessage() for r in caplog.records]
+    assert "has 3 files, too few for data.num_shards = 4" in line and "every peer reads every file" in line
+    assert not corpus.per_file
+    opened.clear()
+    keys = []
+    stream = shard_stream(corpus, ByteTokenizer(), cfg, seq_len=5, seed=2, shard=1)
+    while stream.state_dict()["epoch"] == 0:
+        keys += row_keys(stream.next_batch(1))
+    assert len(set(opened)) == 3  # every file
+    doc_keys = [f"part-{f:02d}.parquet:{r}" for f in range(3) for r in range(10)]
+    mine = {k for k in doc_keys if not is_heldout(k, 0.2) and shard_of(k, 2, 4) == 1}
+    assert sorted(keys) == sorted(f"{int(k[5:7]):02d}{int(k.split(':')[1]):02d}" for k in mine)
+
+
+def test_file_sharding_needs_a_corpus_of_files():
+    with pytest.raises(DataError, match="data.shard_by = file needs a corpus with files"):
+        sharding(keyed_corpus(3), DataSection(num_shards=2, shard_by="file"), seed=0)

@@ -10,9 +10,12 @@ same `datasets.load_dataset(name, subset, split="train", streaming=True)` call a
 
 from __future__ import annotations
 
+import dataclasses
+import hashlib
 import json
 from pathlib import Path
 
+import datasets
 import pytest
 import torch
 from transformers import AutoTokenizer
@@ -21,7 +24,15 @@ from p2p_diloco import config
 from p2p_diloco.config import DataSection, ModelSection
 from p2p_diloco.errors import ModelError
 from p2p_diloco.peer import Peer
-from p2p_diloco.train.data import TrainStream, heldout_batch, is_heldout, open_corpus, shard_of
+from p2p_diloco.train.data import (
+    TrainStream,
+    heldout_batch,
+    is_heldout,
+    open_corpus,
+    plan_files,
+    shard_of,
+    shard_stream,
+)
 from p2p_diloco.train.model import export_model, init_model, load_tokenizer, model_config, parameter_count
 from tests.unit import standins
 
@@ -46,6 +57,12 @@ def fineweb(tmp_path_factory) -> Path:
     return standins.fineweb_standin(tmp_path_factory.mktemp("fineweb") / "fineweb-edu")
 
 
+@pytest.fixture(scope="module")
+def fineweb_files(tmp_path_factory) -> Path:
+    """The stand-in in 6 parquet files of 10 documents."""
+    return standins.fineweb_standin(tmp_path_factory.mktemp("fineweb6") / "fineweb-edu", files=6)
+
+
 # --- tokenizers: a folder, a Hub id --------------------------------------------------------------
 
 
@@ -63,6 +80,15 @@ def test_a_hub_id_is_resolved_by_the_hub_loader_from_the_hub_cache(tokenizer_fol
     tok = load_tokenizer(HUB_ID)
     assert tok.encode(SAMPLE) == load_tokenizer(str(tokenizer_folder)).encode(SAMPLE)
     assert tok.vocab_size == load_tokenizer(str(tokenizer_folder)).vocab_size
+
+
+def test_a_pinned_hub_id_loads_the_cached_revision_and_names_a_missing_one(tokenizer_folder, hub_cache):
+    standins.cache_hub_tokenizer(hub_cache, HUB_ID, tokenizer_folder)
+    expected = load_tokenizer(str(tokenizer_folder)).encode(SAMPLE)
+    assert load_tokenizer(f"{HUB_ID}@main").encode(SAMPLE) == expected  # refs/main -> the snapshot
+    assert load_tokenizer(f"{HUB_ID}@{standins.COMMIT}").encode(SAMPLE) == expected  # the snapshot itself
+    with pytest.raises(ModelError, match=rf"cannot load tokenizer '{HUB_ID}@v9' from the Hugging Face Hub"):
+        load_tokenizer(f"{HUB_ID}@v9")  # not in the cache: transformers did look for that revision
 
 
 def test_a_hub_id_neither_cached_nor_reachable_fails_in_one_line_naming_both_fixes():
@@ -141,6 +167,51 @@ def test_a_streamed_shard_resumes_bit_exactly_from_its_state(fineweb, tokenizer_
     assert first and all(torch.equal(whole.next_batch(3), resumed.next_batch(3)) for _ in range(30))
 
 
+def test_a_pinned_dataset_revision_reaches_the_datasets_loader(fineweb_files, monkeypatch):
+    asked = []
+    real = datasets.load_dataset_builder
+
+    def to_the_stand_in(path, name=None, **kwargs):  # the Hub is unreachable: the local copy answers
+        asked.append((path, name, kwargs.get("revision")))
+        return real(str(fineweb_files), name, **kwargs)
+
+    monkeypatch.setattr(datasets, "load_dataset_builder", to_the_stand_in)
+    for shard_by in ("file", "document"):
+        pinned = DataSection(source="hub", name="HuggingFaceFW/fineweb-edu@abc123", subset="sample-100BT")
+        corpus = open_corpus(dataclasses.replace(pinned, shard_by=shard_by, num_shards=2))
+        assert next(corpus.documents(0, 0)).text
+    assert asked == [("HuggingFaceFW/fineweb-edu", "sample-100BT", "abc123")] * 2
+
+
+def test_fineweb_sharded_by_file_gives_each_shard_its_files_rows_and_holds_out_whole_files(
+    fineweb_files, tokenizer_folder
+):
+    tok = load_tokenizer(str(tokenizer_folder))
+    cfg = fineweb_section(fineweb_files, shard_by="file", num_shards=2, heldout_fraction=0.2)
+    corpus = open_corpus(cfg)
+    texts = standins.stdlib_texts(60, max_chars=2000)  # file i holds documents 10i .. 10i+9
+    files = [f"{i:03d}_00000.parquet" for i in range(6)]
+    assert corpus.per_file and sorted(corpus.sizes) == files
+    plan = plan_files(corpus.sizes, 4, 2, 0.2)
+    assert len(plan.heldout) == 1  # round(0.2 x 6)
+    trained = []
+    for shard in range(2):
+        stream = shard_stream(corpus, tok, cfg, 16, 4, shard)
+        mine = [files.index(f) for f in plan.files_of(shard)]
+        # One epoch of the shard: every document of its files, and nothing else.
+        expected = sorted(texts[10 * i + r] for i in mine for r in range(10))
+        docs = [doc for _, doc in stream._corpus._scan(0, 4, (0, 0), None)]
+        assert sorted(d.text for d in docs) == expected
+        trained += [d.text for d in docs]
+    held = files.index(plan.heldout[0])
+    assert sorted(trained) == sorted(t for i, t in enumerate(texts) if i // 10 != held)
+    # The held-out batch: the held-out file's rows in epoch 0's order for seed 0 (one window: all 10).
+    keys = [f"{plan.heldout[0]}:{r}" for r in range(10)]
+    order = sorted(range(10), key=lambda r: hashlib.sha256(f"order/0/0/{keys[r]}".encode()).digest()[:8])
+    expected = [t for r in order for t in [*tok.encode(texts[10 * held + r]), tok.eos_token_id]]
+    assert heldout_batch(corpus, tok, 16, 2, 0.2).flatten().tolist() == expected[:32]
+
+
 # --- the profile ----------------------------------------------------------------------------------
 
 
@@ -152,13 +223,14 @@ def test_the_public_profile_holds_the_papers_optimisers_and_its_hub_choices():
     assert (c.model.preset, c.model.seq_len, c.model.tokenizer) == (
         "150m",
         1024,
-        "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T",
+        "TinyLlama/TinyLlama-1.1B-intermediate-step-1431k-3T@main",  # a placeholder pin (the file says so)
     )
-    assert (c.data.source, c.data.name, c.data.subset, c.data.text_field) == (
+    assert (c.data.source, c.data.name, c.data.subset, c.data.text_field, c.data.shard_by) == (
         "hub",
-        "HuggingFaceFW/fineweb-edu",
+        "HuggingFaceFW/fineweb-edu@main",
         "sample-100BT",
         "text",
+        "file",
     )
     assert (i.batch_size, i.micro_batch_size, i.precision, c.swarm.compression) == (128, 8, "bf16", "int8")
     # The README's estimates count this model: the 150m preset with Llama 2's 32,000 ids.
@@ -166,14 +238,15 @@ def test_the_public_profile_holds_the_papers_optimisers_and_its_hub_choices():
 
 
 def test_the_public_profile_trains_on_a_cpu_with_its_hub_parts_on_stand_ins(
-    tmp_path, hub_cache, tokenizer_folder, fineweb
+    tmp_path, hub_cache, tokenizer_folder, fineweb_files
 ):
     # The tokenizer under the profile's own Hub id (the cache stand-in); only the dataset's name is
     # pointed at the local repository, with the profile's subset. The rest shrinks the run to seconds.
     profile = config.load(PROFILE)
-    standins.cache_hub_tokenizer(hub_cache, profile.model.tokenizer, tokenizer_folder)
+    standins.cache_hub_tokenizer(hub_cache, config.hub_spec(profile.model.tokenizer)[0], tokenizer_folder)
     tiny = {
-        "data.name": str(fineweb),
+        "data.name": str(fineweb_files),
+        "data.num_shards": "2",  # the stand-in's 6 files: 1 held out, 5 to train
         "run.dir": str(tmp_path / "run"),
         "run.device": "cpu",
         "run.rounds": "1",
@@ -197,3 +270,4 @@ def test_the_public_profile_trains_on_a_cpu_with_its_hub_parts_on_stand_ins(
     assert records[1]["inner_steps"] == 2 and records[1]["tokens"] == 2 * 4 * 64
     assert all(torch.isfinite(torch.tensor(r["eval_loss"])) for r in records)
     assert "hub dataset" in peer.corpus.description and peer.tokenizer.vocab_size < 1000
+    assert "6 files, streamed by file" in peer.corpus.description
