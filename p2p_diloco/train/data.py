@@ -159,7 +159,7 @@ class FileCorpus(Corpus):
 
     def _file_rows(self, key: str, epoch: int, seed: int, start: int) -> Iterator[tuple[int, Document]]:
         """(row in the file's epoch order, document) from row `start`: the window holding it is read
-        whole (the rows before it skipped, not decoded), then the windows after it."""
+        whole (the rows before it skipped: read, not tokenized), then the windows after it."""
         rows = self._open_file(key)
         base = start - start % self._window
         stream = iter(rows.skip(base) if base else rows)
