@@ -361,11 +361,16 @@ def download_from(
     holders: list[str],
     verify: StateCheck,
 ) -> ServedState:
-    """The state `wanted` (round, digest) from `holders`, through this peer's averager process."""
+    """The state `wanted` (round, digest) from `holders`, through this peer's averager process.
+    In chunks, every manifest tried shares one download deadline (I3): a majority's manifest of
+    another state leaves the next one what is left, at least `stall_s`, and the catch-up asks again."""
     (round_, digest), stall_s = wanted, download.stall_s
+    deadline = time.monotonic() + download.total_s
     chunked = download_chunked(
         lambda peers: averager.state_manifests(peers, wanted, stall_s),
-        lambda manifest, some: averager.download_chunks(manifest, some, download.total_s, stall_s),
+        lambda manifest, some: averager.download_chunks(
+            manifest, some, max(stall_s, deadline - time.monotonic()), stall_s
+        ),
         holders,
         verify,
         wanted,
