@@ -421,6 +421,9 @@ def test_a_file_shard_opens_only_its_own_files_and_the_shards_cover_the_train_fi
     plan = plan_files(corpus.sizes, 3, 4, 0.1)
     assert corpus.per_file and "9 files, streamed by file" in corpus.description and len(plan.heldout) == 1
     assert corpus.sizes == {p.name: p.stat().st_size for p in folder.iterdir()}  # what file_shards balances
+    owner = sharding(corpus, cfg, seed=3)  # the run's key -> shard function agrees; held-out files: none
+    assert all(owner(f"{key}:0") == shard for key, shard in plan.shards.items())
+    assert owner(f"{plan.heldout[0]}:0") == -1
     seen: dict[int, list[str]] = {}
     for shard in range(4):
         opened.clear()
