@@ -159,6 +159,8 @@ def download_chunked(
             got = Assembled(None, f"{type(e).__name__} {str(e)[:80]}", {}, frozenset())
         served |= {p: (round_, None) for p in got.liars}
         problems += [f"{p[-6:]}: {why}" for p, why in got.dropped.items()]
+        for peer, why in got.dropped.items():  # also when the others carried the download
+            say("%s %s was asked for no more chunks: %s", "lying holder" if peer in got.liars else "holder", peer, why)
         if got.tensors is None:
             problems.append(f"chunks from {len(holders)} holders: {got.problem}")
             continue

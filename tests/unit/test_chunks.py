@@ -173,6 +173,20 @@ def test_a_majority_manifest_of_a_wrong_state_costs_one_download_then_the_next_i
     assert asked == [[A, B], [C]] and got is not None and got[0] == [C]
 
 
+def test_a_holder_dropped_from_a_download_that_succeeded_is_named_in_the_log():
+    said = []
+    m = four_chunks()
+    got = download_chunked(
+        lambda peers: {p: m for p in peers},
+        fetched(liars=frozenset({B}), dropped={B: "chunk 1 hashes to 0c…"}),
+        [A, B],
+        lambda *_: DIGEST,
+        (7, DIGEST),
+        say=lambda fmt, *args: said.append(fmt % args),
+    )
+    assert got is not None and said == [f"lying holder {B} was asked for no more chunks: chunk 1 hashes to 0c…"]
+
+
 def test_liars_and_wrong_states_are_named_so_the_catch_up_asks_them_no_more():
     m = four_chunks()
     with pytest.raises(StateDownloadError) as e:

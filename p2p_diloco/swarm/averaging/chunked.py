@@ -185,8 +185,8 @@ class ChunkFetcher:
             for task in finished:
                 index, holder = tasks.pop(task)
                 plan = _settle(plan, index, holder, task, buffers)
-            for task, (index, _) in list(tasks.items()):  # a chunk another holder sent first
-                if index in plan.have:
+            for task, (index, holder) in list(tasks.items()):  # sent by another first, or asked of a liar
+                if index in plan.have or holder in plan.dropped:
                     task.cancel()
                     del tasks[task]
         return plan
