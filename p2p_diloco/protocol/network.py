@@ -153,14 +153,9 @@ def download_chunked(
     served: dict[str, tuple[int, str | None]] = {p: (m.round, m.digest) for p, m in sent.items() if m.digest != digest}
     problems = [f"{p[-6:]}: manifest of round {r} digest {d[:12]}" for p, (r, d) in served.items() if d]
     for manifest, holders in chunks.manifest_groups(sent, round_, digest):
-        try:
-            got = fetch(manifest, holders)
-        except Exception as e:  # the averager process failed to answer: no holder is to blame
-            got = Assembled(None, f"{type(e).__name__} {str(e)[:80]}", {}, frozenset())
+        got = _assembled(fetch, manifest, holders, say)
         served |= {p: (round_, None) for p in got.liars}
         problems += [f"{p[-6:]}: {why}" for p, why in got.dropped.items()]
-        for peer, why in got.dropped.items():  # also when the others carried the download
-            say("%s %s was asked for no more chunks: %s", "lying holder" if peer in got.liars else "holder", peer, why)
         if got.tensors is None:
             problems.append(f"chunks from {len(holders)} holders: {got.problem}")
             continue
@@ -176,6 +171,18 @@ def download_chunked(
         )
         say("rejected the state assembled from the chunks of %s: round %s %s", holders, round_, shown)
     raise StateDownloadError(f"no peer served round {round_} with digest {digest[:12]}: {'; '.join(problems)}", served)
+
+
+def _assembled(fetch: Chunks, manifest: chunks.Manifest, holders: list[str], say: Callable[..., None]) -> Assembled:
+    """`fetch(manifest, holders)`, each holder it dropped said (also when the others carried the
+    download); a failure of the averager process itself, which blames no holder, as unfinished."""
+    try:
+        got = fetch(manifest, holders)
+    except Exception as e:
+        return Assembled(None, f"{type(e).__name__} {str(e)[:80]}", {}, frozenset())
+    for peer, why in got.dropped.items():
+        say("%s %s was asked for no more chunks: %s", "lying holder" if peer in got.liars else "holder", peer, why)
+    return got
 
 
 MAX_GROUP = 64  # members listed in a round record

@@ -202,3 +202,13 @@ def test_liars_and_wrong_states_are_named_so_the_catch_up_asks_them_no_more():
     with pytest.raises(StateDownloadError) as e:
         download_chunked(lambda peers: {A: m}, fetched(), [A], lambda *_: OTHER, (7, DIGEST))
     assert e.value.served == {A: (7, OTHER)}
+
+
+def test_a_download_the_averager_process_failed_blames_no_holder():
+    def broken(manifest, holders):
+        raise TimeoutError("the averager process did not answer")
+
+    m = four_chunks()
+    with pytest.raises(StateDownloadError) as e:
+        download_chunked(lambda peers: {A: m, B: m}, broken, [A, B], lambda *_: DIGEST, (7, DIGEST))
+    assert e.value.served == {} and "TimeoutError the averager process did not answer" in str(e.value)
