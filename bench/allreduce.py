@@ -23,6 +23,8 @@ p2p_diloco/swarm/averaging/allreduce.py reports (the butterfly's only).
         --out bench/results/allreduce_home    # a home link: 10 Mbit/s up, 50 down
     .venv/bin/python bench/allreduce.py --ks 4 --codecs int8 --aggregators mean clip centered-clip trimmed-mean \
         --out bench/results/allreduce_aggregators    # what robust reduction costs (issue 14)
+    .venv/bin/python bench/allreduce.py --ks 4 --codecs fp32 int8 --rate 20 --numel 5e6 --rtt-ms 0 20 80 \
+        --out bench/results/allreduce_rtt    # the same links with round trips of 20 and 80 ms (bench/delaylink.py)
 
 Writes bench/results/allreduce.json and allreduce.png. Needs root (namespaces). On a 2-core
 machine the CPUs, not the links, limit all-reduce above a few hundred Mbit/s in total; timings are
@@ -50,6 +52,7 @@ else:  # run as a script, bench/ on sys.path
     from netlab import NetLab, available, line_reader, namespaces, next_line
 
 ROOT = Path(__file__).resolve().parents[1]
+SUBNET_PREFIX = "10.201."  # the lab's addresses (bench/netlab.py)
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}  # k peers share 2 cores
 CODECS = ["fp32", "scaled-fp16", "bf16", "int8", "int4", "int2"]
 # p2p_diloco/protocol/codecs.py: int8 has one fp32 scale per 128 values, int4 one per 64
@@ -75,6 +78,14 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--codecs", nargs="+", default=CODECS, help="pseudo-gradient codecs (swarm.compression)")
     p.add_argument("--aggregators", nargs="+", default=["clip"], help="how reducers combine parts (swarm.aggregator)")
     p.add_argument("--repeats", type=int, default=3, help="all-reduces per setting; the median is reported")
+    p.add_argument("--quic", action="store_true", help="the workers also listen on QUIC (swarm.quic)")
+    p.add_argument(
+        "--rtt-ms",
+        type=float,
+        nargs="+",
+        default=[0.0],
+        help="round trips between peers to measure at, ms (bench/delaylink.py: a quarter each way at each peer)",
+    )
     p.add_argument(
         "--averaging-timeout", type=float, help="the workers' swarm.averaging_timeout_s (default: 5x the bound, >= 60)"
     )
@@ -156,6 +167,7 @@ def run_setting(
                 str(folder / f"k{k}-{codec}-{aggregator}-w{i}"),
                 str(timeout_s),
                 aggregator,
+                "quic" if args.quic else "tcp",
             ],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
@@ -172,6 +184,7 @@ def run_setting(
             if (line := next_line(out, 120, f"worker {i} ready")) != "ready":
                 raise RuntimeError(f"worker {i} printed {line!r}")
         runs = [one_allreduce(lab, workers, outs, timeout_s + 3 * MATCHMAKING_S + 30) for _ in range(args.repeats)]
+        tcp_peers = tcp_peers_of(lab, 0)
     except RuntimeError as e:  # a worker died or fell silent: note it and go on with the next setting
         print(f"  setting abandoned: {e}; see {folder}/k{k}-{codec}-w*.log", flush=True)
         return {"k": k, "codec": codec, "numel": numel, "up_mbit": args.up, "down_mbit": args.down, "error": str(e)}
@@ -180,7 +193,21 @@ def run_setting(
             w.stdin.close()
         for w in workers:
             lab.end(w, grace_s=20)
-    return {**summarize(k, codec, numel, (args.up, args.down), runs), "aggregator": aggregator}
+    summary = summarize(k, codec, numel, (args.up, args.down), runs)
+    return {**summary, "aggregator": aggregator, "quic": args.quic, "tcp_peers_of_host0": tcp_peers}
+
+
+def tcp_peers_of(lab: NetLab, host: int) -> list[str]:
+    """The lab addresses host `host` holds established TCP connections to (the workers', over QUIC,
+    should not be among them; the bootstrap node's DHT connection is)."""
+    out = subprocess.run(
+        ["ip", "netns", "exec", lab.hosts[host].netns, "ss", "-tnH", "state", "established"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+    ).stdout
+    peers = {line.split()[-1].rsplit(":", 1)[0] for line in out.splitlines() if line.strip()}
+    return sorted(p for p in peers if p.startswith(SUBNET_PREFIX))
 
 
 def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> dict:
@@ -220,6 +247,7 @@ def summarize(k: int, codec: str, numel: int, rate: tuple[float, float], runs: l
         "down_mbit": rate[1],
         "runs": len(runs),
         "failed": len(runs) - len(ok),
+        "failures": [str(r["error"])[:600] for r in runs if "error" in r],
         "nominal_bytes_per_value": NOMINAL_BYTES_PER_VALUE[codec],
     }
     if not ok:
@@ -255,13 +283,16 @@ def plot(results: list[dict], path: Path, up: float, down: float) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    settings = dict.fromkeys((r["codec"], r.get("aggregator", "clip")) for r in results)
-    for codec, aggregator in settings:
-        rows = [
-            r for r in results if (r["codec"], r.get("aggregator", "clip")) == (codec, aggregator) and "median_s" in r
-        ]
+
+    def setting(r: dict) -> tuple[str, str, float]:
+        return r["codec"], r.get("aggregator", "clip"), r.get("rtt_ms", 0.0)
+
+    settings = dict.fromkeys(setting(r) for r in results)
+    several = [len({s[i] for s in settings}) > 1 for i in range(3)]
+    for key in settings:
+        rows = [r for r in results if setting(r) == key and "median_s" in r]
         ks = [r["k"] for r in rows]
-        label = codec if len({a for _, a in settings}) == 1 else f"{codec}, {aggregator}"
+        label = ", ".join(f"{v:g} ms" if i == 2 else str(v) for i, v in enumerate(key) if i == 0 or several[i])
         (line,) = left.plot(ks, [r["median_s"] for r in rows], "o-", label=label)
         left.plot(ks, [r["bound_s"] for r in rows], "--", color=line.get_color(), alpha=0.6)
         right.plot(ks, [r["ratio"] for r in rows], "o-", color=line.get_color(), label=label)
@@ -284,6 +315,27 @@ def plot(results: list[dict], path: Path, up: float, down: float) -> None:
     fig.savefig(path, dpi=120)
 
 
+def run_lab(args: argparse.Namespace, rtt_ms: float, codecs: list[str], folder: Path) -> list[dict]:
+    """Every setting in one lab whose peers are `rtt_ms` apart (a round trip)."""
+    results = []
+    kmax = max(args.ks)
+    # hosts 0..kmax-1: peers at --up/--down; host kmax: the bootstrap node, unlimited (only DHT traffic)
+    delays = [rtt_ms / 4] * kmax + [0.0]
+    with NetLab([(args.up, args.down)] * kmax + [(None, None)], delays_ms=delays) as lab:
+        maddr = bootstrap(lab, kmax, folder)
+        for k in args.ks:
+            numel = int(args.numel_k8 if k >= 8 else args.numel)
+            for codec in codecs:
+                for aggregator in args.aggregators:
+                    print(f"k={k} {codec} {aggregator} numel={numel:,} rtt={rtt_ms:g} ms", flush=True)
+                    result = run_setting(lab, maddr, k, codec, numel, args, folder, aggregator)
+                    results.append({**result, "rtt_ms": rtt_ms})
+                    print(f"  -> {json.dumps(results[-1])}", flush=True)
+        prefix = lab.prefix
+    assert not namespaces(prefix), f"namespaces left behind: {namespaces(prefix)}"
+    return results
+
+
 def main() -> int:
     args = parse_args()
     if (why := available()) is not None:
@@ -292,20 +344,7 @@ def main() -> int:
     codecs = known_codecs(args.codecs)
     folder = Path(tempfile.mkdtemp(prefix="allreduce-"))
     print(f"logs in {folder}", flush=True)
-    results = []
-    kmax = max(args.ks)
-    # hosts 0..kmax-1: peers at --up/--down; host kmax: the bootstrap node, unlimited (only DHT traffic)
-    with NetLab([(args.up, args.down)] * kmax + [(None, None)]) as lab:
-        maddr = bootstrap(lab, kmax, folder)
-        for k in args.ks:
-            numel = int(args.numel_k8 if k >= 8 else args.numel)
-            for codec in codecs:
-                for aggregator in args.aggregators:
-                    print(f"k={k} {codec} {aggregator} numel={numel:,}", flush=True)
-                    results.append(run_setting(lab, maddr, k, codec, numel, args, folder, aggregator))
-                    print(f"  -> {json.dumps(results[-1])}", flush=True)
-        prefix = lab.prefix
-    assert not namespaces(prefix), f"namespaces left behind: {namespaces(prefix)}"
+    results = [result for rtt_ms in args.rtt_ms for result in run_lab(args, rtt_ms, codecs, folder)]
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

@@ -30,6 +30,7 @@ def main(
     run_dir: Path,
     timeout_s: float,
     aggregator: str = "clip",
+    quic: bool = False,
 ) -> None:
     cfg = config.load(
         None,
@@ -40,6 +41,7 @@ def main(
             "swarm.matchmaking_time_s": "5",
             "swarm.averaging_timeout_s": str(timeout_s),
             "swarm.aggregator": aggregator,
+            "swarm.quic": str(quic).lower(),
             "run.dir": str(run_dir),
         },
     )
@@ -93,4 +95,5 @@ def wait_for_probes(swarm: HivemindSwarm) -> dict | None:
 if __name__ == "__main__":
     maddr, host, index, group, codec, numel, run_dir, timeout_s = sys.argv[1:9]
     aggregator = sys.argv[9] if len(sys.argv) > 9 else "clip"
-    main(maddr, host, int(index), int(group), codec, int(numel), Path(run_dir), float(timeout_s), aggregator)
+    quic = len(sys.argv) > 10 and sys.argv[10] == "quic"
+    main(maddr, host, int(index), int(group), codec, int(numel), Path(run_dir), float(timeout_s), aggregator, quic)

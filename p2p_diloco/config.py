@@ -175,6 +175,11 @@ class SwarmSection:
     host: str = local("0.0.0.0", "IP address to listen on (127.0.0.1 keeps the peer on this machine)")
     port: int = local(0, "TCP port to listen on; 0 picks a free one")
     announce_host: str = local("", "public IP address to announce, when it differs from host (port forwarding)")
+    quic: bool = local(
+        False,
+        "also listen on QUIC (UDP, the same port number) besides TCP; peers that both listen on it "
+        "connect over QUIC (docs/benchmarks.md: measured on slow links with round trips)",
+    )
     identity_path: str = local("", "private key file fixing this peer's id; empty = identity.key in run.dir")
     probe_links: bool = local(
         True,

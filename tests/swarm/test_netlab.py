@@ -31,14 +31,17 @@ def test_tcp_gets_the_rate_set_on_each_host_link():
 
 @pytest.mark.timeout(60)
 def test_a_hosts_delay_adds_to_every_round_trip_and_keeps_its_rate():
-    # bench/delaylink.py: 10 ms each way at host 0, 15 at host 1: a round trip of 2 x (10 + 15) = 50 ms
-    # more; a TCP handshake takes one. 20 Mbit/s with 50 ms is a window of 125 KB: TCP still fills it.
-    with NetLab([(20, 20), (20, 20)], delays_ms=[10, 15]) as lab:
+    # bench/delaylink.py: 10 ms each way at host 0, 15 at host 1, none at host 2: round trips of
+    # 2 x (10 + 15) = 50 ms and 2 x 10 = 20 ms more; a TCP handshake takes one. 20 Mbit/s with 50 ms
+    # is a window of 125 KB: TCP still fills it.
+    with NetLab([(20, 20), (20, 20), (20, 20)], delays_ms=[10, 15, 0]) as lab:
         prefix = lab.prefix
         rtt = measure_rtt(lab, 0, 1)
+        undelayed = measure_rtt(lab, 2, 0)
         rate = measure_tcp(lab, 0, 1, seconds=2.5)
         forwarders = list(lab.procs)
     assert 0.050 <= rtt < 0.058, rtt  # the forwarders' own time: under 2 ms each way here
+    assert 0.020 <= undelayed < 0.026, undelayed
     assert rate == pytest.approx(20 * GOODPUT, rel=0.15)
     assert all(proc.poll() is not None for proc in forwarders) and namespaces(prefix) == []
 

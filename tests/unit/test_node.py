@@ -19,6 +19,10 @@ def swarm(**values):
 def test_listen_and_announce_addresses():
     assert listen_maddrs(swarm(host="127.0.0.1", port=0)) == (["/ip4/127.0.0.1/tcp/0"], [])
     assert listen_maddrs(swarm(host="::", port=5)) == (["/ip6/::/tcp/5"], [])
+    assert listen_maddrs(swarm(port=31337, announce_host="5.6.7.8", quic=True)) == (
+        ["/ip4/0.0.0.0/tcp/31337", "/ip4/0.0.0.0/udp/31337/quic-v1"],
+        ["/ip4/5.6.7.8/tcp/31337", "/ip4/5.6.7.8/udp/31337/quic-v1"],
+    )
     assert listen_maddrs(swarm(port=31337, announce_host="5.6.7.8")) == (
         ["/ip4/0.0.0.0/tcp/31337"],
         ["/ip4/5.6.7.8/tcp/31337"],

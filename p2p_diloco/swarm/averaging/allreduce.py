@@ -239,7 +239,8 @@ class ConsistentAllReduceRunner(AllReduceRunner):
         try:
             await self._send_and_receive(peer_id, peer_index)
         except BaseException as e:
-            self.failures.append(f"reducer {str(peer_id)[-6:]}: {type(e).__name__} {str(e)[:120]}")
+            why = " ".join(str(e).split())[:400]  # a dial error lists each address's on lines of their own
+            self.failures.append(f"reducer {str(peer_id)[-6:]}: {type(e).__name__} {why}")
             self.tensor_part_container.register_failed_reducer(peer_index)
             raise
 

@@ -179,7 +179,7 @@ def relays(cfg: SwarmSection, initial_peers: Sequence[str]) -> list[str]:
 
 def listen_maddrs(cfg: SwarmSection, port: int | None = None) -> tuple[list[str], list[str]]:
     """(host multiaddrs, announce multiaddrs) from the config's host, port (or `port`, the one
-    chosen for it) and announce_host."""
+    chosen for it), announce_host and quic (QUIC on the UDP port of the same number)."""
     port = cfg.port if port is None else port
     try:
         version = "ip6" if ipaddress.ip_address(cfg.host).version == 6 else "ip4"
@@ -189,8 +189,9 @@ def listen_maddrs(cfg: SwarmSection, port: int | None = None) -> tuple[list[str]
         raise ConfigError(
             "an announced address needs a fixed port: set --port / swarm.port (e.g. 31337) and forward it"
         )
-    host = [f"/{version}/{cfg.host}/tcp/{port}"]
-    announce = [f"/ip4/{cfg.announce_host}/tcp/{port}"] if cfg.announce_host else []
+    transports = [f"tcp/{port}"] + ([f"udp/{port}/quic-v1"] if cfg.quic else [])
+    host = [f"/{version}/{cfg.host}/{t}" for t in transports]
+    announce = [f"/ip4/{cfg.announce_host}/{t}" for t in transports] if cfg.announce_host else []
     return host, announce
 
 
