@@ -149,6 +149,7 @@ def run_setting(
 ) -> dict:
     """k workers, `args.repeats` all-reduces; every member must hold the same bytes after each."""
     # The swarm's averaging deadline: generous, this measures the all-reduce, it does not police it.
+    name = f"k{k}-{codec}-{aggregator}-rtt{lab.hosts[0].delay_ms * 4:g}"  # its workers' folders and logs
     timeout_s = args.averaging_timeout or max(
         60.0, 5 * bound_s(k, numel * NOMINAL_BYTES_PER_VALUE[codec], args.up, args.down)
     )
@@ -164,7 +165,7 @@ def run_setting(
                 str(k),
                 codec,
                 str(numel),
-                str(folder / f"k{k}-{codec}-{aggregator}-w{i}"),
+                str(folder / f"{name}-w{i}"),
                 str(timeout_s),
                 aggregator,
                 "quic" if args.quic else "tcp",
@@ -174,7 +175,7 @@ def run_setting(
             text=True,
             env=ENV,
             cwd=ROOT,
-            stderr=open(folder / f"k{k}-{codec}-{aggregator}-w{i}.log", "w"),
+            stderr=open(folder / f"{name}-w{i}.log", "w"),
         )
         for i in range(k)
     ]
@@ -186,7 +187,7 @@ def run_setting(
         runs = [one_allreduce(lab, workers, outs, timeout_s + 3 * MATCHMAKING_S + 30) for _ in range(args.repeats)]
         tcp_peers = tcp_peers_of(lab, 0)
     except RuntimeError as e:  # a worker died or fell silent: note it and go on with the next setting
-        print(f"  setting abandoned: {e}; see {folder}/k{k}-{codec}-w*.log", flush=True)
+        print(f"  setting abandoned: {e}; see {folder}/{name}-w*.log", flush=True)
         return {"k": k, "codec": codec, "numel": numel, "up_mbit": args.up, "down_mbit": args.down, "error": str(e)}
     finally:
         for w in workers:  # EOF on stdin: the worker leaves the swarm; then its process group ends
@@ -277,38 +278,42 @@ def summarize(k: int, codec: str, numel: int, rate: tuple[float, float], runs: l
 
 
 def plot(results: list[dict], path: Path, up: float, down: float) -> None:
+    """Time and ratio per group size k, or per round trip where several were measured."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    by_rtt = len({r.get("rtt_ms", 0.0) for r in results}) > 1
+    x_of = (lambda r: r.get("rtt_ms", 0.0)) if by_rtt else (lambda r: r["k"])
 
-    def setting(r: dict) -> tuple[str, str, float]:
-        return r["codec"], r.get("aggregator", "clip"), r.get("rtt_ms", 0.0)
+    def setting(r: dict) -> tuple[str, str]:
+        return r["codec"], r.get("aggregator", "clip")
 
     settings = dict.fromkeys(setting(r) for r in results)
-    several = [len({s[i] for s in settings}) > 1 for i in range(3)]
     for key in settings:
         rows = [r for r in results if setting(r) == key and "median_s" in r]
-        ks = [r["k"] for r in rows]
-        label = ", ".join(f"{v:g} ms" if i == 2 else str(v) for i, v in enumerate(key) if i == 0 or several[i])
-        (line,) = left.plot(ks, [r["median_s"] for r in rows], "o-", label=label)
-        left.plot(ks, [r["bound_s"] for r in rows], "--", color=line.get_color(), alpha=0.6)
-        right.plot(ks, [r["ratio"] for r in rows], "o-", color=line.get_color(), label=label)
-        right.plot(ks, [r["butterfly_ratio"] for r in rows], "s:", color=line.get_color(), alpha=0.7)
+        xs = [x_of(r) for r in rows]
+        label = key[0] if len({a for _, a in settings}) == 1 else f"{key[0]}, {key[1]}"
+        (line,) = left.plot(xs, [r["median_s"] for r in rows], "o-", label=label)
+        left.plot(xs, [r["bound_s"] for r in rows], "--", color=line.get_color(), alpha=0.6)
+        right.plot(xs, [r["ratio"] for r in rows], "o-", color=line.get_color(), label=label)
+        right.plot(xs, [r["butterfly_ratio"] for r in rows], "s:", color=line.get_color(), alpha=0.7)
     right.axhline(1.0, color="gray", ls=":", label="bound")
     link = f"{up:g} Mbit/s" if up == down else f"{up:g} up / {down:g} down Mbit/s"
-    left.set(xlabel="peers k", ylabel="all-reduce time, s (dashed: bound)", title=f"time at {link} per peer")
+    xlabel = "round trip between peers, ms" if by_rtt else "peers k"
+    left.set(xlabel=xlabel, ylabel="all-reduce time, s (dashed: bound)", title=f"time at {link} per peer")
     right.set(
-        xlabel="peers k",
+        xlabel=xlabel,
         ylabel="measured / bound (dotted: the butterfly alone, no audit)",
         title="ratio to 2(k-1)/k · bytes on wire / slower rate",
     )
-    numel = {r["k"]: r["numel"] for r in results}  # k = 8 may average a smaller Δ
     right.set_ylim(bottom=0)
+    numel = {r["k"]: r["numel"] for r in results}  # k = 8 may average a smaller Δ
     for ax in (left, right):
-        ax.set_xticks(sorted(numel), [f"{k}\n{numel[k] / 1e6:g}M values" for k in sorted(numel)])
+        if not by_rtt:
+            ax.set_xticks(sorted(numel), [f"{k}\n{numel[k] / 1e6:g}M values" for k in sorted(numel)])
         ax.legend()
         ax.grid(alpha=0.3)
     fig.tight_layout()

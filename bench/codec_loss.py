@@ -41,7 +41,7 @@ def overrides(args: argparse.Namespace) -> dict[str, str]:
     return {
         "run.run_id": "codec-loss",
         "run.rounds": str(args.rounds),
-        "run.seed": "0",
+        "run.seed": str(args.seed),
         "run.eval_every_rounds": "1",
         "run.eval_sequences": "64",
         "model.preset": "tiny",
@@ -117,6 +117,7 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30, help="H")
     parser.add_argument("--runs", nargs="+", default=list(RUNS), help="names from RUNS")
     parser.add_argument("--outer-lr", type=float, default=0.7)
+    parser.add_argument("--seed", type=int, default=0, help="run.seed: the model's initialisation and the shards")
     parser.add_argument("--out", default="codec_loss", help="name of the result files")
     args = parser.parse_args()
     results = []
@@ -138,6 +139,7 @@ def main() -> int:
             "inner_steps": args.steps,
             "preset": "tiny",
             "outer_lr": args.outer_lr,
+            "seed": args.seed,
             "tokens_per_peer": args.rounds * args.steps * 16 * 128,
         },
         "reference": REFERENCE,

@@ -177,8 +177,9 @@ class SwarmSection:
     announce_host: str = local("", "public IP address to announce, when it differs from host (port forwarding)")
     quic: bool = local(
         False,
-        "also listen on QUIC (UDP, the same port number) besides TCP; peers that both listen on it "
-        "connect over QUIC (docs/benchmarks.md: measured on slow links with round trips)",
+        "experimental: also listen on QUIC (UDP, the same port number) besides TCP; peers that both "
+        "listen on it connect over QUIC. In the lab 15 of 16 all-reduces over QUIC failed "
+        "(docs/benchmarks.md, round trips): keep it off for training",
     )
     identity_path: str = local("", "private key file fixing this peer's id; empty = identity.key in run.dir")
     probe_links: bool = local(
