@@ -120,6 +120,18 @@ def test_hole_punching_makes_public_nodes_relays_and_private_ones_reserve_at_the
     assert not any(a.startswith("-relayDataLimit") for a in P2P._make_process_args("p2pd", relay=False))
 
 
+def test_only_a_hole_punching_node_dials_out_of_its_listening_port():
+    # Two nodes that dial each other out of their listening ports at once make one TCP connection
+    # (simultaneous open) on which both dials fail; a private node's hole punch needs that port.
+    from p2p_diloco.swarm.transport.node import p2pd_env
+
+    entries = ["/ip4/11.0.0.10/tcp/4000/p2p/QmRaD8544wRPBqk31WmynQySKsmLjJBqBhwd5UeXwaN6vp"]
+    assert p2pd_env(True, False, entries) == {"LIBP2P_TCP_REUSEPORT": "true"}
+    ephemeral = {"LIBP2P_TCP_REUSEPORT": "false"}
+    assert p2pd_env(False, True, entries) == p2pd_env(False, False, entries) == ephemeral
+    assert p2pd_env(True, True, entries) == p2pd_env(True, False, []) == ephemeral  # a relay; nobody to punch through
+
+
 def test_the_metrics_port_goes_to_the_next_p2pd_only_and_on_loopback():
     # A DHT process asks for it before its node starts (node.SwarmDHT.run): the throwaway p2pd of a
     # later check must not get it too (p2pd exits when its metrics port is taken).

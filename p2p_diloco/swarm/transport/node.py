@@ -91,6 +91,7 @@ class SwarmDHT(hivemind.DHT):
         )
         self.kwargs["client_mode"] = not reach.serves
         self.kwargs.update(nat_options(self.hole_punching, reach.serves, self.relays))
+        os.environ.update(p2pd_env(self.hole_punching, reach.serves, self.relays))  # this process's p2pd
         self._decide.send(reach)
         metrics_at(self.metrics_port)  # after the preflight's throwaway p2pd: this node's own
         super().run()
@@ -265,6 +266,21 @@ def nat_options(hole_punching: bool, serves: bool, relays: Sequence[Any]) -> dic
         "dht_mode": "client",
         "trusted_relays": list(relays),
     }
+
+
+def p2pd_env(hole_punching: bool, serves: bool, relays: Sequence[Any]) -> dict[str, str]:
+    """p2pd's environment for a node of this tier: it dials out of its listening TCP port
+    (go-libp2p's SO_REUSEPORT default) only where it punches holes, which needs that port.
+
+    Two nodes that each dial out of their listening port to the other's, within one one-way
+    delay, make one TCP connection by simultaneous open, not two: both ends then start noise as
+    its initiator and both dials fail ("noise: message is too short"), and go-libp2p refuses to
+    redial either address for seconds ("dial backoff"). Peers dial each other at the same moment
+    (at a DHT start, at an all-reduce's start): at a round trip of 80 ms a fresh group of four lost
+    a member that way in 1 of 5 first all-reduces (bench/allreduce.py --rtt-ms 80; go-libp2p#2925).
+    From an ephemeral port the two dials make two connections, and both succeed."""
+    punches = hole_punching and not serves and bool(relays)  # as nat_options: a private node that reserves
+    return {"LIBP2P_TCP_REUSEPORT": "true" if punches else "false"}
 
 
 def ask_reachability(cfg: SwarmSection, initial_peers: Sequence[str]) -> Reachability:
