@@ -114,7 +114,7 @@ class NetLab:
     def _delay(self, host: Host) -> None:
         """Move host's address from its veth to a TAP device and start bench/delaylink.py between them."""
         _ip(host.netns, "addr", "del", f"{host.ip}/24", "dev", "eth0")
-        _run("ip", "netns", "exec", host.netns, "sysctl", "-qw", "net.ipv4.conf.eth0.arp_ignore=1")
+        _run("ip", "netns", "exec", host.netns, "sh", "-c", "echo 1 > /proc/sys/net/ipv4/conf/eth0/arp_ignore")
         _ip(host.netns, "tuntap", "add", "dev", "tap0", "mode", "tap")
         _ip(host.netns, "addr", "add", f"{host.ip}/24", "dev", "tap0")
         _ip(host.netns, "link", "set", "tap0", "up")
