@@ -22,6 +22,7 @@ crashed run whose pid was reused is deleted on start (only namespaces with this 
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import queue
@@ -72,7 +73,9 @@ class NetLab:
         self.prefix = f"{tag}{os.getpid()}-"
         self.bridge_ns = self.prefix + "br"
         self.forwarded = delays_ms is not None  # every host behind bench/delaylink.py, even at 0 ms
-        self.hosts = self._hosts(links, delays_ms or [0.0] * len(links))
+        hosts = self._hosts(links)
+        delays = delays_ms or [0.0] * len(hosts)
+        self.hosts = [dataclasses.replace(h, delay_ms=d) for h, d in zip(hosts, delays, strict=True)]
         self.procs: list[subprocess.Popen] = []
         self._made: list[str] = []  # namespaces this lab created, deleted in reverse on close
         # The lab's processes' TMPDIR (`popen`): what a SIGKILLed one leaves (torch's shared-memory
@@ -91,11 +94,8 @@ class NetLab:
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    def _hosts(self, links: list[tuple[float | None, float | None]], delays_ms: list[float]) -> list[Host]:
-        return [
-            Host(i, f"{self.prefix}h{i}", f"{SUBNET}.{i + 1}", up, down, delay)
-            for i, ((up, down), delay) in enumerate(zip(links, delays_ms, strict=True))
-        ]
+    def _hosts(self, links: list[tuple[float | None, float | None]]) -> list[Host]:
+        return [Host(i, f"{self.prefix}h{i}", f"{SUBNET}.{i + 1}", up, down) for i, (up, down) in enumerate(links)]
 
     def _build(self) -> None:
         self._add_netns(self.bridge_ns)
