@@ -19,6 +19,7 @@ class FaultPoint(enum.Enum):
     LOOK = "look"  # the peer published its start record and is about to catch up with the swarm
     INNER = "inner"  # an inner phase starts (the peer's main process)
     MATCHMAKING = "matchmaking"  # the peer starts looking for its round's group (context: window_s)
+    ASSEMBLED = "assembled"  # the averager process's matchmaking assembled a group (context: dht_pid, its DHT process)
     AUDIT = "audit"  # the averager process, as a reducer, is asked for the audit of its span
     ALLREDUCE_PART = "allreduce"  # the averager process sends or receives a part of an all-reduce
     ALLREDUCE_DONE = "allreduce-done"  # the averager process completed an all-reduce

@@ -44,6 +44,31 @@ def alarms(log: str) -> list[str]:
     return [line for line in log.splitlines() if ALARM.match(line)]
 
 
+CLOCK = re.compile(r"^(?:\w{3} \d\d )?(\d\d):(\d\d):(\d\d)")
+CONTEXT_S = (20, 5)  # the lines of every log this long before and after the first alarm
+CONTEXT_LINES = 40  # at most this many of each log
+
+
+def _clock(line: str) -> int | None:
+    m = CLOCK.match(line)
+    return None if m is None else int(m[1]) * 3600 + int(m[2]) * 60 + int(m[3])
+
+
+def unexplained_alarms(logs: dict[str, str]) -> str | None:
+    """None if no log holds an alarm; else the alarms, and every log's lines around the first one
+    (a failure in CI shows only its output: one member's side rarely explains a group's failure)."""
+    found = {name: alarms(log) for name, log in logs.items()}
+    if not any(found.values()):
+        return None
+    first = min(t for lines in found.values() for line in lines if (t := _clock(line)) is not None)
+    out = [f"alarms: { {name: len(lines) for name, lines in found.items()} }"]
+    before, after = CONTEXT_S
+    for name, log in logs.items():
+        near = [line for line in log.splitlines() if (t := _clock(line)) is not None and -before <= t - first <= after]
+        out += [f"--- {name}.log, {before} s before the first alarm to {after} s after:", *near[-CONTEXT_LINES:]]
+    return "\n".join(line[:300] for line in out)
+
+
 def wait_until(condition, procs, timeout_s, what):
     """Wait for condition() with a deadline; fail at once if one of `procs` exits early."""
     deadline = time.monotonic() + timeout_s

@@ -17,6 +17,10 @@ terminal (which also signals the whole foreground process group), SIGTERM `timeo
 - `audit`: in the n-th group whose members audit this peer (a reducer), when the second of them
   asks: the first got its answer (its all-reduce completed), the second gets none (its fails).
 - `serve`: when another peer downloads this peer's state for the n-th time, before a byte was sent.
+- `assembled`: the averager process's matchmaking assembled the n-th group this peer takes part in.
+  With the signal STALLDHT the peer's DHT process (the averager's sibling) is stopped there for
+  STALL_S seconds (default 8) and then continued: a DHT that stalls (a starved process, a slow
+  DHT node) just as a group formed, while the peer itself runs on.
 - `look`: the peer published its start record and is about to catch up with the swarm. With the
   signal WAIT (`FAULT=look:1:WAIT`, `FAULT_GO=<path>`) the peer is held there until the test
   creates the file: a delay hook, not a fault.
@@ -109,6 +113,13 @@ def mid_matchmaking(window_s: float, **context) -> None:
     threading.Timer(window_s / 2, fail).start()
 
 
+def stall_dht(dht_pid: int, **context) -> None:
+    """STALLDHT: stop this peer's DHT process for STALL_S s (called in the averager process)."""
+    os.kill(dht_pid, signal.SIGSTOP)
+    print(f"STALLDHT: stopped the DHT process {dht_pid} for {os.environ.get('STALL_S', '8')} s", flush=True)
+    threading.Timer(float(os.environ.get("STALL_S", "8")), os.kill, (dht_pid, signal.SIGCONT)).start()
+
+
 install_gate()  # ROUND_GO: held before the first round with the test's other peers (round_gate.py)
 if PHASE == "allreduce":
     in_allreduce_after_completed()
@@ -116,6 +127,8 @@ elif PHASE == "audit":
     second_audit_of_nth_group()
 elif PHASE == "matchmaking":
     on_nth(FaultPoint.MATCHMAKING, mid_matchmaking)
+elif SIGNAL == "STALLDHT":
+    on_nth(FaultPoint(PHASE), stall_dht)
 elif SIGNAL == "WAIT":
     on_nth(FaultPoint(PHASE), lambda **context: wait_for_go())
 else:

@@ -21,7 +21,6 @@ import dataclasses
 import logging
 import signal
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from concurrent.futures import TimeoutError as FuturesTimeout
 from contextlib import aclosing
@@ -51,8 +50,9 @@ from p2p_diloco.swarm.averaging.allreduce import LOSSY_TENSOR, AllreduceStats, C
 from p2p_diloco.swarm.averaging.auditor import Auditor
 from p2p_diloco.swarm.averaging.chunked import ChunkFetcher, ChunkServer
 from p2p_diloco.swarm.averaging.evidence import EvidenceDesk
-from p2p_diloco.swarm.averaging.gathered import Entry, Gathering, LedMatchmaking, fair, reducers
+from p2p_diloco.swarm.averaging.gathered import Entry, Gathering, fair, reducers
 from p2p_diloco.swarm.averaging.ledger import Ledger
+from p2p_diloco.swarm.averaging.matchmaking import LedMatchmaking
 from p2p_diloco.swarm.averaging.probes import LinkProber
 from p2p_diloco.swarm.averaging.served import read_served_state
 from p2p_diloco.swarm.transport import punch
@@ -292,7 +292,7 @@ class DiLoCoAverager(BoundedAverager):
         self.chunk_fetcher = ChunkFetcher(self._stub)
         self.prober = LinkProber(self._stub, self.may_enter, lambda: punch.direct_peers(self._p2p))
         self.evidence = EvidenceDesk(self._stub, self.serializer, self.allreduce_kwargs["compression"], aggregation)
-        self.auditor = Auditor(self._stub, self.evidence, self._ask_only_admitted_leaders)
+        self.auditor = Auditor(self._stub, self.evidence, self._adopt_matchmaking)
         self.gathering = Gathering(
             self.serializer.loads, self.peer_id, self._doors, self.auditor.left_out, self.auditor.bench, self._leader_of
         )
@@ -341,13 +341,16 @@ class DiLoCoAverager(BoundedAverager):
     async def _set_revoked(self, revoked: frozenset[str]) -> None:
         assert self._doors is not None
         self._doors.set_revoked(revoked)
-        self._ask_only_admitted_leaders()
+        self._adopt_matchmaking()
 
-    def _ask_only_admitted_leaders(self) -> None:
-        if type(self._matchmaking) is Matchmaking:  # created in this process
-            self._matchmaking.__class__ = LedMatchmaking
-            self._matchmaking.may_lead = self.may_enter
-            self._matchmaking.leaders = OrderedDict()
+    def _adopt_matchmaking(self) -> None:
+        """hivemind's matchmaking (created in this process) as LedMatchmaking, before the first step."""
+        if type(self._matchmaking) is Matchmaking:
+            LedMatchmaking.adopt(self._matchmaking, self.may_enter)
+
+    async def _step(self, **kwargs: Any) -> None:
+        self._adopt_matchmaking()
+        await super()._step(**kwargs)
 
     def _leader_of(self, group_id: bytes) -> PeerID | None:
         """Who assembled the recent group `group_id`, if this member's matchmaking remembers it."""

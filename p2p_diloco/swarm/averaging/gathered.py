@@ -17,14 +17,12 @@ own groups only until its followers have all benched it.
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from hivemind.averaging.allreduce import AllreduceException, AveragingMode
 from hivemind.averaging.group_info import GroupInfo
-from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.p2p import PeerID
 
 from p2p_diloco.protocol import links
@@ -37,7 +35,6 @@ MAX_ENTRY = 64 * 1024  # bytes of one member's entry: a key (~300 B), a certific
 MAX_SEEN = 4096  # vouches in one entry: one for each peer this member measured
 MAX_KEY = 4096  # bytes of an identity key (RSA-2048: 294)
 MAX_CERT = 16 * 1024  # characters of a certificate
-KEEP_LEADERS = 16  # groups whose leader a member remembers
 
 
 @dataclass(frozen=True)
@@ -121,31 +118,6 @@ def fair(group_info: GroupInfo, entries: Sequence[Entry], serializer: Any) -> Gr
         for figure, reduces, data in zip(links.fair_bandwidths(vouched), may_reduce, group_info.gathered)
     )
     return GroupInfo(group_info.group_id, group_info.peer_ids, gathered)
-
-
-class LedMatchmaking(Matchmaking):
-    """hivemind's matchmaking, remembering who assembled each group, and asking only the leaders
-    `may_lead` allows (admitted, and not left out)."""
-
-    may_lead: Any
-    leaders: OrderedDict[bytes, PeerID]
-
-    async def _request_join_group(self, leader: PeerID) -> Any:
-        if not await self.may_lead(leader, "matchmaking (as a leader)"):
-            return None
-        return await super()._request_join_group(leader)
-
-    async def leader_assemble_group(self) -> GroupInfo:
-        return self._remember(await super().leader_assemble_group(), self.peer_id)
-
-    async def follower_assemble_group(self, leader: PeerID, msg: Any) -> GroupInfo:
-        return self._remember(await super().follower_assemble_group(leader, msg), leader)
-
-    def _remember(self, group_info: GroupInfo, leader: PeerID) -> GroupInfo:
-        self.leaders[group_info.group_id] = leader
-        while len(self.leaders) > KEEP_LEADERS:
-            self.leaders.popitem(last=False)
-        return group_info
 
 
 class Gathering:
