@@ -11,7 +11,8 @@ Evaluation is off (it is not training), checkpoints are written every round as i
 
     .venv/bin/python bench/utilization.py            # as root; about 8 minutes on 2 cores
 
-Writes bench/results/utilization.json and utilization.png.
+Writes bench/results/utilization.json and utilization.png (--out: another name; --rate, --steps: the
+setting of docs/benchmarks.md "When the link is as slow as the compute").
 """
 
 from __future__ import annotations
@@ -144,6 +145,7 @@ def main() -> int:
     parser.add_argument("--rounds", type=int, default=8)
     parser.add_argument("--steps", type=int, default=20, help="H, inner steps per round")
     parser.add_argument("--codec", default=codecs.DEFAULT)
+    parser.add_argument("--out", default="utilization", help="results/<out>.json and .png")
     args = parser.parse_args()
     if (why := available()) is not None:
         print(f"cannot build the network lab: {why}", file=sys.stderr)
@@ -173,10 +175,10 @@ def main() -> int:
         },
         "modes": modes,
     }
-    out = HERE / "results" / "utilization.json"
+    out = HERE / "results" / f"{args.out}.json"
     out.write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, HERE / "results" / "utilization.png")
-    print(f"wrote {out}; compute per round / ideal transfer = {compute / ideal_s:.0f}x")
+    plot(result, HERE / "results" / f"{args.out}.png")
+    print(f"wrote {out}; compute per round / ideal transfer = {compute / ideal_s:.2f}x")
     return 0
 
 
