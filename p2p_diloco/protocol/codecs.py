@@ -102,6 +102,11 @@ class Codec:
 CHUNK_VALUES = 16384  # the audit's unit: 64 KiB of fp32, whole blocks of every codec
 
 
+def chunk_index(value: int) -> int:
+    """The chunk of a part that holds its value number `value`."""
+    return value // CHUNK_VALUES
+
+
 def chunk_bounds(numel: int) -> list[tuple[int, int]]:
     """[start, end) of each chunk of a part of `numel` values: CHUNK_VALUES each, the last shorter."""
     return [(start, min(numel, start + CHUNK_VALUES)) for start in range(0, numel, CHUNK_VALUES)]

@@ -37,7 +37,9 @@ bias its span by at most that much per round, the size of the codec's own roundi
 
 from __future__ import annotations
 
+import bisect
 import hashlib
+import itertools
 import math
 import struct
 from collections.abc import Sequence
@@ -172,22 +174,30 @@ def audited_parts(audit_seed: bytes, reducer: str, num_parts: int, count: int = 
 
 
 def audited_chunks(
-    audit_seed: bytes, reducer: str, chunks: Sequence[int], count: int = AUDIT_CHUNKS
+    audit_seed: bytes, reducer: str, part_sizes: Sequence[int], count: int = AUDIT_CHUNKS
 ) -> list[tuple[int, int]]:
-    """Which chunks of `reducer`'s span every member checks: (part, chunk) pairs, `count` of the
-    span's chunks (all when it has no more; `chunks[p]`: part p's), spread evenly from an offset
-    the seed chooses, in order."""
-    total = sum(chunks)
+    """Which chunks of `reducer`'s span every member checks: (part, chunk) pairs, in order. All of
+    them when the span has no more than `count` chunks (`part_sizes`: the values of each of its
+    parts, cut by codecs.chunk_bounds); else the chunks holding `count` values spread evenly over
+    the span's values from an offset the seed chooses. Spread over values, not chunk indices: a
+    small model's parts are one full chunk and a short tail each (16,666 values: 16,384 + 282), and
+    picks by index fell on tails half the time (a fresh clone audited 1 full chunk of a span, where
+    the suite expected 2). A lie on a fraction q of a span's values is caught with probability
+    about 1 - (1 - q)^count per round."""
+    bounds = [(part, start, end) for part, size in enumerate(part_sizes) for start, end in codecs.chunk_bounds(size)]
+    if len(bounds) <= count:
+        return [(part, codecs.chunk_index(start)) for part, start, _ in bounds]
+    total = sum(part_sizes)
     value = int.from_bytes(digest(audit_seed + b"chunks" + reducer.encode())[:8], "big")
-    count = max(1, min(count, total))
-    flat = sorted({(value + i * total // count) % total for i in range(count)}) if total else []
-    picked = []
-    for index in flat:
-        part = 0
-        while index >= chunks[part]:
-            index, part = index - chunks[part], part + 1
-        picked.append((part, index))
-    return picked
+    positions = sorted((value + i * total // count) % total for i in range(count))
+    picked: list[tuple[int, int]] = []
+    offsets = list(itertools.accumulate(part_sizes, initial=0))
+    for position in positions:
+        part = bisect.bisect_right(offsets, position) - 1
+        chunk = codecs.chunk_index(position - offsets[part])
+        if (part, chunk) not in picked:
+            picked.append((part, chunk))
+    return sorted(picked)
 
 
 def parts_to_audit(part_bytes: int, budget_bytes: int = AUDIT_BYTES) -> int:

@@ -11,6 +11,7 @@ bench/faults.py.
 """
 
 import os
+import re
 import signal
 import sys
 import time
@@ -169,9 +170,11 @@ def test_a_member_whose_dht_stalls_as_its_group_forms_still_averages_with_it(swa
     assert "STALLDHT: stopped the DHT process" in swarm.log("b")
     for name in "ab":
         assert "all-reduce failed" not in swarm.log(name), swarm.log(name)[-3000:]
+    # The round whose group formed under the stall: the first b finished after the stall began.
+    after = swarm.log("b").split("STALLDHT: stopped the DHT process", 1)[1]
+    first_done = re.search(r"round (\d+)\] round done(.*)", after)
+    assert first_done.group(2).startswith(" (group of 2)"), first_done.group(0)
+    stalled = int(first_done.group(1))
     a_rounds, b_rounds = swarm.records("a"), swarm.records("b")
-    together = [
-        r for r in a_rounds if a_rounds[r].get("group_size") == 2 and b_rounds.get(r, {}).get("group_size") == 2
-    ]
-    assert len(together) >= 2, (a_rounds, b_rounds)  # the stalled group's round among them
-    assert all(a_rounds[r]["digest"] == b_rounds[r]["digest"] for r in together)
+    assert a_rounds[stalled]["group_size"] == b_rounds[stalled]["group_size"] == 2, (a_rounds, b_rounds)
+    assert all(a_rounds[r]["digest"] == b_rounds[r]["digest"] for r in range(1, 5))

@@ -1,6 +1,8 @@
 """Reducer accountability (trust/audit.py, swarm/averaging/ledger.py): the pure checks, with values by hand, and
 the signatures with real identity keys."""
 
+from collections import Counter
+
 import pytest
 import torch
 from hivemind.averaging.allreduce import AllreduceException
@@ -240,16 +242,32 @@ def test_a_seal_from_another_node_is_a_seal_or_a_wire_error():
         audit.unpack_seal(b"\x00\x05" + b"\x00" * 16)  # 5 norms in 16 bytes
 
 
-def test_the_audited_chunks_spread_over_the_span_and_every_member_picks_the_same():
-    chunks = [3, 1, 2]  # a span of three parts: 6 chunks
+def test_the_audited_chunks_spread_over_the_span_s_values_and_every_member_picks_the_same():
+    C = codecs.CHUNK_VALUES
+    sizes = [2 * C + 5, C, C + 282]  # a span of three parts: 6 chunks, two of them 5- and 282-value tails
     everything = [(0, 0), (0, 1), (0, 2), (1, 0), (2, 0), (2, 1)]
-    assert audit.audited_chunks(b"seed", "r", chunks, 6) == everything
-    assert audit.audited_chunks(b"seed", "r", chunks, 10) == everything  # no more than there are
-    picked = audit.audited_chunks(b"seed", "r", chunks, 4)
-    assert len(set(picked)) == 4 and set(picked) <= set(everything)
-    assert audit.audited_chunks(b"seed", "r", chunks, 4) == picked
-    seen = {pick for i in range(100) for pick in audit.audited_chunks(bytes([i]), "r", chunks, 1)}
-    assert seen == set(everything)  # the seed decides: every chunk can be the one
+    assert audit.audited_chunks(b"seed", "r", sizes, 6) == everything
+    assert audit.audited_chunks(b"seed", "r", sizes, 10) == everything  # no more than there are
+    picked = audit.audited_chunks(b"seed", "r", sizes, 4)
+    assert len(set(picked)) == 4 and set(picked) <= set(everything)  # 4 values 1.25 chunks apart
+    assert audit.audited_chunks(b"seed", "r", sizes, 4) == picked
+    seeds = [i.to_bytes(2, "big") for i in range(400)]
+    seen = Counter(pick for seed in seeds for pick in audit.audited_chunks(seed, "r", sizes, 1))
+    assert {(0, 0), (0, 1), (1, 0), (2, 0)} <= set(seen)  # the seed decides: every full chunk can be the one
+    # A tail is picked as often as its values are: 287 of 82,207 (0.35 %, 1.4 of 400 expected).
+    assert seen[(0, 2)] + seen[(2, 1)] <= 8, seen
+
+
+def test_a_small_models_tails_do_not_take_the_audits_picks():
+    # The fresh-clone failure: 800 kB of fp32 in 66,667-byte parts (links.part_bytes), each a full
+    # chunk and a 282-value tail, and the 10 exact values as a part of their own. Picked by chunk
+    # index, 4 picks over such a span found 1 full chunk for some seeds; spread over values, each
+    # pick is 20,832 values from the next, and no two of them can fall in tails.
+    sizes = [16_666] * 5 + [10]
+    for i in range(2000):
+        picked = audit.audited_chunks(i.to_bytes(2, "big"), "r", sizes)
+        full = [p for p in picked if p[0] < 5 and p[1] == 0]
+        assert len(picked) == 4 and len(full) >= 3, (i, picked)
 
 
 def test_a_chunk_is_combined_with_its_parts_signed_norms():

@@ -189,10 +189,8 @@ class Auditor:
         reducer, num_parts = str(runner.ordered_peer_ids[j]), container.num_parts_by_peer[j]
         senders, auditors = len(runner.ledger.senders), len(runner.ordered_peer_ids) - 1
         if runner.aggregation[0] in audit.CHUNK_AUDITABLE:
-            chunks = [
-                len(codecs.chunk_bounds(numel_of(runner.ledger.averages[(j, p)].encoded))) for p in range(num_parts)
-            ]
-            picked = audit.audited_chunks(seed, reducer, chunks)
+            sizes = [numel_of(runner.ledger.averages[(j, p)].encoded) for p in range(num_parts)]
+            picked = audit.audited_chunks(seed, reducer, sizes)
             volume = audit.answers_bytes(auditors, len(picked), senders, CHUNK_ANSWER_BYTES)
             wait_s = audit.reply_timeout_s(runner.sender_timeout, volume, pace_bytes_s)
             checks = (self._audit_chunk(runner, j, part, chunk, received, wait_s) for part, chunk in picked)
