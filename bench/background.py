@@ -21,6 +21,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from p2p_diloco.protocol import deadlines
+
 from netlab import NetLab, available
 from netswarm import NetSwarm
 
@@ -50,11 +52,14 @@ def measure(n: int, folder: Path) -> dict:
         swarm = NetSwarm(lab, folder, overrides(), bootstrap_host=n)
         procs = [swarm._start(host) for host in range(n)]
         logs = [folder / f"peer{host}.log" for host in range(n)]
-        deadline = time.monotonic() + JOIN_TIMEOUT_S
-        while not all(log.exists() and "joined the swarm" in log.read_text() for log in logs):
-            if time.monotonic() > deadline or any(p.poll() is not None for p in procs):
-                raise RuntimeError(f"not every peer joined within {JOIN_TIMEOUT_S:g} s; see {folder}")
-            time.sleep(0.5)  # a poll of the peers' logs, bounded by the deadline above
+
+        def joined() -> bool:
+            if any(p.poll() is not None for p in procs):
+                raise RuntimeError(f"a peer exited before all joined; see {folder}")
+            return all(log.exists() and "joined the swarm" in log.read_text() for log in logs)
+
+        if not deadlines.poll_until(joined, bool, time.monotonic() + JOIN_TIMEOUT_S, 0.5):
+            raise RuntimeError(f"not every peer joined within {JOIN_TIMEOUT_S:g} s; see {folder}")
         time.sleep(SETTLE_S)  # the measurement's own timing, not a synchronisation
         before = [lab.link_bytes(host) for host in range(n + 1)]
         started = time.monotonic()

@@ -195,9 +195,9 @@ def audited_chunks(
     for position in positions:
         part = bisect.bisect_right(offsets, position) - 1
         chunk = codecs.chunk_index(position - offsets[part])
-        if (part, chunk) not in picked:
+        if not picked or picked[-1] != (part, chunk):  # positions in order: a repeat follows its first
             picked.append((part, chunk))
-    return sorted(picked)
+    return picked
 
 
 def parts_to_audit(part_bytes: int, budget_bytes: int = AUDIT_BYTES) -> int:

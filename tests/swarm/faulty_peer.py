@@ -31,6 +31,7 @@ rounds it skipped by catching up. The tests start this process in a session of i
 group is exactly this peer.
 """
 
+import logging
 import os
 import signal
 import sys
@@ -115,9 +116,10 @@ def mid_matchmaking(window_s: float, **context) -> None:
 
 def stall_dht(dht_pid: int, **context) -> None:
     """STALLDHT: stop this peer's DHT process for STALL_S s (called in the averager process)."""
+    stall_s = float(os.environ.get("STALL_S", "8"))
     os.kill(dht_pid, signal.SIGSTOP)
-    print(f"STALLDHT: stopped the DHT process {dht_pid} for {os.environ.get('STALL_S', '8')} s", flush=True)
-    threading.Timer(float(os.environ.get("STALL_S", "8")), os.kill, (dht_pid, signal.SIGCONT)).start()
+    logging.getLogger(__name__).info("STALLDHT: stopped the DHT process %d for %g s", dht_pid, stall_s)
+    threading.Timer(stall_s, os.kill, (dht_pid, signal.SIGCONT)).start()
 
 
 install_gate()  # ROUND_GO: held before the first round with the test's other peers (round_gate.py)
