@@ -1,9 +1,11 @@
 """The swarm's heartbeat: one background thread that keeps this peer's records fresh in the DHT and
 everyone else's in memory, so that the training loop only ever reads memory.
 
-Every PROGRESS_INTERVAL_S it publishes this peer's progress in its round and reads everyone's;
-every REFRESH_S it re-publishes this peer's round record, which expires after RECORD_TTL_S, so a
-peer that died drops out of everyone's view within a minute and a half.
+Every BEAT_S it reads everyone's progress, and publishes this peer's where the readers'
+extrapolation would mislead or it nears staleness; it reads the round records when the progress
+shows one changed, else every ROUNDS_EVERY_S (protocol/cadence.py: each DHT operation on a key costs
+the whole key). Every REFRESH_S it re-publishes this peer's round record, which expires after
+RECORD_TTL_S, so a peer that died drops out of everyone's view within a minute and a half.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from p2p_diloco.protocol import agreement
+from p2p_diloco.protocol import agreement, cadence
 from p2p_diloco.protocol.budget import STALE_S, ProgressReport, SwarmProgress, swarm_progress
 from p2p_diloco.protocol.network import RoundRecord
 from p2p_diloco.swarm.transport import entry
@@ -25,7 +27,7 @@ from p2p_diloco.swarm.trust.run_dht import RunDHT
 
 logger = logging.getLogger(__name__)
 
-PROGRESS_INTERVAL_S = 1.0  # how often a peer publishes its progress and reads everyone's
+BEAT_S = 1.0  # how often a peer reads everyone's progress (and may publish its own: cadence.report_due)
 # An id this peer first saw after it knew the swarm is new to it for FRESH_S: it does not count in
 # the swarm's state (agreement.counted) until then. The peers a starting peer finds are known: those
 # of its first read that showed anyone, and of its reads in the SETTLE_S after it (peers started
@@ -46,6 +48,10 @@ class Heartbeat:
         self._last_record: RoundRecord | None = None
         self._last_refresh = 0.0
         self._my_progress: ProgressReport | None = None
+        self._sent_report: ProgressReport | None = None  # the last progress this peer published
+        self._sent_convicted: frozenset[str] = frozenset()  # and the convictions it carried
+        self._marks: dict[str, int] | None = None  # each peer's round at the last read of the round records
+        self._rounds_read_at = 0.0
         self._reports: list[ProgressReport] = []
         self._rounds_seen: dict[str, RoundRecord] = {}
         self._started = time.time()
@@ -65,7 +71,7 @@ class Heartbeat:
             self._thread.join(timeout=10)
 
     def _loop(self) -> None:
-        while not self._stop.wait(PROGRESS_INTERVAL_S):
+        while not self._stop.wait(BEAT_S):
             try:
                 self._beat()
             except Exception as e:  # a failed beat is retried at the next one; never kill the peer
@@ -73,24 +79,18 @@ class Heartbeat:
 
     def _beat(self) -> None:
         now = time.time()
-        mine = self._my_progress
-        refresh = self._last_record is not None and now - self._last_refresh >= records.REFRESH_S
-        # Stores are not waited for, and nothing here holds the DHT lock while it waits (RunDHT's
-        # discipline): with a member asleep, a store waits 3 s for each try of it, and under the
-        # lock every read of the swarm by the peer, a survivor's catch-up too, would wait behind
-        # it (docs/design.md §4, I3).
-        if refresh and self._last_record is not None and self._sent("round"):
-            self._sending["round"] = self.run_dht.send_round(self._last_record)
-            self._last_refresh = now
-        if mine is not None and self._sent("progress"):
-            self._sending["progress"] = self.run_dht.send_progress(replace(mine, time=now), self.gate.convicted)
-        progress_entries, round_entries = self.run_dht.read_now(records.progress_key, records.rounds_key)
-        if refresh:
+        refreshed = self._send(now)
+        (progress_entries,) = self.run_dht.read_now(records.progress_key)
+        # admitted peers' records only, none of another parsed (Gate.admitted: all in open runs)
+        reports, accusations = records.progress_from(progress_entries, self.gate.admitted)
+        if cadence.rounds_due(self._marks, reports, self._rounds_read_at, now):
+            (round_entries,) = self.run_dht.read_now(records.rounds_key)
+            self._rounds_seen = records.rounds_from(round_entries, self.gate.admitted)
+            self._marks, self._rounds_read_at = cadence.marks_of(reports), now
+        if refreshed:
             self.gate.publish()
         self.gate.refresh_revocations()
-        # admitted peers' records only, none of another parsed (Gate.admitted: all in open runs)
-        self._reports, accusations = records.progress_from(progress_entries, self.gate.admitted)
-        self._rounds_seen = records.rounds_from(round_entries, self.gate.admitted)
+        self._reports = reports
         self.convictions.refresh(accusations)
         self._read_at = now
         with self.run_dht.turn():
@@ -100,6 +100,24 @@ class Heartbeat:
             self._knew_swarm_at = now
         for p in seen:
             self._first_seen.setdefault(p, now)
+
+    def _send(self, now: float) -> bool:
+        """Send this peer's round record if its refresh is due, and its progress if due
+        (cadence.report_due); whether the record was refreshed. Stores are not waited for, and
+        nothing here holds the DHT lock while it waits (RunDHT's discipline): with a member asleep,
+        a store waits 3 s for each try of it, and under the lock every read of the swarm by the
+        peer, a survivor's catch-up too, would wait behind it (docs/design.md §4, I3)."""
+        refresh = self._last_record is not None and now - self._last_refresh >= records.REFRESH_S
+        if refresh and self._last_record is not None and self._sent("round"):
+            self._sending["round"] = self.run_dht.send_round(self._last_record)
+            self._last_refresh = now
+        mine, convicted = self._my_progress, frozenset(self.gate.convicted)
+        changed = convicted != self._sent_convicted
+        if mine is not None and self._sent("progress") and cadence.report_due(self._sent_report, mine, now, changed):
+            report = replace(mine, time=now)
+            self._sending["progress"] = self.run_dht.send_progress(report, convicted)
+            self._sent_report, self._sent_convicted = report, convicted
+        return refresh
 
     def _sent(self, kind: str) -> bool:
         """Whether this peer's last store of `kind` ended: one at a time (a newer one follows)."""

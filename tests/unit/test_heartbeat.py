@@ -92,3 +92,62 @@ def test_ids_that_arrive_after_a_starting_peer_knew_the_swarm_are_new_to_it(cloc
     clock[0] += heartbeat.FRESH_S  # known for FRESH_S: they count
     beat._beat()
     assert beat.fresh_peers() == set()
+
+
+class ScriptedDHT(RunDHT):
+    """The run's records as a dict, with every store and read kept: what the heartbeat sent and read."""
+
+    def __init__(self):
+        super().__init__(None, None, "run")
+        self.progress: list[ProgressReport] = []
+        self.rounds: dict = {}
+        self.sent: list[ProgressReport] = []
+        self.read_keys: list[str] = []
+
+    def send_progress(self, report, convicted):
+        self.sent.append(report)
+        return None  # a store that ended at once
+
+    def read_now(self, *keys):
+        self.read_keys.extend(key.__name__ for key in keys)
+        return [key.__name__ for key in keys]
+
+
+def scripted(monkeypatch, dht):
+    monkeypatch.setattr(heartbeat.records, "progress_from", lambda entries, admit: (list(dht.progress), {}))
+    monkeypatch.setattr(heartbeat.records, "rounds_from", lambda entries, admit: dict(dht.rounds))
+    beat = Heartbeat(dht, "me", Gate(), Entries())
+    beat.convictions.refresh = lambda accusations: None
+    return beat
+
+
+def test_the_heartbeat_sends_progress_only_when_due_and_reads_round_records_on_a_new_round(clock, monkeypatch):
+    # Before, every beat stored this peer's progress and read both keys: about 130 KB/s each way
+    # per peer at 8 peers (docs/benchmarks.md, Background traffic).
+    dht = ScriptedDHT()
+    beat = scripted(monkeypatch, dht)
+    dht.progress = [ProgressReport("a", 4, 0, 100.0, clock[0])]
+    beat.report_progress(4, 0, 100.0)
+    beat._beat()
+    assert [r.tokens for r in dht.sent] == [0] and dht.read_keys == ["progress_key", "rounds_key"]
+    for _ in range(2):  # the same rate: readers extrapolate it, nothing to send or read
+        clock[0] += 1
+        beat.report_progress(4, int(100 * (clock[0] - 1000)), 100.0)
+        beat._beat()
+    assert len(dht.sent) == 1 and dht.read_keys.count("rounds_key") == 1
+    assert dht.read_keys.count("progress_key") == 3  # everyone's progress: every beat
+    clock[0] += 1  # 3 s since it was sent: again, for its liveness
+    beat.report_progress(4, 300, 100.0)
+    beat._beat()
+    assert [r.tokens for r in dht.sent] == [0, 300]
+    dht.progress = [ProgressReport("a", 5, 0, 100.0, clock[0])]  # a's progress shows a new round
+    clock[0] += 1
+    beat._beat()
+    assert dht.read_keys.count("rounds_key") == 2
+    beat.report_progress(4, 400, 0.0)  # this peer's phase ended: sent at once
+    clock[0] += 1
+    beat._beat()
+    assert [(r.tokens, r.tokens_per_s) for r in dht.sent][-1] == (400, 0.0)
+    clock[0] += heartbeat.cadence.ROUNDS_EVERY_S  # nothing new for 10 s: read the records anyway
+    beat._beat()
+    assert dht.read_keys.count("rounds_key") == 3

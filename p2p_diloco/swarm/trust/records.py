@@ -41,6 +41,10 @@ T = TypeVar("T", bound=_Claimed)
 RECORD_TTL_S = 90.0  # a peer that stops refreshing its record drops out of the swarm's view after this
 REFRESH_S = 30.0  # live peers re-publish their latest record this often (a heartbeat)
 PROGRESS_TTL_S = 30.0  # progress reports are stale after seconds anyway (protocol/budget.py); they need not live long
+# The round and progress keys: each DHT node a lookup asks answers every peer's entry under the key
+# (protocol/cadence.py). A store looks for hivemind's num_replicas (5) nearest nodes, and one spare,
+# not the 20 of its default lookup; a read asks the 3 nearest of those, two at a time (read_entries).
+STORE_NEAREST, READ_NEAREST, READ_WORKERS = 6, 3, 2
 MAX_TOKENS_PER_S = 1e9  # a claimed speed beyond this is no GPU's (an H100 trains a 1B model at ~1e5)
 MAX_UNIX_TIME = 4102444800.0  # 2100-01-01
 
@@ -74,16 +78,17 @@ def read_progress_report(value: Any) -> ProgressReport:
     )
 
 
-def _store(dht: Any, validator: Any, key: str, value: Any, ttl: float = RECORD_TTL_S, wait: bool = True) -> Any:
+def _store(
+    dht: Any, validator: Any, key: str, value: Any, ttl: float = RECORD_TTL_S, wait: bool = True, **lookup: int
+) -> Any:
     """Store `value` under this peer's subkey; with `wait=False`, return the store's future at once."""
     expiration = get_dht_time() + ttl
-    if wait:
-        return dht.store(key, value, expiration_time=expiration, subkey=validator.local_public_key)
-    return dht.store(key, value, expiration_time=expiration, subkey=validator.local_public_key, return_future=True)
+    subkey = validator.local_public_key
+    return dht.store(key, value, expiration_time=expiration, subkey=subkey, return_future=not wait, **lookup)
 
 
-def _read(dht: Any, key: str) -> list[tuple[Any, Any]]:
-    return _entries(dht.get(key, latest=True))
+def _read(dht: Any, key: str, **lookup: int) -> list[tuple[Any, Any]]:
+    return _entries(dht.get(key, latest=True, **lookup))
 
 
 def _entries(found: Any) -> list[tuple[Any, Any]]:
@@ -145,7 +150,8 @@ def _log_forged_once(signer: str | None, claimed: str) -> None:
 
 
 def publish_round(dht: Any, validator: Any, prefix: str, record: RoundRecord, wait: bool = True) -> Any:
-    return _store(dht, validator, rounds_key(prefix), {**asdict(record), "addrs": list(record.addrs)}, wait=wait)
+    value = {**asdict(record), "addrs": list(record.addrs)}
+    return _store(dht, validator, rounds_key(prefix), value, wait=wait, beam_size=STORE_NEAREST)
 
 
 def read_rounds(dht: Any, prefix: str, admit: Admit = everyone) -> dict[str, RoundRecord]:
@@ -163,8 +169,13 @@ def progress_key(prefix: str) -> str:
 
 def read_entries(dht: Any, key: str) -> list[tuple[Any, Any]]:
     """The (subkey, value) entries under `key`, unparsed: a reader holding the DHT lock reads them,
-    and parses them once it let go (`admit` may read certificates, under the same lock)."""
-    return _read(dht, key)
+    and parses them once it let go (`admit` may read certificates, under the same lock).
+
+    The round and progress keys are read every second and by every peer, and each DHT node asked
+    answers every peer's entry: they are read from the READ_NEAREST nodes nearest to the key only
+    (Kademlia's lookup finds them; every store reaches the 5 nearest, hivemind's num_replicas), not
+    from all the 20 a lookup keeps by default (protocol/cadence.py)."""
+    return _read(dht, key, beam_size=READ_NEAREST, num_workers=READ_WORKERS)
 
 
 def rounds_from(entries: list[tuple[Any, Any]], admit: Admit = everyone) -> dict[str, RoundRecord]:
@@ -183,7 +194,7 @@ def publish_progress(
     """This peer's progress, with the peers it convicted (its accusations, swarm/averaging/evidence.py): one
     record that every peer reads every beat anyway."""
     value = {**asdict(report), "convicted": sorted(convicted)[:MAX_CONVICTIONS]}
-    return _store(dht, validator, progress_key(prefix), value, ttl=PROGRESS_TTL_S, wait=wait)
+    return _store(dht, validator, progress_key(prefix), value, ttl=PROGRESS_TTL_S, wait=wait, beam_size=STORE_NEAREST)
 
 
 def read_progress(dht: Any, prefix: str, admit: Admit = everyone) -> tuple[list[ProgressReport], dict[str, list[str]]]:
