@@ -6,9 +6,10 @@ round, and ends for everyone when the peers' tokens together reach it. A peer 3x
 the steps of a slow one in the same wall time, and its pseudo-gradient weighs 3x in the average
 (weights are tokens). With equal speeds every peer does about H steps, as in the paper.
 
-Each peer publishes its progress in the round (tokens so far, tokens/s, when measured) about once a
+Each peer publishes its progress in the round (tokens so far, tokens/s, when measured) when its
+rate or round changed, and at least every few seconds (protocol/cadence.py); everyone reads it every
 second. Between reports a peer's tokens are extrapolated at its reported rate, so all peers reach
-the same verdict at about the same moment, within one report interval. A peer whose report is
+the same verdict at about the same moment, within one read. A peer whose report is
 older than `stale_s` (it died, hangs, or its laptop slept) no longer counts: neither its tokens
 nor its share of the budget, so the others simply train on and lose nothing to it.
 """
@@ -20,7 +21,7 @@ from dataclasses import dataclass
 
 # A peer whose latest progress report is older than this is stale: neither its tokens nor its share
 # of the budget count in the round (`swarm_progress`), and it is not live (heartbeat.stale_peers,
-# agreement.live). Ten report intervals (heartbeat.PROGRESS_INTERVAL_S): a few missed ones drop nobody.
+# agreement.live). Three times cadence.REPORT_EVERY_S: a late store or two drop nobody.
 STALE_S = 10.0
 CLAIM_CAP = 2.0  # the pure functions' default cap (the tests' by-hand figures); a peer's: claim_cap()
 # swarm.claim_cap = 0 picks one by the run's admission (docs/design.md §6): with k peers a liar's

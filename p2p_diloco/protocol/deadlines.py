@@ -23,7 +23,7 @@ from typing import TypeVar
 T = TypeVar("T")
 
 # Round records are published the moment a peer commits its round (Swarm.publish_round), not at
-# the heartbeat's pace (heartbeat.PROGRESS_INTERVAL_S, 1 s), and every peer of a round waits on the
+# the heartbeat's pace (heartbeat.BEAT_S, 1 s), and every peer of a round waits on the
 # others' (agreement's digests; a client for a reachable peer): a wait on them re-reads this often,
 # so that it ends within a fraction of a second of the last record it waits for, on every round.
 ROUND_POLL_S = 0.2

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from p2p_diloco.config import Config
+from p2p_diloco.protocol import cadence
 from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.deadlines import COMMAND_POLL_S, poll_until
 from p2p_diloco.protocol.network import RoundRecord
@@ -70,6 +71,8 @@ class Bootstrap:
         self.entries = Entries(self.dht, list(config.swarm.initial_peers), identity_path)
         self.remembered = tuple(entry.remembered(identity_path))
         self._run_id_published, self._certificate_published = -math.inf, time.monotonic()
+        self._rounds_seen: dict[str, RoundRecord] = {}
+        self._rounds_read_at = -math.inf
 
     def _publish_run_id(self) -> None:
         """The run this node watches is a run id that a peer with a typo is pointed at (protocol/genesis.py)."""
@@ -109,7 +112,7 @@ class Bootstrap:
             if observatory is not None and time.monotonic() - last_poll >= observatory.poll_s - 0.05:
                 observatory.ingest(observatory.reader.poll())
                 last_poll = time.monotonic()
-            seen = self._rounds() if self.watch_run else {}
+            seen = self._rounds() if self.watch_run else {}  # read every cadence.ROUNDS_EVERY_S
             self.entries.tend(time.time(), seen, str(self.dht.peer_id), also=self.remembered)
             if self.watch_run:
                 self.gate.refresh_revocations()
@@ -122,8 +125,13 @@ class Bootstrap:
                 last_report = time.monotonic()
 
     def _rounds(self) -> dict[str, RoundRecord]:
-        (entries,) = self.run_dht.read_now(records.rounds_key)
-        return records.rounds_from(entries, self.gate.admitted)
+        """The run's round records, read again once cadence.ROUNDS_EVERY_S passed: the loop turns every
+        second, and a read costs every peer's record from each DHT node asked (protocol/cadence.py)."""
+        if time.monotonic() - self._rounds_read_at >= cadence.ROUNDS_EVERY_S:
+            (entries,) = self.run_dht.read_now(records.rounds_key)
+            self._rounds_seen = records.rounds_from(entries, self.gate.admitted)
+            self._rounds_read_at = time.monotonic()
+        return self._rounds_seen
 
     def close(self) -> None:
         stop_process(self.dht, "DHT process")
