@@ -211,8 +211,18 @@ def tcp_peers_of(lab: NetLab, host: int) -> list[str]:
     return sorted(p for p in peers if p.startswith(SUBNET_PREFIX))
 
 
+def cpu_ticks() -> tuple[int, int]:
+    """(busy, total) jiffies of this machine's CPUs since boot (/proc/stat): every peer of the lab
+    shares them, so their busy share during an all-reduce says whether it waited on the links or
+    on the CPUs."""
+    fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    idle = fields[3] + fields[4]  # idle and iowait
+    return sum(fields) - idle, sum(fields)
+
+
 def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> dict:
     sent_before = [lab.link_bytes(i)[0] for i in range(len(workers))]
+    busy_before, total_before = cpu_ticks()
     for w in workers:
         w.stdin.write("go\n")
         w.stdin.flush()
@@ -222,10 +232,12 @@ def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> d
         errors = [f"group sizes {[r['group'] for r in replies]}"]
     if not errors and len({r["sha256"] for r in replies}) != 1:
         errors = ["members hold different bytes"]
+    busy, total = (now - before for now, before in zip(cpu_ticks(), (busy_before, total_before)))
     if errors:
         print(f"  failed: {errors}", flush=True)
         return {"error": errors}
     run = {
+        "cpu_busy": busy / max(total, 1),  # the machine's CPUs, all peers together, over the all-reduce
         "allreduce_s": max(r["allreduce_s"] for r in replies),  # the all-reduce ends with its slowest member
         "bytes_sent": [r["bytes_sent"] for r in replies],
         "butterfly_s": max(r["butterfly_s"] for r in replies),
@@ -234,7 +246,7 @@ def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float) -> d
         "bandwidth": [r.get("bandwidth") for r in replies],
         "link_sent": [lab.link_bytes(i)[0] - sent_before[i] for i in range(len(workers))],
     }
-    print(f"  {run['allreduce_s']:.2f} s", flush=True)
+    print(f"  {run['allreduce_s']:.2f} s, the CPUs {100 * run['cpu_busy']:.0f} % busy", flush=True)
     return run
 
 
@@ -266,6 +278,7 @@ def summarize(k: int, codec: str, numel: int, rate: tuple[float, float], runs: l
         # the butterfly alone against the bound, and the audit that follows it, apart
         "butterfly_ratio": butterfly / bound,
         "audit_median_s": statistics.median(r["audit_s"] for r in ok),
+        "cpu_busy_median": statistics.median(r["cpu_busy"] for r in ok),
         "audit_bytes_per_peer": statistics.median(statistics.mean(r["audit_bytes"]) for r in ok),
         "wire_bytes_per_value": per_value("link_sent"),
         "reported_bytes_per_value": per_value("bytes_sent"),

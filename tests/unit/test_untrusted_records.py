@@ -115,13 +115,13 @@ class FakeDHT:
         self.entries, self.expiration = entries, expiration
         self.peer_id = "QmObserverOfTheFuzzer"
 
-    def get(self, key, latest=True):
+    def get(self, key, latest=True, beam_size=None, num_workers=None):  # hivemind's lookup bounds, as it takes them
         found = self.entries.get(key)
         if found is None:
             return None
         return SimpleNamespace(value={sk: Entry(v, self.expiration) for sk, v in found.items()})
 
-    def store(self, key, value, expiration_time, subkey=None, return_future=False):
+    def store(self, key, value, expiration_time, subkey=None, return_future=False, beam_size=None):
         self.entries.setdefault(key, {})[subkey] = value
         if not return_future:
             return True
