@@ -11,6 +11,7 @@ Ends at EOF on stdin. Logs go to stderr.
 import hashlib
 import json
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -67,6 +68,7 @@ def average(swarm: HivemindSwarm, delta: torch.Tensor, round_: int, group: int) 
     if result is None:
         return {"error": "no group formed"}
     return {
+        "ended_at": time.time(),  # the all-reduce's end on this machine's clock (the sampler's too)
         "allreduce_s": result.allreduce_s,
         "bytes_sent": result.bytes_sent,
         "bytes_received": result.bytes_received,

@@ -109,6 +109,9 @@ def main() -> int:
     parser.add_argument("--numel", type=float, default=25e6)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default="tcp_butterfly")
+    parser.add_argument(
+        "--no-forwarders", action="store_true", help="plain veths, without bench/delaylink.py's per-frame CPU"
+    )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # one host's worker (internal)
     args = parser.parse_args()
     if args.worker:
@@ -119,7 +122,8 @@ def main() -> int:
         return 2
     part = int(args.numel * 4 / args.k)
     bound = 2 * (args.k - 1) * part * 8 / (args.rate * 1e6)
-    with NetLab([(args.rate, args.rate)] * args.k, tag="tcpb", delays_ms=[0.0] * args.k) as lab:
+    delays = None if args.no_forwarders else [0.0] * args.k
+    with NetLab([(args.rate, args.rate)] * args.k, tag="tcpb", delays_ms=delays) as lab:
         times = [one(lab, args.k, part, 20 * bound + 60) for _ in range(args.repeats)]
     result = {"k": args.k, "rate_mbit": args.rate, "numel": args.numel, "bound_s": bound, "times_s": times}
     result["ratio"] = statistics.median(times) / bound

@@ -35,6 +35,19 @@ def test_honest_figures_within_the_cap_are_untouched():
     assert links.fair_bandwidths([1.0, 2.0, 3.9]) == [1.0, 2.0, 3.9]
 
 
+def test_figures_the_probes_cannot_tell_apart_count_as_equal():
+    # Four equal links probed at 2.44, 2.97, 2.98, 2.98 MB/s (bench/allreduce.py): lower median
+    # 2.97; 2.44 is within 1.25x of it (2.97 / 1.25 = 2.376), so every member gets the same span.
+    assert links.settled_bandwidths([2.44e6, 2.98e6, 2.97e6, 2.98e6]) == [2.97e6] * 4
+    # A real difference stays: lower median 3; 1 and 10 are beyond 1.25x, 3.5 is not (3.75).
+    assert links.settled_bandwidths([1.0, 3.0, 3.5, 10.0]) == [1.0, 3.0, 3.0, 10.0]
+    # At the edges: 3.75 = 3 x 1.25 is the same link, 3.76 is not; 2.4 = 3 / 1.25 is, 2.39 is not.
+    assert links.settled_bandwidths([3.0, 3.75, 3.76, 2.4, 2.39, 3.0]) == [3.0, 3.0, 3.76, 3.0, 2.39, 3.0]
+    # No claim (None: the balancer's mean) and 0 (reduces nothing) are left alone.
+    assert links.settled_bandwidths([None, 0.0, 5.0, 6.0]) == [None, 0.0, 5.0, 5.0]
+    assert links.settled_bandwidths([None, 0.0]) == [None, 0.0]
+
+
 def test_meter_announces_the_slower_direction_of_its_best_recent_probes():
     meter = links.LinkMeter()
     assert meter.bandwidth() is None

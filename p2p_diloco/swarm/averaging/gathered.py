@@ -104,7 +104,8 @@ def reducers(group_info: GroupInfo, entries: Sequence[Entry]) -> list[bool]:
 def fair(group_info: GroupInfo, entries: Sequence[Entry], serializer: Any) -> GroupInfo:
     """The group with every member's bandwidth claim counted only up to what the other members
     measured of its probes (links.vouched_bandwidths) and capped (links.fair_bandwidths), so that no
-    peer can claim its way to reducing the whole vector, and 0 for a member that may not reduce
+    peer can claim its way to reducing the whole vector, figures the probes cannot tell apart made
+    equal (links.settled_bandwidths), and 0 for a member that may not reduce
     (`reducers`: not every other member reaches it directly). Each member computes the same figures
     from the same gathered bytes (`entries`: parsed from them). AllreduceException, before a part is
     sent, if no member may reduce."""
@@ -113,9 +114,10 @@ def fair(group_info: GroupInfo, entries: Sequence[Entry], serializer: Any) -> Gr
     if not any(may_reduce):
         raise AllreduceException("no member of the group can be reached directly by all the others: nothing averaged")
     vouched = links.vouched_bandwidths(members, [e.bandwidth for e in entries], [dict(e.seen) for e in entries])
+    figures = links.settled_bandwidths(links.fair_bandwidths(vouched))
     gathered = tuple(
         serializer.dumps([figure if reduces else 0.0, *serializer.loads(data)[1:]])
-        for figure, reduces, data in zip(links.fair_bandwidths(vouched), may_reduce, group_info.gathered)
+        for figure, reduces, data in zip(figures, may_reduce, group_info.gathered)
     )
     return GroupInfo(group_info.group_id, group_info.peer_ids, gathered)
 
