@@ -665,7 +665,8 @@ def _export_from_swarm(args: argparse.Namespace) -> Any:
             client.close()
     finally:
         reader.close()
-    print(f"downloaded the agreed state of round {found.round} (digest {found.digest[:12]}) from {found.served_by}")
+    servers = ", ".join(found.served_by)
+    print(f"downloaded the agreed state of round {found.round} (digest {found.digest[:12]}) from {servers}")
     params = model.params(found.state)
     out = args.paths[0]
     return export_agreed(

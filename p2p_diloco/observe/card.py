@@ -141,7 +141,7 @@ def provenance(
         "preset": None if config["model"]["config_path"] else config["model"]["preset"],
         "model_config_path": config["model"]["config_path"] or None,
         "peer_id": payload.get("peer_id"),
-        "served_by": payload.get("served_by"),  # exported from the swarm: the peer that served the state
+        "served_by": _servers(payload.get("served_by")),  # exported from the swarm: the holders that served it
         "tokens_by_this_peer": totals.get("tokens"),
         "inner_steps_by_this_peer": totals.get("inner_steps"),
         "p2p_diloco_version": version,
@@ -203,11 +203,21 @@ def _title(facts: Mapping[str, Any], load_from: str) -> str:
     )
 
 
+def _servers(served_by: Any) -> list[str] | None:
+    """The holders an export from the swarm names: a list, or one string (exports before chunked
+    downloads); None for an export from a peer's checkpoint."""
+    if isinstance(served_by, str):
+        return [served_by]
+    return [str(p) for p in served_by] if isinstance(served_by, list) and served_by else None
+
+
 def _source(facts: Mapping[str, Any]) -> str:
-    if facts.get("served_by"):
+    if servers := facts.get("served_by"):
+        named = ", ".join(f"`{_code(p)}`" for p in servers)
+        how = f"from peer {named}" if len(servers) == 1 else f"in chunks from {len(servers)} peers ({named})"
         return (
-            f"the swarm's agreed state of round {facts['round']}, downloaded from peer "
-            f"`{_code(facts['served_by'])}` and verified against the digest the round's peers published"
+            f"the swarm's agreed state of round {facts['round']}, downloaded {how} "
+            "and verified against the digest the round's peers published"
         )
     return f"one peer's verified checkpoint of round {facts['round']}"
 

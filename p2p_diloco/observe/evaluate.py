@@ -26,7 +26,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.errors import DataError, StateDownloadError
 from p2p_diloco.observe.run_view import Target
 from p2p_diloco.protocol import outer
-from p2p_diloco.protocol.network import Fetch, ServedState, StateSource, download_verified
+from p2p_diloco.protocol.network import ServedState, StateSource, download_chunked, download_verified
 from p2p_diloco.train import data
 from p2p_diloco.train import model as model_mod
 from p2p_diloco.train.inner import InnerTrainer
@@ -95,17 +95,30 @@ Note = Callable[[int, str, float], None]
 
 @dataclass(frozen=True)
 class Agreed:
-    """An agreed state, downloaded and verified: its round and digest, who served it, and the state."""
+    """An agreed state, downloaded and verified: its round and digest, who served it (the holders
+    whose chunks made it, or the one that sent it whole), and the state."""
 
     round: int
     digest: str
-    served_by: str
+    served_by: tuple[str, ...]
     state: ServedState
 
 
-def download_agreed(model: RunModel, fetch: Fetch, target: Target, accepts: Accepts, timeout: float) -> Agreed:
-    """A state one of `target`'s holders serves whose digest is the agreed one of its round (a
-    holder that moved on to the next agreed round meanwhile serves one as good)."""
+def download_agreed(model: RunModel, source: StateSource, target: Target, accepts: Accepts, timeout: float) -> Agreed:
+    """A state `target`'s holders serve whose digest is the agreed one of its round: in chunks from
+    all of them at once, as a joiner downloads (network.download_chunked); else, from holders that
+    serve no chunks of it (one that moved on to the next agreed round serves no manifest of this
+    one), whole from one at a time, a holder's newer agreed state being as good."""
+    deadline = time.monotonic() + timeout
+    chunked = _download_chunked(model, source, target, timeout)
+    if chunked is not None and accepts(target.round, target.digest):
+        logger.info(
+            "downloaded round %d (digest %s) in chunks from %d holder(s)",
+            target.round,
+            target.digest[:12],
+            len(chunked[0]),
+        )
+        return Agreed(target.round, target.digest, tuple(chunked[0]), chunked[1])
     found: list[tuple[int, str]] = []
 
     def agreed(round_: int, digest: str) -> bool:
@@ -113,9 +126,30 @@ def download_agreed(model: RunModel, fetch: Fetch, target: Target, accepts: Acce
         return accepts(round_, digest)
 
     describe = f"an agreed state (round {target.round} or later)"
+    left, holders = max(1.0, deadline - time.monotonic()), list(target.holders)
     # Each peer's failure is in the error, which the caller says once: no warning per peer and poll.
-    peer, state = download_verified(fetch, list(target.holders), timeout, model.digest, agreed, describe, logger.debug)
-    return Agreed(*found[-1], peer, state)
+    peer, state = download_verified(source.fetch, holders, left, model.digest, agreed, describe, logger.debug)
+    return Agreed(*found[-1], (peer,), state)
+
+
+def _download_chunked(
+    model: RunModel, source: StateSource, target: Target, timeout: float
+) -> tuple[list[str], ServedState] | None:
+    """(its holders, the state) of `target` in chunks, or None where that failed or no holder sent a
+    manifest of it: the whole-state path is asked next, and says why if it fails too."""
+    wanted, deadline = (target.round, target.digest), time.monotonic() + timeout
+    try:
+        return download_chunked(
+            lambda peers: source.manifests(peers, wanted),
+            lambda manifest, some: source.download_chunks(manifest, some, max(1.0, deadline - time.monotonic())),
+            list(target.holders),
+            model.digest,
+            wanted,
+            logger.info,
+        )
+    except StateDownloadError as e:
+        logger.info("round %d in chunks: %s; asking its holders one at a time", target.round, e)
+        return None
 
 
 class Evaluations:
@@ -139,7 +173,7 @@ class Evaluations:
         if target is None or (target.round == self._failed and time.monotonic() < self._retry_at):
             return False
         try:
-            found = download_agreed(self.held, self.source.fetch, target, self.accepts, self.timeout)
+            found = download_agreed(self.held, self.source, target, self.accepts, self.timeout)
         except StateDownloadError as e:
             # Said at the second failure: a holder that just left or moved on is no news.
             say = logger.warning if self._failed == target.round else logger.debug

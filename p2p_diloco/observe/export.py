@@ -10,6 +10,7 @@ import os
 import socket
 import urllib.parse
 import urllib.request
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,15 +49,16 @@ def export_agreed(
     cfg: config_mod.Config,
     round_: int,
     digest: str,
-    served_by: str,
+    served_by: Sequence[str],
     params: dict[str, Any],
     out_dir: str | Path,
     contributors: str | Path | None = None,
     hub_repo: str | None = None,
     license_: str | None = None,
 ) -> Path:
-    """Write θ of the swarm's agreed state of `round_` (downloaded from `served_by` and verified
-    against `digest`, service.fetch_agreed) to `out_dir`, as `export_run` writes a checkpoint's."""
+    """Write θ of the swarm's agreed state of `round_` (downloaded from the holders `served_by`, in
+    chunks or whole from one, and verified against `digest`, service.fetch_agreed) to `out_dir`, as
+    `export_run` writes a checkpoint's. provenance.json names them as a list (one string before)."""
     payload = {
         "config": cfg.to_dict(),
         "round": round_,
@@ -64,7 +66,7 @@ def export_agreed(
         "fingerprint": cfg.fingerprint(),
         "shared_config": cfg.shared_dict(),
         "params": params,
-        "served_by": served_by,
+        "served_by": list(served_by),
     }
     return _export(cfg, payload, out_dir, contributors, hub_repo, license_)
 

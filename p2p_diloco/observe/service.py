@@ -251,7 +251,7 @@ def fetch_agreed(
         if target is None:
             return None
         try:
-            return download_agreed(model, source.fetch, target, accepts, download_s(config, model.numel))
+            return download_agreed(model, source, target, accepts, download_s(config, model.numel))
         except StateDownloadError as e:
             why = str(e)
             return None

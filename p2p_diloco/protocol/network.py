@@ -56,9 +56,14 @@ MALFORMED = "malformed (not this model's shape)"  # how a state whose StateCheck
 
 
 class StateSource(Protocol):
-    """Downloads states peers serve, for one who is not a peer (swarm/state_client.py)."""
+    """Downloads states peers serve, for one who is not a peer (swarm/state_client.py): whole from
+    one holder, or a manifest's chunks from several at once."""
 
     def fetch(self, peer: str, timeout: float) -> ServedState | None: ...
+
+    def manifests(self, peers: list[str], wanted: tuple[int, str]) -> dict[str, chunks.Manifest]: ...
+
+    def download_chunks(self, manifest: chunks.Manifest, holders: list[str], timeout: float) -> Assembled: ...
 
     def close(self) -> None: ...
 
@@ -149,6 +154,7 @@ def download_chunked(
         say("asking %d holders for their manifests failed: %s %s", len(from_peers), type(e).__name__, e)
         return None
     if not sent:
+        say("XEXP no manifests of %s from %s", wanted, from_peers)
         return None
     served: dict[str, tuple[int, str | None]] = {p: (m.round, m.digest) for p, m in sent.items() if m.digest != digest}
     problems = [f"{p[-6:]}: manifest of round {r} digest {d[:12]}" for p, (r, d) in served.items() if d]

@@ -190,14 +190,18 @@ def finish_export(proc: subprocess.Popen, out) -> dict:
     stdout, stderr = proc.communicate(timeout=120)
     assert proc.returncode == 0, stderr
     assert re.match(r"downloaded the agreed state of round \d+ \(digest [0-9a-f]{12}\) from Qm", stdout)
-    assert (out / "model.safetensors").exists() and "downloaded from peer" in (out / "README.md").read_text()
-    return json.loads((out / "provenance.json").read_text())
+    provenance = json.loads((out / "provenance.json").read_text())
+    card = (out / "README.md").read_text()
+    assert (out / "model.safetensors").exists() and provenance["served_by"]
+    assert all(f"`{peer}`" in card for peer in provenance["served_by"]), card  # the card names every server
+    return provenance
 
 
 def check_export(provenance: dict, swarm, names: dict) -> None:
-    """What was exported is the state of its round that its server, and the other live peer, hold."""
-    server = names[provenance["served_by"]]
-    assert swarm.records(server)[provenance["round"]]["digest"] == provenance["digest"]
+    """What was exported is the state of its round that its servers (the holders whose chunks made
+    it, or the one that sent it whole), and the other live peer, hold."""
+    for server in (names[p] for p in provenance["served_by"]):
+        assert swarm.records(server)[provenance["round"]]["digest"] == provenance["digest"]
     for name in "ab":  # (one that caught up past the round has no line of it)
         if provenance["round"] in swarm.records(name):
             assert swarm.records(name)[provenance["round"]]["digest"] == provenance["digest"], name

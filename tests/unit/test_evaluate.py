@@ -1,7 +1,7 @@
 """The observer's own held-out loss and `export --initial-peers` (p2p_diloco/observe/evaluate.py): states
 downloaded from peers that may lie, verified against the agreed digest, evaluated as a peer does.
-The peers here are scripted `fetch` functions; the real download over libp2p is in
-tests/swarm/test_observer.py."""
+The peers here are scripted sources (whole states, manifests and their chunks); the real download
+over libp2p is in tests/swarm/test_observer.py."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from p2p_diloco.errors import StateDownloadError
 from p2p_diloco.observe.evaluate import RETRY_S, Evaluations, HeldOut, RunModel, download_agreed
 from p2p_diloco.observe.run_view import Target
 from p2p_diloco.observe.service import fetch_agreed
-from p2p_diloco.protocol import outer
+from p2p_diloco.protocol import chunks, outer
 from p2p_diloco.protocol.budget import ProgressReport
-from p2p_diloco.protocol.network import RoundRecord, download_verified
+from p2p_diloco.protocol.network import Assembled, RoundRecord, download_verified
 from p2p_diloco.train import data
 from p2p_diloco.train import model as model_mod
 from tests.conftest import TINY
@@ -72,20 +72,48 @@ def test_the_digest_of_a_served_state_is_computed_not_read_and_a_malformed_one_i
     assert held.digest(metadata, [tensors[0]]) is None
 
 
+class Source:
+    """Scripted holders: `answers[peer]` is what it sends whole (a state, None, or an exception to
+    raise); `chunked[peer]`, the state whose manifest and chunks it serves, if any. Chunks come as a
+    ChunkFetcher assembles them: each checked against the manifest, so a holder's chunks make
+    exactly the state it built its manifest of."""
+
+    def __init__(self, answers, chunked=None):
+        self.answers, self.chunked, self.closed = answers, chunked or {}, False
+        self.asked: list[tuple] = []
+
+    def fetch(self, peer, timeout):
+        self.asked.append(("whole", peer))
+        answer = self.answers[peer]
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
+
+    def manifests(self, peers, wanted):
+        self.asked.append(("manifests", tuple(peers)))
+        return {p: self._manifest(p, wanted) for p in peers if p in self.chunked}
+
+    def _manifest(self, peer, wanted):
+        metadata, tensors = self.chunked[peer]
+        return chunks.manifest_of(*wanted, [memoryview(t.numpy()).cast("B") for t in tensors])
+
+    def download_chunks(self, manifest, holders, timeout):
+        self.asked.append(("chunks", tuple(holders)))
+        return Assembled([t.clone() for t in self.chunked[holders[0]][1]], "", {}, frozenset())
+
+    def close(self):
+        self.closed = True
+
+
 def test_a_lying_holder_is_skipped_and_the_next_ones_verified_state_is_taken(cfg, held):
     metadata, tensors, digest = served(cfg, 4, seed=7)
     lie = served(cfg, 4, seed=9)  # a state of its own, claimed as round 4
-    answers = {A: lie[:2], B: None, C: (metadata, tensors)}
-    asked = []
-
-    def fetch(peer, timeout):
-        asked.append(peer)
-        return answers[peer]
-
-    found = download_agreed(held, fetch, Target(4, digest, (A, B, C)), lambda r, d: (r, d) == (4, digest), 5.0)
-    assert (found.round, found.digest, found.served_by, asked) == (4, digest, C, [A, B, C])
+    source = Source({A: lie[:2], B: None, C: (metadata, tensors)})  # holders that serve no chunks
+    found = download_agreed(held, source, Target(4, digest, (A, B, C)), lambda r, d: (r, d) == (4, digest), 5.0)
+    assert (found.round, found.digest, found.served_by) == (4, digest, (C,))
+    assert source.asked == [("manifests", (A, B, C)), ("whole", A), ("whole", B), ("whole", C)]
     with pytest.raises(StateDownloadError) as error:
-        download_agreed(held, fetch, Target(4, digest, (A, B)), lambda r, d: (r, d) == (4, digest), 5.0)
+        download_agreed(held, source, Target(4, digest, (A, B)), lambda r, d: (r, d) == (4, digest), 5.0)
     assert "QmAAAA: state of round 4 digest" in str(error.value) and "QmBBBB: sent nothing" in str(error.value)
 
 
@@ -95,27 +123,13 @@ def test_a_state_of_another_shape_is_named_malformed_and_the_next_holders_state_
     said = []
     fetch = lambda peer, timeout: answers[peer]  # noqa: E731
     wanted = lambda r, d: (r, d) == (4, digest)  # noqa: E731
-    found = download_agreed(held, fetch, Target(4, digest, (A, C)), wanted, 5.0)
-    assert (found.round, found.digest, found.served_by) == (4, digest, C)
+    found = download_agreed(held, Source(answers), Target(4, digest, (A, C)), wanted, 5.0)
+    assert (found.round, found.digest, found.served_by) == (4, digest, (C,))
     with pytest.raises(StateDownloadError) as error:
         download_verified(fetch, [A], 5.0, held.digest, wanted, "round 4", lambda *a: said.append(a[0] % a[1:]))
     assert "QmAAAA: state of round 4 malformed (not this model's shape) does not match round 4" in str(error.value)
     assert said == ["rejected the state offered by QmAAAA: round 4 malformed (not this model's shape)"]
     assert error.value.served == {A: (4, None)}  # a catch-up asks that holder for that state no more
-
-
-class Source:
-    def __init__(self, answers):
-        self.answers, self.closed = answers, False
-
-    def fetch(self, peer, timeout):
-        answer = self.answers[peer]
-        if isinstance(answer, Exception):
-            raise answer
-        return answer
-
-    def close(self):
-        self.closed = True
 
 
 def test_evaluations_note_the_loss_of_the_round_and_say_a_failure_only_when_it_repeats(cfg, held, caplog, monkeypatch):
@@ -149,7 +163,7 @@ def test_export_from_the_swarm_takes_the_newest_agreed_state_within_its_wait(cfg
         return records, [ProgressReport(A, 2, 0, 1.0, time.time())], {}  # B sends no heartbeat: not asked
 
     found = fetch_agreed(cfg, poll, Source({A: (metadata, tensors), B: None}), model, wait_s=5)
-    assert (found.round, found.digest, found.served_by) == (2, digest, A)
+    assert (found.round, found.digest, found.served_by) == (2, digest, (A,))
     assert torch.equal(outer.flatten(model.params(found.state)), tensors[0])
     with pytest.raises(StateDownloadError, match="no round that counted peers agreed on was seen"):
         fetch_agreed(cfg, lambda: ({}, [], {}), Source({}), model, wait_s=0)  # a swarm with no agreed round
@@ -170,4 +184,24 @@ def test_export_after_the_holders_of_a_finished_run_left_says_so_at_once(cfg):
     assert str(e.value) == (
         f"run 'p2p-diloco' finished at round {final} (final digest {digest[:12]}); no peer serves it any more "
         "(they linger swarm.linger_s after the end): export from a peer's run dir, p2p-diloco export RUN_DIR OUT"
+    )
+
+
+def test_the_agreed_state_comes_in_chunks_from_every_holder_of_it_and_whole_only_where_none_serves_chunks(cfg, held):
+    metadata, tensors, digest = served(cfg, 4, seed=7)
+    wanted = lambda r, d: (r, d) == (4, digest)  # noqa: E731
+    source = Source({A: None, B: None, C: None}, chunked={A: (metadata, tensors), C: (metadata, tensors)})
+    found = download_agreed(held, source, Target(4, digest, (A, B, C)), wanted, 5.0)
+    # B sent no manifest (a peer of an older version, or one that moved on): the chunks of A and C.
+    assert (found.round, found.digest, found.served_by) == (4, digest, (A, C))
+    assert source.asked == [("manifests", (A, B, C)), ("chunks", (A, C))]
+    assert held.digest(*found.state) == digest
+    # Chunks that assemble another state (holders that agree on a manifest of a lie) cost that
+    # download; then the holders are asked whole, one at a time, and the honest one's state is taken.
+    lie = served(cfg, 4, seed=9)
+    source = Source({A: lie[:2], C: (metadata, tensors)}, chunked={A: lie[:2]})
+    found = download_agreed(held, source, Target(4, digest, (A, C)), wanted, 5.0)
+    assert (found.served_by, source.asked) == (
+        (C,),
+        [("manifests", (A, C)), ("chunks", (A,)), ("whole", A), ("whole", C)],
     )

@@ -202,13 +202,17 @@ def test_the_end_of_a_run_says_how_to_export(tmp_path, caplog):
     assert f"export the model: p2p-diloco export {peer.run_dir} <folder>" in caplog.text
 
 
-def test_a_card_of_a_state_exported_from_the_swarm_names_its_server_and_no_exporting_peer(cfg):
-    payload = {**payload_of(cfg), "served_by": B, "peer_id": None}
+def test_a_card_of_a_state_exported_from_the_swarm_names_its_servers_and_no_exporting_peer(cfg):
+    payload = {**payload_of(cfg), "served_by": [B], "peer_id": None}
     del payload["totals"]
     facts = card.provenance(payload, "0.5.0")
     text = card.model_card(facts, "out")
-    assert facts["served_by"] == B and facts["peer_id"] is None and facts["tokens_by_this_peer"] is None
+    assert facts["served_by"] == [B] and facts["peer_id"] is None and facts["tokens_by_this_peer"] is None
     assert f"the swarm's agreed state of round 2, downloaded from peer `{B}` and verified" in text
+    # In chunks from several holders, it names them all; an export from before names one, as a string.
+    chunked = card.model_card(card.provenance({**payload, "served_by": [A, B]}, "0.5.0"), "out")
+    assert f"downloaded in chunks from 2 peers (`{A}`, `{B}`) and verified" in chunked
+    assert card.provenance({**payload, "served_by": B}, "0.5.0")["served_by"] == [B]
     assert (
         "| tokens trained by the exporting peer | none: exported from the swarm by a node that trains nothing |" in text
     )
