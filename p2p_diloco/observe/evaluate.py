@@ -145,10 +145,10 @@ def _download_chunked(
             list(target.holders),
             model.digest,
             wanted,
-            logger.info,
+            logger.debug,
         )
     except StateDownloadError as e:
-        logger.info("round %d in chunks: %s; asking its holders one at a time", target.round, e)
+        logger.debug("round %d in chunks: %s; asking its holders one at a time", target.round, e)
         return None
 
 

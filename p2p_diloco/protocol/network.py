@@ -154,7 +154,6 @@ def download_chunked(
         say("asking %d holders for their manifests failed: %s %s", len(from_peers), type(e).__name__, e)
         return None
     if not sent:
-        say("XEXP no manifests of %s from %s", wanted, from_peers)
         return None
     served: dict[str, tuple[int, str | None]] = {p: (m.round, m.digest) for p, m in sent.items() if m.digest != digest}
     problems = [f"{p[-6:]}: manifest of round {r} digest {d[:12]}" for p, (r, d) in served.items() if d]

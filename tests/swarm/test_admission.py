@@ -65,9 +65,12 @@ def test_outsiders_are_refused_at_every_door_and_a_revoked_peer_stops_while_the_
     watcher.send_signal(signal.SIGINT)
     code, observer_log = watcher.wait(timeout=60), watcher.stderr.read()
     assert code == 0, observer_log[-2000:]
-    # Its last evaluation downloaded the final state (served through the linger) in chunks, over
-    # libp2p, from the holders that admitted its certificate (swarm/state_client.py).
-    chunked = rf"downloaded round {ROUNDS} \(digest [0-9a-f]{{12}}\) in chunks from [12] holder"
+    # It downloaded agreed states in chunks, over libp2p, from the holders that admitted its
+    # certificate (swarm/state_client.py). Not every evaluation: with rounds of a second, holders
+    # have often moved on by the time it asks for the round it picked (they serve no manifest of
+    # it), and it then takes a holder's newer agreed state whole (evaluate.download_agreed): 3-4 of
+    # 6 evaluations came in chunks in the runs looked at, the first one in each.
+    chunked = r"downloaded round \d+ \(digest [0-9a-f]{12}\) in chunks from [123] holder"
     assert re.search(chunked, observer_log), observer_log[-3000:]
 
     # The revoked peer stopped itself with one line, at most one round later; a and b went on and agree.
