@@ -178,8 +178,8 @@ class SwarmSection:
     quic: bool = local(
         False,
         "experimental: also listen on QUIC (UDP, the same port number) besides TCP; peers that both "
-        "listen on it connect over QUIC. In the lab 15 of 16 all-reduces over QUIC failed "
-        "(docs/benchmarks.md, round trips): keep it off for training",
+        "listen on it connect over QUIC. In the lab 1 of 16 all-reduces over QUIC failed, and the "
+        "CPUs were near saturation (docs/benchmarks.md, round trips): keep it off for training",
     )
     identity_path: str = local("", "private key file fixing this peer's id; empty = identity.key in run.dir")
     probe_links: bool = local(

@@ -55,7 +55,7 @@ from p2p_diloco.swarm.averaging.ledger import Ledger
 from p2p_diloco.swarm.averaging.matchmaking import LedMatchmaking
 from p2p_diloco.swarm.averaging.probes import LinkProber
 from p2p_diloco.swarm.averaging.served import read_served_state
-from p2p_diloco.swarm.transport import punch
+from p2p_diloco.swarm.transport import punch, streams
 from p2p_diloco.swarm.transport.processes import quiet_fork, wait_result, wait_started
 from p2p_diloco.swarm.trust import records
 from p2p_diloco.swarm.trust.doors import Doors
@@ -368,17 +368,18 @@ class DiLoCoAverager(BoundedAverager):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         """As a leader: refuse, before hivemind sees it, a join request that the all-gather's
-        checks refuse (`Gathering.refusal`)."""
+        checks refuse (`Gathering.refusal`). After the last message, the stream stays open until
+        the follower closes it (`streams.held_open`: a reset under QUIC lost the last messages)."""
         if self.gathering.refusal(context.remote_id, request.gather) is not None:
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.PROTOCOL_VIOLATION)
-            return
-        if self._leads_only_direct and not (
+        elif self._leads_only_direct and not (
             self._leading and str(context.remote_id) in await punch.direct_peers(self._p2p)
         ):
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
-            return
-        async for response in super().rpc_join_group(request, context):
-            yield response
+        else:
+            async for response in super().rpc_join_group(request, context):
+                yield response
+        await streams.held_open(streams.JOIN_LINGER_S)
 
     async def rpc_download_state(
         self, request: averaging_pb2.DownloadRequest, context: P2PContext

@@ -16,6 +16,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
 LINGER_S = 30.0  # at most, for a caller to end its stream once it holds every reply
+JOIN_LINGER_S = 5.0  # at most, for a follower to close its join stream once it read the leader's last message
 
 
 async def first_request(requests: AsyncIterator[Any]) -> Any | None:
@@ -33,6 +34,18 @@ async def linger(requests: AsyncIterator[Any]) -> None:
 
     with contextlib.suppress(asyncio.TimeoutError):
         await asyncio.wait_for(drain(), LINGER_S)
+
+
+async def held_open(seconds: float) -> None:
+    """After the last reply of a handler whose caller sent one request (hivemind's unary request,
+    streamed reply): keep the stream open until the caller closes its side, at most `seconds`.
+    hivemind's P2P reads on under a handler and cancels it when the caller's side closes, which
+    the caller does once it read what it waited for. A handler that returned at once let p2pd reset
+    the stream under its last reply: over yamux on TCP the reset comes behind the data, but a QUIC
+    reset lets the caller's side discard what it had not read (a follower lost ACCEPTED and
+    BEGIN_ALLREDUCE; docs/benchmarks.md, QUIC)."""
+    with contextlib.suppress(asyncio.TimeoutError):
+        await asyncio.wait_for(asyncio.Event().wait(), seconds)
 
 
 async def ask(
