@@ -48,9 +48,9 @@ from p2p_diloco.errors import ConfigError
 
 if __package__:  # imported as bench.allreduce (the tests)
     from .netlab import NetLab, available, line_reader, namespaces, next_line
-    from .uplinks import Uplinks, busy_share
+    from .uplinks import Uplinks, busy_share, timeline, used_share
 else:  # run as a script, bench/ on sys.path
-    from uplinks import Uplinks, busy_share
+    from uplinks import Uplinks, busy_share, timeline, used_share
 
     from netlab import NetLab, available, line_reader, namespaces, next_line
 
@@ -88,6 +88,9 @@ def parse_args() -> argparse.Namespace:
         nargs="+",
         default=[0.0],
         help="round trips between peers to measure at, ms (bench/delaylink.py: a quarter each way at each peer)",
+    )
+    p.add_argument(
+        "--timeline", action="store_true", help="keep each host's uplink, kB per 0.1 s, in the results (uplink_kB)"
     )
     p.add_argument(
         "--no-forwarders",
@@ -193,7 +196,7 @@ def run_setting(
             if (line := next_line(out, 120, f"worker {i} ready")) != "ready":
                 raise RuntimeError(f"worker {i} printed {line!r}")
         deadline_s = timeout_s + 3 * MATCHMAKING_S + 30
-        runs = [one_allreduce(lab, workers, outs, deadline_s, args.up * 1e6 / 8) for _ in range(args.repeats)]
+        runs = [one_allreduce(lab, workers, outs, deadline_s, args) for _ in range(args.repeats)]
         tcp_peers = tcp_peers_of(lab, 0)
     except RuntimeError as e:  # a worker died or fell silent: note it and go on with the next setting
         print(f"  setting abandoned: {e}; see {folder}/{name}-w*.log", flush=True)
@@ -229,7 +232,7 @@ def cpu_ticks() -> tuple[int, int]:
     return sum(fields) - idle, sum(fields)
 
 
-def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float, up_bps: float) -> dict:
+def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float, args: argparse.Namespace) -> dict:
     sent_before = [lab.link_bytes(i)[0] for i in range(len(workers))]
     busy_before, total_before = cpu_ticks()
     uplinks = Uplinks([w.pid for w in workers]).start()
@@ -258,33 +261,27 @@ def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float, up_b
         "audit_bytes": [r["audit_bytes"] for r in replies],
         "bandwidth": [r.get("bandwidth") for r in replies],
         "link_sent": [lab.link_bytes(i)[0] - sent_before[i] for i in range(len(workers))],
-        **uplink_figures(samples, replies, uplinks.started, up_bps),
+        **uplink_figures(samples, replies, uplinks.started, args.up * 1e6 / 8, args.timeline),
     }
     print(f"  {run['allreduce_s']:.2f} s, the CPUs {100 * run['cpu_busy']:.0f} % busy", flush=True)
     return run
 
 
-def uplink_figures(samples: list, replies: list[dict], started: float, up_bps: float) -> dict:
+def uplink_figures(samples: list, replies: list[dict], started: float, up_bps: float, keep_timeline: bool) -> dict:
     """Where each member's uplink stood idle: its butterfly's window on the sampler's clock (it ends
     where the audit begins, which ends the all-reduce), the share of it in which the uplink ran at
-    >= 90 % of its rate, the mean utilisation over it, and the timeline itself (kB per interval,
-    per host)."""
+    >= 90 % of its rate, the mean utilisation over it, and with `keep_timeline` the samples (kB per
+    interval, per host)."""
     windows = []
     for r in replies:
         end = r["ended_at"] - r["audit_s"] - started
         windows.append((round(end - r["butterfly_s"], 2), round(end, 2)))
-    steps = [[round((b - a) / 1e3) for a, b in zip(s0[1], s1[1])] for s0, s1 in zip(samples, samples[1:])]
-    times = [t for t, _ in samples[1:]]
-    used = [
-        sum(kb[i] for t, kb in zip(times, steps) if a < t <= b) * 1e3 / (up_bps * max(b - a, 1e-3))
-        for i, (a, b) in enumerate(windows)
-    ]
-    return {
+    figures = {
         "butterfly_window_s": windows,
         "uplink_busy": [busy_share(samples, i, up_bps, window) for i, window in enumerate(windows)],
-        "uplink_used": used,
-        "uplink_kB": {"t": [round(t, 2) for t in times], "per_host": steps},
+        "uplink_used": [used_share(samples, i, up_bps, window) for i, window in enumerate(windows)],
     }
+    return {**figures, "uplink_kB": timeline(samples)} if keep_timeline else figures
 
 
 def summarize(k: int, codec: str, numel: int, rate: tuple[float, float], runs: list[dict]) -> dict:

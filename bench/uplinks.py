@@ -65,3 +65,21 @@ def busy_share(
         if (b[host] - a[host]) >= 0.9 * rate_bps * (t1 - t0):
             busy += t1 - t0
     return busy / total if total else 0.0
+
+
+def used_share(
+    samples: list[tuple[float, list[int]]], host: int, rate_bps: float, window: tuple[float, float]
+) -> float:
+    """The mean share of `rate_bps` (bytes/s) `host`'s uplink carried over the sampling intervals
+    inside `window`."""
+    inside = [
+        (t1 - t0, b[host] - a[host]) for (t0, a), (t1, b) in zip(samples, samples[1:]) if window[0] < t1 <= window[1]
+    ]
+    seconds = window[1] - window[0]
+    return sum(sent for _, sent in inside) / (rate_bps * seconds) if inside and seconds > 0 else 0.0
+
+
+def timeline(samples: list[tuple[float, list[int]]]) -> dict:
+    """The samples as kB sent per interval, per host, with each interval's end time."""
+    steps = [[round((b - a) / 1e3) for a, b in zip(s0[1], s1[1])] for s0, s1 in zip(samples, samples[1:])]
+    return {"t": [round(t, 2) for t, _ in samples[1:]], "per_host": steps}

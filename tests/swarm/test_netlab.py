@@ -76,7 +76,7 @@ def test_four_peers_on_home_links_of_10_up_and_50_down_complete_every_all_reduce
 
     from bench import allreduce
 
-    args = argparse.Namespace(up=10.0, down=50.0, repeats=12, averaging_timeout=None, quic=False)
+    args = argparse.Namespace(up=10.0, down=50.0, repeats=12, averaging_timeout=None, quic=False, timeline=False)
     with NetLab([(10, 50)] * 4 + [(None, None)]) as lab:
         maddr = allreduce.bootstrap(lab, 4, tmp_path)
         result = allreduce.run_setting(lab, maddr, 4, "fp32", 2_500_000, args, tmp_path, "clip")
