@@ -15,7 +15,10 @@ peer does) and counts, at the boundary:
 The figure is bytes read ÷ text bytes trained (and ÷ tokens), below 1 where the files compress the
 text (parquet, snappy); ÷ the bytes of the files opened, it is what reading costs beyond the files
 themselves. It also measures the held-out batch by file (`run.eval_sequences` 64 of 256 tokens):
-bounded by the held-out files, not the corpus.
+bounded by the held-out files, not the corpus. And what a resume reads: a peer restarted in the
+middle of a file (`resume_cost`: a stand-in file of RESUME_ROWS rows, row groups of RESUME_GROUP)
+reads from the shuffle window that holds its row, through the package's parquet reader, against
+what `datasets`' streamed `skip` (the reader before) reads to reach the same window.
 
     python bench/dataset_reading.py          # about a minute on 2 cores
 Writes bench/results/dataset_reading.json.
@@ -54,6 +57,8 @@ ROW_GROUP = 64
 DOCUMENT_SHARDS = 4  # by document every shard reads the whole corpus: 4 of the 16 show it
 SEQ_LEN = 256
 EVAL_SEQUENCES = 64
+RESUME_ROWS = 8 * data.SHUFFLE_ROWS  # a stand-in file of 8 shuffle windows; FineWeb-Edu's hold hundreds
+RESUME_GROUP = 1024
 OUT = ROOT / "bench" / "results" / "dataset_reading.json"
 
 
@@ -167,6 +172,46 @@ def heldout_cost(cfg: DataSection) -> dict:
     }
 
 
+def resume_cost(root: Path) -> dict:
+    """Bytes read (rchar) to resume a shard stream in its file's last window and give one batch,
+    through the package (parquet by row group), and through datasets' `skip` to the same row."""
+    import datasets
+
+    folder = root / "resume"
+    folder.mkdir()
+    stdlib = Path(standins.sysconfig.get_paths()["stdlib"])
+    texts = [p.read_text(encoding="utf-8", errors="replace")[:4000] for p in sorted(stdlib.glob("*.py"))]
+    table = standins.fineweb_rows([texts[i % len(texts)] for i in range(RESUME_ROWS)])
+    for i in range(4):  # 1 held out, 3 for 2 shards
+        pq.write_table(table, folder / f"{i:03d}.parquet", row_group_size=RESUME_GROUP)
+    cfg = DataSection(source="files", path=str(folder), shard_by="file", num_shards=2, heldout_fraction=0.25)
+    corpus = data.open_corpus(cfg)
+    stream = data.shard_stream(corpus, ByteTokenizer(), cfg, SEQ_LEN, seed=0, shard=0)
+    while stream.state_dict()["row"] < RESUME_ROWS - data.SHUFFLE_ROWS // 2:
+        stream.next_batch(8)
+    state = stream.state_dict()
+    before = rchar()
+    with opened_parquet() as paths:
+        resumed = data.shard_stream(corpus, ByteTokenizer(), cfg, SEQ_LEN, seed=0, shard=0)
+        resumed.load_state_dict(state)
+        resumed.next_batch(1)
+    package = rchar() - before
+    (path,) = set(paths)  # the file it resumed in, and no other
+    window = state["row"] - state["row"] % data.SHUFFLE_ROWS
+    before = rchar()
+    next(iter(datasets.load_dataset("parquet", data_files=[path], split="train", streaming=True).skip(window)))
+    skipped = rchar() - before
+    return {
+        "file_rows": RESUME_ROWS,
+        "row_group_rows": RESUME_GROUP,
+        "window_rows": data.SHUFFLE_ROWS,
+        "resumed_at_row": state["row"],
+        "file_bytes": Path(path).stat().st_size,
+        "rchar_package": package,  # the whole resume: opening the file, its window, one batch
+        "rchar_datasets_skip": skipped,
+    }
+
+
 def summary(runs: list[dict], epoch: str) -> dict:
     def spread(name: str) -> dict:
         values = [r[epoch][name] for r in runs]
@@ -208,6 +253,7 @@ def main() -> None:
                 for how, r in runs.items()
             },
             "heldout_batch_by_file": heldout_cost(arms["file"]),
+            "resume_mid_file": resume_cost(Path(tmp)),
             "machine": {"python": platform.python_version(), "cpus": os.cpu_count()},
         }
     OUT.write_text(json.dumps(result, indent=2) + "\n")
@@ -217,6 +263,11 @@ def main() -> None:
             print(
                 f"by {how}, {epoch}: bytes read / text bytes trained {s['median']:.2f} ({s['min']:.2f}-{s['max']:.2f})"
             )
+    r = result["resume_mid_file"]
+    print(
+        f"resume at row {r['resumed_at_row']:,} of {r['file_rows']:,} ({r['file_bytes'] / 1e6:.1f} MB file): "
+        f"{r['rchar_package'] / 1e6:.2f} MB read, datasets' skip {r['rchar_datasets_skip'] / 1e6:.2f} MB"
+    )
     print(f"wrote {OUT.relative_to(ROOT)}")
 
 

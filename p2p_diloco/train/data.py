@@ -10,7 +10,8 @@ sizes are known (`plan_files`), so a peer reads only its own files. Either way a
 is a few ints, which is what makes a checkpoint resume bit-exactly.
 
 Sources: `stdlib` (the Python standard library's own source, the embedded default), `files`
-(local .txt, .jsonl/.json or .parquet through `datasets`) and `hub` (a streamed `datasets` hub
+(local .txt, .jsonl/.json or .parquet through `datasets`; by file, parquet through
+`train/parquet.py`, which enters a file at the row group that holds its first row) and `hub` (a streamed `datasets` hub
 dataset, e.g. allenai/c4, optionally pinned as name@revision). `datasets` is imported only by the
 last two: it takes a second to import and the default run does not need it.
 """
@@ -25,7 +26,7 @@ import logging
 import os
 import sys
 import sysconfig
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -40,6 +41,7 @@ log = logging.getLogger(__name__)
 KeyFilter = Callable[[str], bool] | None
 Position = tuple[int, ...]  # where a document stands in an epoch's order: (index,) or (file, row)
 Packed = tuple[int, Position, list[int]]  # (epoch, position, tokens + eos) of one document
+FileRows = Callable[[str, int], Iterable[dict[str, Any]]]  # (file key, first row) -> its rows from there
 STDLIB_SKIP_DIRS = ("site-packages", "dist-packages", "__pycache__")
 BUILDERS = {".txt": "text", ".jsonl": "json", ".json": "json", ".parquet": "parquet"}
 # A streamed file is read front to back; its rows are shuffled within windows of this many rows
@@ -130,14 +132,14 @@ class FileCorpus(Corpus):
         self,
         description: str,
         sizes: dict[str, int | None],
-        open_file: Callable[[str], Any],
+        open_file: FileRows,
         text_field: str,
         per_file: bool = True,
         window: int = SHUFFLE_ROWS,
     ):
-        """`sizes`: bytes of each file by key (None where unknown); `open_file(key)`: its rows, an
-        IterableDataset (`skip` and iteration); `per_file`: whether the run shards it by file, or
-        (too few files, `plan_files`) by document."""
+        """`sizes`: bytes of each file by key (None where unknown); `open_file(key, start)`: its rows
+        (dicts) from row `start` on; `per_file`: whether the run shards it by file, or (too few
+        files, `plan_files`) by document."""
         self.description, self.sizes, self._open_file = description, sizes, open_file
         self._text_field, self.per_file, self._window = text_field, per_file, window
 
@@ -159,10 +161,9 @@ class FileCorpus(Corpus):
 
     def _file_rows(self, key: str, epoch: int, seed: int, start: int) -> Iterator[tuple[int, Document]]:
         """(row in the file's epoch order, document) from row `start`: the window holding it is read
-        whole (the rows before it skipped: read, not tokenized), then the windows after it."""
-        rows = self._open_file(key)
+        whole (the rows before it: not tokenized), then the windows after it."""
         base = start - start % self._window
-        stream = iter(rows.skip(base) if base else rows)
+        stream = iter(self._open_file(key, base))
         while block := list(itertools.islice(stream, self._window)):
             docs = [
                 Document(f"{key}:{base + i}", _row_text(row, self._text_field, self.description))
@@ -523,18 +524,13 @@ def _load_error(what: str, fix: str) -> Iterator[None]:
 
 
 def _streamed_files(cfg: DataSection, description: str, loader: Any, text_field: str) -> FileCorpus:
-    """A `datasets` builder's train split streamed file by file: file i is `shard(n, i)` of the
-    stream, as datasets hands one file to each of n workers. Sizes from the files where local."""
+    """A `datasets` builder's train split streamed file by file. Parquet files are read by row
+    group (`parquet.parquet_rows`: a resume reads from the row group that holds its row); other
+    files as `datasets` streams them, file i being `shard(n, i)` of the stream, as datasets hands
+    one file to each of n workers. Sizes from the files where local."""
     with _load_error(f"cannot stream {description}", "check the files, or use data.shard_by = document"):
         files = [str(f) for f in loader.config.data_files["train"]]
-        dataset = loader.as_streaming_dataset(split="train")
-    if dataset.n_shards != len(files):
-        raise DataError(
-            f"{description} streams as {dataset.n_shards} pieces, not its {len(files)} files; "
-            "use data.shard_by = document"
-        )
     keys = _file_keys(files)
-    index = {key: i for i, key in enumerate(keys)}
     sizes = {key: os.path.getsize(path) if os.path.isfile(path) else None for key, path in zip(keys, files)}
     per_file = plan_files(sizes, 0, cfg.num_shards, cfg.heldout_fraction) is not None
     if not per_file:
@@ -544,13 +540,32 @@ def _streamed_files(cfg: DataSection, description: str, loader: Any, text_field:
             "%dx the bytes it trains); lower data.num_shards for a peer to read its own files only",
             description, len(files), cfg.num_shards, cfg.num_shards,
         )  # fmt: skip
-    return FileCorpus(
-        f"{description} ({len(files):,} files, streamed by file)",
-        sizes,
-        lambda key: dataset.shard(num_shards=len(files), index=index[key]),
-        text_field,
-        per_file,
-    )
+    description = f"{description} ({len(files):,} files, streamed by file)"
+    opener = _file_opener(description, loader, files, keys, text_field)
+    return FileCorpus(description, sizes, opener, text_field, per_file)
+
+
+def _file_opener(description: str, loader: Any, files: list[str], keys: list[str], field: str) -> FileRows:
+    """`open_file(key, start)` for FileCorpus: parquet by row group, the rest through `datasets`."""
+    from p2p_diloco.train.parquet import parquet_rows  # pyarrow: only these sources need it
+
+    path = dict(zip(keys, files))
+    if all(f.endswith(".parquet") for f in files):
+        return lambda key, start: parquet_rows(path[key], start, field)
+    with _load_error(f"cannot stream {description}", "check the files, or use data.shard_by = document"):
+        dataset = loader.as_streaming_dataset(split="train")
+    if dataset.n_shards != len(files):
+        raise DataError(
+            f"{description} streams as {dataset.n_shards} pieces, not its {len(files)} files; "
+            "use data.shard_by = document"
+        )
+    index = {key: i for i, key in enumerate(keys)}
+
+    def open_file(key: str, start: int) -> Any:
+        rows = dataset.shard(num_shards=len(files), index=index[key])
+        return rows.skip(start) if start else rows  # read from the file's start: datasets cannot seek
+
+    return open_file
 
 
 def _file_keys(paths: list[str]) -> list[str]:
