@@ -48,8 +48,10 @@ from p2p_diloco.errors import ConfigError
 
 if __package__:  # imported as bench.allreduce (the tests)
     from .netlab import NetLab, available, line_reader, namespaces, next_line
+    from .pacing import pace_tree
     from .uplinks import Uplinks, busy_share, timeline, used_share
 else:  # run as a script, bench/ on sys.path
+    from pacing import pace_tree
     from uplinks import Uplinks, busy_share, timeline, used_share
 
     from netlab import NetLab, available, line_reader, namespaces, next_line
@@ -96,6 +98,11 @@ def parse_args() -> argparse.Namespace:
         "--no-forwarders",
         action="store_true",
         help="at a round trip of 0, plain veths without bench/delaylink.py (whose per-frame CPU this machine shares)",
+    )
+    p.add_argument(
+        "--pace",
+        type=float,
+        help="cap each of a worker's TCP connections at PACE x its upload / (k - 1) (bench/pacing.py)",
     )
     p.add_argument(
         "--averaging-timeout", type=float, help="the workers' swarm.averaging_timeout_s (default: 5x the bound, >= 60)"
@@ -235,6 +242,9 @@ def cpu_ticks() -> tuple[int, int]:
 def one_allreduce(lab: NetLab, workers: list, outs: list, timeout_s: float, args: argparse.Namespace) -> dict:
     sent_before = [lab.link_bytes(i)[0] for i in range(len(workers))]
     busy_before, total_before = cpu_ticks()
+    if args.pace:
+        paced = sum(pace_tree(w.pid, int(args.pace * args.up * 1e6 / 8 / (len(workers) - 1))) for w in workers)
+        print(f"  {paced} TCP sockets paced", flush=True)
     uplinks = Uplinks([w.pid for w in workers]).start()
     for w in workers:
         w.stdin.write("go\n")

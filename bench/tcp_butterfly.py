@@ -12,6 +12,11 @@ all were told to go; the bound is bench/allreduce.py's: 2 (k - 1) / k x the vect
 
     .venv/bin/python bench/tcp_butterfly.py --k 4 --rate 100 --numel 25e6 --repeats 3   # as root
 
+`--pace 0.97` caps each connection at 0.97 x the rate / (k - 1) (SO_MAX_PACING_RATE: the kernel
+spaces its packets), so that no queue builds at the link and the ACKs of the flows coming the
+other way do not wait behind 100 ms of it; `--cc cubic` sets the connections' congestion control
+(this machine's default, which the lab's namespaces inherit, is bbr; most volunteers' is cubic).
+
 Writes bench/results/tcp_butterfly.json (or --out NAME).
 """
 
@@ -19,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import socket
 import statistics
 import sys
@@ -30,6 +36,7 @@ from netlab import NetLab, available, line_reader, next_line
 
 HERE = Path(__file__).resolve().parent
 CHUNK = 1 << 20
+SO_MAX_PACING_RATE = 47  # linux/asm-generic/socket.h; TCP paces itself without the fq qdisc
 
 
 def _send(conn: socket.socket, nbytes: int) -> None:
@@ -62,6 +69,11 @@ def worker(ip: str, part: int) -> None:
     for conn in outgoing.values():
         conn.sendall(f"{me:<8d}".encode())
     conns = {**outgoing, **incoming}
+    for conn in conns.values():
+        if cc := os.environ.get("TCPB_CC"):  # --cc
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_CONGESTION, cc.encode())
+        if pace_bps := float(os.environ.get("TCPB_PACE_BPS", "0")):  # --pace: the connection's sending rate
+            conn.setsockopt(socket.SOL_SOCKET, SO_MAX_PACING_RATE, int(pace_bps))
     print("ready", flush=True)
     sys.stdin.readline()  # "go"
     start = time.perf_counter()
@@ -112,6 +124,10 @@ def main() -> int:
     parser.add_argument(
         "--no-forwarders", action="store_true", help="plain veths, without bench/delaylink.py's per-frame CPU"
     )
+    parser.add_argument(
+        "--pace", type=float, default=0.0, help="cap each connection at PACE x the rate / (k - 1) (SO_MAX_PACING_RATE)"
+    )
+    parser.add_argument("--cc", help="the connections' congestion control (TCP_CONGESTION; default: the system's)")
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # one host's worker (internal)
     args = parser.parse_args()
     if args.worker:
@@ -120,12 +136,16 @@ def main() -> int:
     if (why := available()) is not None:
         print(f"cannot build the network lab: {why}", file=sys.stderr)
         return 2
+    os.environ["TCPB_PACE_BPS"] = str(args.pace * args.rate * 1e6 / 8 / (args.k - 1))  # the workers read these
+    os.environ["TCPB_CC"] = args.cc or ""
     part = int(args.numel * 4 / args.k)
     bound = 2 * (args.k - 1) * part * 8 / (args.rate * 1e6)
     delays = None if args.no_forwarders else [0.0] * args.k
     with NetLab([(args.rate, args.rate)] * args.k, tag="tcpb", delays_ms=delays) as lab:
         times = [one(lab, args.k, part, 20 * bound + 60) for _ in range(args.repeats)]
     result = {"k": args.k, "rate_mbit": args.rate, "numel": args.numel, "bound_s": bound, "times_s": times}
+    system_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
+    result |= {"pace": args.pace, "cc": args.cc or system_cc}
     result["ratio"] = statistics.median(times) / bound
     print(f"k={args.k} at {args.rate:g} Mbit/s: {[round(t, 2) for t in times]} s, {result['ratio']:.2f}x the bound")
     out = HERE / "results" / f"{args.out}.json"
