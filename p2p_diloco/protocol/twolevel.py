@@ -1,0 +1,212 @@
+"""Pure: the decisions of a two-level round, past one group (docs/design.md §3 "Past one group").
+
+A round of N peers averages in groups of about s (stage 1: today's consistent all-reduce inside
+each group), then the groups' owners of each span combine their groups' partials (stage 2: every
+sub-span summed by two replicas in group order, so that honest replicas give the same bytes), and
+every member divides each sub-span's sum by the weight it names (stage 3). Everything here is a
+function of what every member can know: the round's seed (the agreed digest of θ(r)), the peers
+the progress records expect, the partials and the replicas' outputs. Nothing here talks.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from p2p_diloco.trust import robust
+
+GROUP_SIZE = 16  # s: the target group size; spans per group
+
+
+def _rank(seed: str, peer: str) -> int:
+    return int.from_bytes(hashlib.sha256(f"twolevel/{seed}/{peer}".encode()).digest()[:8], "big")
+
+
+def group_count(expected: int, size: int = GROUP_SIZE) -> int:
+    """G: how many buckets a round of `expected` peers is cut into."""
+    return max(1, round(expected / size))
+
+
+def buckets(seed: str, peers: Sequence[str], count: int) -> list[list[str]]:
+    """Bucket b holds the peers whose sha256(seed, id) is b mod `count`, each bucket in rank order."""
+    out: list[list[str]] = [[] for _ in range(count)]
+    for peer in sorted(set(peers), key=lambda p: _rank(seed, p)):
+        out[_rank(seed, peer) % count].append(peer)
+    return out
+
+
+def merge(
+    raw: Sequence[Sequence[str]], min_group: int, reduces: Callable[[str], bool] = lambda _: True
+) -> list[tuple[str, ...]]:
+    """Groups from buckets walked in index order: a bucket closes once the group it ends holds at
+    least `min_group` members, of which at least one `reduces` (can be dialled); a short remainder
+    joins the last closed group. A round of fewer peers than `min_group` is one group."""
+    groups: list[list[str]] = []
+    open_: list[str] = []
+    for bucket in raw:
+        open_ += bucket
+        if len(open_) >= min_group and any(reduces(p) for p in open_):
+            groups.append(open_)
+            open_ = []
+    if open_:
+        if groups:
+            groups[-1] += open_
+        else:
+            groups.append(open_)
+    return [tuple(g) for g in groups if g]
+
+
+def groups_of(
+    seed: str, peers: Sequence[str], size: int = GROUP_SIZE, reduces: Callable[[str], bool] = lambda _: True
+) -> list[tuple[str, ...]]:
+    """The round's groups, in group order: buckets of `peers` merged to at least size / 2 members."""
+    return merge(buckets(seed, peers, group_count(len(set(peers)), size)), max(2, size // 2), reduces)
+
+
+def spans(numel: int, count: int) -> list[tuple[int, int]]:
+    """[start, end) of `count` spans of a flat vector of `numel` values, as even as whole values allow."""
+    return [(numel * k // count, numel * (k + 1) // count) for k in range(count)]
+
+
+def owners(seed: str, group: Sequence[str], count: int) -> list[str]:
+    """The member of `group` that owns each of `count` spans: members in rank order, round-robin."""
+    ranked = sorted(group, key=lambda p: _rank(seed, p))
+    return [ranked[k % len(ranked)] for k in range(count)]
+
+
+def replicas(sub: int, groups: int) -> tuple[int, int]:
+    """(primary, secondary): the groups whose span owners reduce sub-span `sub` of every span."""
+    return sub, (sub + 1) % groups
+
+
+@dataclass(frozen=True)
+class Partial:
+    """A group's share of one span: Σ wᵢxᵢ over the parts its owner kept, and Σ wᵢ."""
+
+    values: torch.Tensor  # fp32
+    weight: float
+
+
+def partial(
+    parts: Sequence[torch.Tensor], weights: Sequence[float], how: robust.Aggregator, clip: float, weight_cap: float
+) -> Partial:
+    """A group's partial of one span from its senders' parts (in sender order): the robust
+    combination (robust.combine, as a stage-1 reducer answers) times the weight it kept."""
+    if not parts:
+        raise ValueError("a partial needs at least one part")
+    combined, fates = robust.combine(parts, weights, how, clip, weight_cap)
+    if how == "mean":
+        kept = list(weights)
+    else:
+        capped = robust.cap_weights(weights, weight_cap)
+        kept = [0.0 if fate == "dropped" else w for w, fate in zip(capped, fates)]
+    weight = math.fsum(w for w in kept if w > 0)
+    return Partial(
+        (combined * weight).float() if weight > 0 else torch.zeros_like(combined, dtype=torch.float32), weight
+    )
+
+
+@dataclass(frozen=True)
+class Output:
+    """A replica's sum of one sub-span over the groups it names, signed by `by` (the caller signs
+    `statement()`)."""
+
+    span: int
+    sub: int
+    groups: tuple[int, ...]
+    values: torch.Tensor  # fp32: Σ of the named groups' partials, in group order
+    weight: float
+    by: str
+
+    def statement(self) -> bytes:
+        head = struct.pack(f">II{len(self.groups)}Id", self.span, self.sub, *self.groups, self.weight)
+        return b"p2p-diloco/sub-span/v1" + head + self.values.numpy().tobytes()
+
+
+def reduce_sub_span(span: int, sub: int, bounds: tuple[int, int], partials: Mapping[int, Partial], by: str) -> Output:
+    """Sub-span `bounds` (within the span) of the sum of `partials` (by group), in group order,
+    elementwise in fp32: the same bytes from any replica holding the same partials."""
+    start, end = bounds
+    total = torch.zeros(end - start, dtype=torch.float32)
+    weight = 0.0
+    for group in sorted(partials):
+        total += partials[group].values[start:end]
+        weight += partials[group].weight
+    return Output(span, sub, tuple(sorted(partials)), total, weight, by)
+
+
+def cross_check(output: Output, bounds: tuple[int, int], partials: Mapping[int, Partial]) -> str | None:
+    """Why `output` is not the sum of the partials of the groups it names (a conviction of its
+    replica), or None: it is, or a partial it names is not here to judge by."""
+    if any(g not in partials for g in output.groups):
+        return None
+    again = reduce_sub_span(output.span, output.sub, bounds, {g: partials[g] for g in output.groups}, output.by)
+    if again.weight != output.weight or not torch.equal(again.values, output.values):
+        return (
+            f"{output.by}'s sum of sub-span {output.sub} of span {output.span} is not the sum of the "
+            f"partials of groups {list(output.groups)}"
+        )
+    return None
+
+
+def equivocation(a: Output, b: Output) -> str | None:
+    """Why two outputs one replica signed convict it (two different sums of one sub-span), or None."""
+    if a.by == b.by and (a.span, a.sub) == (b.span, b.sub) and a.statement() != b.statement():
+        return f"{a.by} signed two different sums of sub-span {a.sub} of span {a.span}"
+    return None
+
+
+@dataclass(frozen=True)
+class Settled:
+    """The one output of a sub-span that every consumer gets, and whom its secondary convicted."""
+
+    output: Output | None
+    convicted: str | None = None
+
+
+def settle(
+    primary: Output | None,
+    span: int,
+    sub: int,
+    bounds: tuple[int, int],
+    held: Mapping[int, Partial],
+    secondary: str | None,
+) -> Settled:
+    """The secondary's one decision for sub-span `sub` of `span`: the primary's output if it came
+    in time and checks against the partials held here; else its own sum of what it holds (a
+    primary that summed wrong is convicted); nothing if it holds none. No secondary (it is dead,
+    or the primary's group is the only one): the primary's output stands, or nothing."""
+    if secondary is None:
+        return Settled(primary)
+    own = reduce_sub_span(span, sub, bounds, held, secondary) if held else None
+    if primary is None:
+        return Settled(own)
+    if cross_check(primary, bounds, held) is not None:
+        return Settled(own, convicted=primary.by)
+    return Settled(primary)
+
+
+def final(outputs: Sequence[Output]) -> torch.Tensor:
+    """Stage 3: the sub-spans' averages (each sum over the weight it names; 0 where it names none),
+    concatenated in (span, sub-span) order."""
+    ordered = sorted(outputs, key=lambda o: (o.span, o.sub))
+    return torch.cat([o.values / o.weight if o.weight > 0 else torch.zeros_like(o.values) for o in ordered])
+
+
+def cost(peers: int, size: int = GROUP_SIZE) -> dict[str, float]:
+    """Per peer, in units of one encoded Δ (M) and partners: the flat butterfly against two levels."""
+    g = group_count(peers, size)
+    s = min(size, peers)
+    two_bytes = 2 * (s - 1) / s + (3 / s if g > 1 else 0.0)
+    return {
+        "flat_bytes": 2 * (peers - 1) / peers,
+        "two_level_bytes": two_bytes,
+        "flat_partners": peers - 1,
+        "two_level_partners": (s - 1) + (2 * (g - 1) if g > 1 else 0),
+        "groups": g,
+    }
