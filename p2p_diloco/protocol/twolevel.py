@@ -73,10 +73,28 @@ def spans(numel: int, count: int) -> list[tuple[int, int]]:
     return [(numel * k // count, numel * (k + 1) // count) for k in range(count)]
 
 
-def owners(seed: str, group: Sequence[str], count: int) -> list[str]:
-    """The member of `group` that owns each of `count` spans: members in rank order, round-robin."""
-    ranked = sorted(group, key=lambda p: _rank(seed, p))
-    return [ranked[k % len(ranked)] for k in range(count)]
+def owners(
+    seed: str,
+    group: Sequence[str],
+    count: int,
+    reduces: Callable[[str], bool] = lambda _: True,
+    rates: Mapping[str, float] | None = None,
+) -> list[str]:
+    """The member of `group` that owns each of `count` spans, among those that `reduces` (can be
+    dialled; all of them if none can): span by span to the member with the most `rates` (its
+    vouched upload; equal if None) per span it would then own (D'Hondt: shares in proportion to
+    the rates), ties to the lower sha256(seed, id)."""
+    able = sorted([p for p in group if reduces(p)] or list(group), key=lambda p: _rank(seed, p))
+    rate = {p: max(0.0, (rates or {}).get(p, 1.0)) if rates is not None else 1.0 for p in able}
+    if not any(rate.values()):
+        rate = dict.fromkeys(able, 1.0)
+    owned = dict.fromkeys(able, 0)
+    out = []
+    for _ in range(count):
+        best = max(able, key=lambda p: (rate[p] / (owned[p] + 1), -able.index(p)))
+        owned[best] += 1
+        out.append(best)
+    return out
 
 
 def replicas(sub: int, groups: int) -> tuple[int, int]:
