@@ -16,11 +16,14 @@ import struct
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from p2p_diloco.trust import robust
+from p2p_diloco.trust import robust, wire
+from p2p_diloco.trust.wire import WireError
 
 GROUP_SIZE = 16  # s: the target group size; spans per group
+OUTPUT_TAG = b"p2p-diloco/sub-span/v1"
 
 
 def _rank(seed: str, peer: str) -> int:
@@ -142,8 +145,38 @@ class Output:
     by: str
 
     def statement(self) -> bytes:
-        head = struct.pack(f">II{len(self.groups)}Id", self.span, self.sub, *self.groups, self.weight)
-        return b"p2p-diloco/sub-span/v1" + head + self.values.numpy().tobytes()
+        """What its replica signs and sends: every field, values as big-endian fp32 (`parse_output`)."""
+        head = struct.pack(
+            f">III{len(self.groups)}Id", self.span, self.sub, len(self.groups), *self.groups, self.weight
+        )
+        return OUTPUT_TAG + head + self.values.numpy().astype(">f4").tobytes()
+
+
+def parse_output(raw: bytes, by: str, groups: int, spans: int, numel: int) -> Output:
+    """An `Output.statement()` from another node (untrusted), of a round of `groups` groups and
+    `spans` spans, whose sub-span holds `numel` values: the output, or WireError. Valid: the tag,
+    a span and sub-span in range, group indices in range, strictly increasing (a sum in group order
+    names each group once), a finite weight >= 0, exactly `numel` finite values."""
+    if not isinstance(raw, bytes) or not raw.startswith(OUTPUT_TAG):
+        raise WireError("not a sub-span output")
+    at = len(OUTPUT_TAG)
+    if len(raw) < at + 12:
+        raise WireError("sub-span output: short header")
+    span, sub, count = struct.unpack_from(">III", raw, at)
+    if span >= spans or sub >= groups or count > groups:
+        raise WireError(f"sub-span output: span {span}, sub-span {sub}, {count} groups out of range")
+    at += 12
+    if len(raw) != at + 4 * count + 8 + 4 * numel:
+        raise WireError(f"sub-span output: {len(raw)} bytes for {count} groups and {numel} values")
+    named = struct.unpack_from(f">{count}I", raw, at)
+    if any(g >= groups for g in named) or any(a >= b for a, b in zip(named, named[1:])):
+        raise WireError(f"sub-span output: groups {list(named)[:8]} not increasing indices below {groups}")
+    (weight,) = struct.unpack_from(">d", raw, at + 4 * count)
+    wire.real(weight, lo=0.0)
+    values = torch.from_numpy(np.frombuffer(raw, dtype=">f4", offset=at + 4 * count + 8).astype(np.float32))
+    if not bool(torch.isfinite(values).all()):
+        raise WireError("sub-span output: values that are not finite")
+    return Output(span, sub, tuple(named), values, weight, by)
 
 
 def reduce_sub_span(span: int, sub: int, bounds: tuple[int, int], partials: Mapping[int, Partial], by: str) -> Output:

@@ -361,3 +361,62 @@ def test_two_signed_sums_of_one_sub_span_convict_their_replica():
     assert all(public.verify(o.statement(), s) for o, s in zip((honest, other), signatures))
     assert "signed two different sums of sub-span 2 of span 3" in twolevel.equivocation(honest, other)
     assert not public.verify(other.statement(), signatures[0])  # one signature does not cover the other sum
+
+
+# --- an output from another node ----------------------------------------------------------------
+
+
+def test_an_output_goes_through_the_wire_and_back_bit_for_bit():
+    out = Output(3, 5, (0, 2, 7), torch.tensor([1.5, -2.0, 3.25e-7]), 1234.5, "replica")
+    back = twolevel.parse_output(out.statement(), "replica", groups=8, spans=16, numel=3)
+    assert back == Output(3, 5, (0, 2, 7), back.values, 1234.5, "replica")
+    assert torch.equal(back.values, out.values) and back.statement() == out.statement()
+
+
+@pytest.mark.parametrize(
+    ("change", "why"),
+    [
+        (lambda raw: raw[:10], "not a sub-span output"),
+        (lambda raw: raw[:-1], "bytes for 3 groups and 3 values"),
+        (lambda raw: raw + b"\0", "bytes for 3 groups and 3 values"),
+        (lambda raw: raw.replace(b"\x00\x00\x00\x07", b"\x00\x00\x00\x09", 1), r"not increasing indices below 8"),
+        (
+            lambda raw: raw.replace(b"\x00\x00\x00\x02\x00\x00\x00\x07", b"\x00\x00\x00\x07\x00\x00\x00\x02"),
+            "increasing",
+        ),
+    ],
+)
+def test_a_malformed_output_is_one_clear_wire_error(change, why):
+    raw = Output(3, 5, (0, 2, 7), torch.tensor([1.0, 2.0, 3.0]), 10.0, "r").statement()
+    with pytest.raises(twolevel.WireError, match=why):
+        twolevel.parse_output(change(raw), "r", groups=8, spans=16, numel=3)
+
+
+def test_outputs_out_of_range_nan_or_of_negative_weight_are_refused():
+    def raw(**kw):
+        fields = {"span": 3, "sub": 5, "groups": (0, 2), "values": torch.ones(2), "weight": 1.0} | kw
+        return Output(
+            fields["span"], fields["sub"], fields["groups"], fields["values"], fields["weight"], "r"
+        ).statement()
+
+    for bad, why in [
+        (raw(span=16), "out of range"),
+        (raw(sub=8), "out of range"),
+        (raw(weight=-1.0), "out of"),
+        (raw(weight=math.inf), "not finite"),
+        (raw(values=torch.tensor([1.0, math.nan])), "not finite"),
+    ]:
+        with pytest.raises(twolevel.WireError, match=why):
+            twolevel.parse_output(bad, "r", groups=8, spans=16, numel=2)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.binary(max_size=200))
+def test_any_bytes_give_an_output_or_a_wire_error(raw):
+    for candidate in (raw, twolevel.OUTPUT_TAG + raw):
+        try:
+            out = twolevel.parse_output(candidate, "r", groups=4, spans=4, numel=2)
+        except twolevel.WireError:
+            continue
+        assert out.values.shape == (2,) and bool(torch.isfinite(out.values).all()) and out.weight >= 0
+        assert list(out.groups) == sorted(set(out.groups)) and all(g < 4 for g in out.groups)
