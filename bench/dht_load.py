@@ -10,6 +10,7 @@ counts over WINDOW_S are the steady state, per peer and second; `max_served_*` i
 node's (the ones nearest to a key answer every read of it).
 
     .venv/bin/python bench/dht_load.py --nodes 8            # about 1.5 minutes on 2 cores
+    .venv/bin/python bench/dht_load.py --nodes 16 32 --out dht_load_scale   # about 6 minutes
 
 Writes bench/results/dht_load.json (or --out NAME).
 """
@@ -108,6 +109,7 @@ def node(index: int, folder: Path, initial: str) -> None:
     if not initial:
         (folder / "addr.tmp").write_text(str(dht.get_visible_maddrs()[0]))
         os.replace(folder / "addr.tmp", folder / "addr")
+    (folder / f"counts{index}.json").write_text(json.dumps({"time": time.time(), "counts": {}}))  # ready
     run_dht = RunDHT(dht, validator, prefix)
     heartbeat = Heartbeat(run_dht, run_dht.peer_id, Gate(config, run_dht.peer_id), Entries(dht))
     addrs = tuple(str(m) for m in dht.get_visible_maddrs())
@@ -125,17 +127,27 @@ def snapshot(folder: Path, n: int) -> list[dict[str, int]]:
     return [json.loads((folder / f"counts{i}.json").read_text())["counts"] for i in range(n)]
 
 
+def wait_started(proc: subprocess.Popen, ready: Path, what: str) -> None:
+    """Wait until a node wrote `ready` (its DHT is up), at most START_TIMEOUT_S; RuntimeError if it
+    exited or did not."""
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not ready.exists():
+        if time.monotonic() > deadline or proc.poll() is not None:
+            raise RuntimeError(f"{what} did not start (its output is above)")
+        time.sleep(0.2)  # polling for a file, with a deadline
+
+
 def measure(n: int, folder: Path) -> dict:
+    """Nodes started one after another (all at once, some of 16 on 2 cores failed to reach the first
+    node within p2pd's bootstrap timeout), then the window."""
     cmd = [sys.executable, __file__, "--node"]
     procs = [subprocess.Popen([*cmd, "0", str(folder), ""], start_new_session=True)]
     try:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while not (folder / "addr").exists():
-            if time.monotonic() > deadline or procs[0].poll() is not None:
-                raise RuntimeError(f"the first node did not start; see {folder}")
-            time.sleep(0.2)  # polling for a file, with a deadline
+        wait_started(procs[0], folder / "addr", "the first node")
         addr = (folder / "addr").read_text()
-        procs += [subprocess.Popen([*cmd, str(i), str(folder), addr], start_new_session=True) for i in range(1, n)]
+        for i in range(1, n):
+            procs.append(subprocess.Popen([*cmd, str(i), str(folder), addr], start_new_session=True))
+            wait_started(procs[-1], folder / f"counts{i}.json", f"node {i}")
         time.sleep(SETTLE_S)  # the measurement's own timing: the nodes' starts are not the steady rate
         before = snapshot(folder, n)
         started = time.monotonic()
