@@ -33,7 +33,7 @@ from pathlib import Path
 from hivemind.dht.protocol import DHTProtocol, P2PContext, dht_pb2  # counted in each node's DHT process
 
 HERE = Path(__file__).resolve().parent
-SETTLE_S, WINDOW_S, START_TIMEOUT_S = 20.0, 30.0, 120.0
+SETTLE_S, WINDOW_S, START_TIMEOUT_S, END_GRACE_S = 20.0, 30.0, 120.0, 15.0
 RATE = 1000.0  # tokens/s each node reports
 
 
@@ -118,9 +118,13 @@ def node(index: int, folder: Path, initial: str) -> None:
     heartbeat.published(record)
     heartbeat.start()
     started = time.monotonic()
-    while True:  # an inner phase at a steady rate: what the heartbeat sees between rounds
-        time.sleep(0.5)  # the pace of the reports, as a trainer's steps
-        heartbeat.report_progress(3, int(RATE * (time.monotonic() - started)), RATE)
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # the end: shut the DHT down, p2pd's files with it
+    try:
+        while True:  # an inner phase at a steady rate: what the heartbeat sees between rounds
+            time.sleep(0.5)  # the pace of the reports, as a trainer's steps
+            heartbeat.report_progress(3, int(RATE * (time.monotonic() - started)), RATE)
+    finally:
+        dht.shutdown()
 
 
 def snapshot(folder: Path, n: int) -> list[dict[str, int]]:
@@ -156,13 +160,27 @@ def measure(n: int, folder: Path) -> dict:
         if any(p.poll() is not None for p in procs):
             raise RuntimeError(f"a node exited during the window; see {folder}")
     finally:
+        end(procs)
+    return summarise(n, before, after, seconds)
+
+
+def end(procs: list[subprocess.Popen]) -> None:
+    """Each node's process group: SIGTERM (its DHT shuts down and p2pd removes its socket; a
+    SIGKILL left 49 temporary folders and sockets in /tmp), SIGKILL after END_GRACE_S."""
+    for sig in (signal.SIGTERM, signal.SIGKILL):
         for p in procs:
             try:
-                os.killpg(p.pid, signal.SIGKILL)  # our own process groups, each a node and its children
+                os.killpg(p.pid, sig)  # our own process groups, each a node and its children
             except ProcessLookupError:  # a node that failed to start, and its group, are gone
                 pass
-            p.wait()
-    return summarise(n, before, after, seconds)
+        deadline = time.monotonic() + END_GRACE_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                continue
+        if all(p.poll() is not None for p in procs):
+            return
 
 
 def summarise(n: int, before: list[dict[str, int]], after: list[dict[str, int]], seconds: float) -> dict:
