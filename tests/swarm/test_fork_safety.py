@@ -148,7 +148,16 @@ def test_a_child_killed_while_it_held_hiveminds_update_lock_does_not_stop_the_ne
 
 
 @pytest.mark.timeout(60)
-def test_a_dht_process_killed_after_its_start_is_one_error_line_within_a_second(swarm_config):
+def test_a_dht_process_killed_after_its_start_is_one_error_line_within_a_second(swarm_config, monkeypatch):
+    # The killed process cannot remove its p2pd client socket: it goes to a folder of this test's
+    # (before, one was left in /tmp at every run of the suite).
+    import shutil
+    import tempfile
+
+    from hivemind.p2p import P2P
+
+    folder = tempfile.mkdtemp(prefix="own-")  # short: a socket's path has at most 107 bytes
+    monkeypatch.setattr(P2P, "_UNIX_SOCKET_PREFIX", f"/unix{folder}/hivemind-")
     dht = start_dht(swarm_config.swarm, None, [], "public")
     try:
         os.kill(dht.pid, signal.SIGKILL)  # the pid of the child this test started
@@ -159,6 +168,7 @@ def test_a_dht_process_killed_after_its_start_is_one_error_line_within_a_second(
         assert str(caught.value) == f"the DHT process (pid {dht.pid}) died: killed by SIGKILL; see its log lines above"
     finally:
         stop_process(dht, "DHT process")
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 class DiesAtStart(SwarmDHT):
