@@ -100,6 +100,43 @@ def owners(
     return out
 
 
+@dataclass(frozen=True)
+class Layout:
+    """How a flat vector of `numel` values is cut into fixed spans of whole parts, the same in every
+    group: padded with zeros to `padded` = spans x `span_values`, each span `parts_per_span` parts
+    of `part_values` (a zero averages to zero, and adds nothing to a part's norm)."""
+
+    numel: int
+    spans: int
+    part_values: int
+    parts_per_span: int
+
+    @property
+    def span_values(self) -> int:
+        return self.part_values * self.parts_per_span
+
+    @property
+    def padded(self) -> int:
+        return self.spans * self.span_values
+
+
+def layout(numel: int, spans: int, max_part_values: int) -> Layout:
+    """Fixed spans of whole parts of at most `max_part_values` values (the runner's part size):
+    each span as few parts as fit, the parts as even as whole values allow; the padding is less
+    than `spans` x `parts_per_span` values."""
+    span_values = max(1, math.ceil(numel / spans))
+    parts_per_span = math.ceil(span_values / max_part_values)
+    return Layout(numel, spans, math.ceil(span_values / parts_per_span), parts_per_span)
+
+
+def fractions(members: Sequence[str], span_owners: Sequence[str]) -> list[int]:
+    """Each member's count of spans, in `members`' order (the group's order, which the runner cuts
+    the vector in): the runner's peer fractions. The spans then go to members as contiguous runs,
+    in that order, whatever order `span_owners` (twolevel.owners) named them in: a member owns
+    `count` spans, not particular ones."""
+    return [sum(1 for o in span_owners if o == m) for m in members]
+
+
 def replicas(sub: int, groups: int) -> tuple[int, int]:
     """(primary, secondary): the groups whose span owners reduce sub-span `sub` of every span."""
     return sub, (sub + 1) % groups

@@ -420,3 +420,45 @@ def test_any_bytes_give_an_output_or_a_wire_error(raw):
             continue
         assert out.values.shape == (2,) and bool(torch.isfinite(out.values).all()) and out.weight >= 0
         assert list(out.groups) == sorted(set(out.groups)) and all(g < 4 for g in out.groups)
+
+
+# --- fixed spans on hivemind's partition ---------------------------------------------------------
+
+
+def test_layout_by_hand():
+    lay = twolevel.layout(1000, 16, 20)  # spans of 63 values: 4 parts of 16, padded to 16 x 64
+    assert (lay.span_values, lay.parts_per_span, lay.part_values, lay.padded) == (64, 4, 16, 1024)
+    assert twolevel.layout(10, 4, 100).padded == 12  # one part a span, 3 values each
+    assert twolevel.fractions(["a", "b", "c"], ["b", "a", "b", "b"]) == [1, 3, 0]
+
+
+@settings(max_examples=60, deadline=None, derandomize=True)
+@given(
+    st.integers(1, 5000),
+    st.sampled_from([2, 3, 4, 8, 10, 12, 16]),
+    st.integers(1, 300),
+    st.lists(st.integers(0, 9), min_size=1, max_size=9),
+)
+def test_hivemind_gives_each_member_exactly_its_spans(numel, spans, max_part, weights):
+    """The real hivemind partition (TensorPartContainer: whole parts to peers at the pivots of
+    their fractions) puts every span boundary of `layout` between two parts, and gives each member
+    exactly `fractions` spans, in group order: the same spans in every group."""
+    from hivemind.averaging.partition import TensorPartContainer
+
+    lay = twolevel.layout(numel, spans, max_part)
+    assert lay.padded >= numel and lay.part_values <= max_part
+    members = [f"m{i}" for i in range(len(weights))]
+    rates = {m: float(w) for m, w in zip(members, weights)}
+    owner_of = twolevel.owners("seed", members, spans, rates=rates if any(weights) else None)
+    counts = twolevel.fractions(members, owner_of)
+    assert sum(counts) == spans
+    container = TensorPartContainer(
+        [torch.arange(lay.padded, dtype=torch.float32)], counts, part_size_bytes=4 * lay.part_values
+    )
+    start = 0
+    for member, count in enumerate(counts):
+        parts = [part for part, _ in container._input_parts_by_peer[member]]
+        got = torch.cat(parts) if parts else torch.zeros(0)
+        end = start + count * lay.span_values
+        assert torch.equal(got, torch.arange(start, end, dtype=torch.float32)), (member, counts)
+        start = end
