@@ -152,16 +152,13 @@ def two_level(peers: list[Peer], m: float, size: int, fail: float, rtt: float, r
 
 def owned_spans(group: list[Peer], size: int) -> list[int]:
     """How many of the `size` spans each member of `group` owns."""
+    behind_nat = {p.name for p in group if p.nat}
     rates = {p.name: p.up for p in group}
-    owner = twolevel.owners("model", [p.name for p in group], size, lambda n: not by_nat(group)[n], rates)
+    owner = twolevel.owners("model", [p.name for p in group], size, lambda n: n not in behind_nat, rates)
     return [owner.count(p.name) for p in group]
 
 
-def by_nat(group: list[Peer]) -> dict[str, bool]:
-    return {p.name: p.nat for p in group}
-
-
-def sparse(peers: list[Peer], m_values: float, density: float, fail: float, rtt: float) -> float:
+def sparse(peers: list[Peer], m_values: float, density: float, rtt: float) -> float:
     piece = density * m_values * 5  # int8 value + 4-byte index
     n = len(peers)
     worst = max(max((n - 1) * piece / p.up, (n - 1) * piece / p.down) for p in peers)
@@ -177,7 +174,7 @@ def run(args: argparse.Namespace) -> dict:
         for _ in range(args.draws):
             peers = draw_peers(n, args.nat, rng)
             draws["flat"].append(flat(peers, m, args.fail, args.rtt))
-            draws["sparse"].append(sparse(peers, args.values, args.density, args.fail, args.rtt))
+            draws["sparse"].append(sparse(peers, args.values, args.density, args.rtt))
             for s in SIZES:
                 draws[f"two_level_s{s}"].append(two_level(peers, m, s, args.fail, args.rtt, rng))
         rows.append({"peers": n} | {k: statistics.median(v) for k, v in draws.items()})

@@ -88,15 +88,15 @@ def owners(
     vouched upload; equal if None) per span it would then own (D'Hondt: shares in proportion to
     the rates), ties to the lower sha256(seed, id)."""
     able = sorted([p for p in group if reduces(p)] or list(group), key=lambda p: _rank(seed, p))
-    rate = {p: max(0.0, (rates or {}).get(p, 1.0)) if rates is not None else 1.0 for p in able}
-    if not any(rate.values()):
-        rate = dict.fromkeys(able, 1.0)
-    owned = dict.fromkeys(able, 0)
+    rate = [max(0.0, rates.get(p, 1.0)) if rates is not None else 1.0 for p in able]
+    if not any(rate):
+        rate = [1.0] * len(able)
+    owned = [0] * len(able)
     out = []
     for _ in range(count):
-        best = max(able, key=lambda p: (rate[p] / (owned[p] + 1), -able.index(p)))
+        best = max(range(len(able)), key=lambda i: (rate[i] / (owned[i] + 1), -i))  # ties: the lower rank
         owned[best] += 1
-        out.append(best)
+        out.append(able[best])
     return out
 
 
