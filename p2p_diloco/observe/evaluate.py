@@ -25,7 +25,7 @@ import torch
 from p2p_diloco.config import Config
 from p2p_diloco.errors import DataError, StateDownloadError
 from p2p_diloco.observe.run_view import Target
-from p2p_diloco.protocol import outer
+from p2p_diloco.protocol import deadlines, outer
 from p2p_diloco.protocol.network import ServedState, StateSource, download_chunked, download_verified
 from p2p_diloco.train import data
 from p2p_diloco.train import model as model_mod
@@ -34,6 +34,8 @@ from p2p_diloco.train.inner import InnerTrainer
 logger = logging.getLogger(__name__)
 
 RETRY_S = 10.0  # a round whose state no holder served is asked for again after this long
+NEWER_WAIT_S = 3.0  # how long the observer's log is given to show a round past one whose holders moved on
+NEWER_POLL_S = 0.25
 
 
 class RunModel:
@@ -89,6 +91,7 @@ def held_out_loss(config: Config, params: outer.Tensors) -> tuple[float | None, 
 
 
 Pick = Callable[[], "Target | None"]
+Newer = Callable[[int], "Target | None"]  # a target past the given round, if one is known (soon)
 Accepts = Callable[[int, str], bool]
 Note = Callable[[int, str, float], None]
 
@@ -104,13 +107,25 @@ class Agreed:
     state: ServedState
 
 
-def download_agreed(model: RunModel, source: StateSource, target: Target, accepts: Accepts, timeout: float) -> Agreed:
+def download_agreed(
+    model: RunModel,
+    source: StateSource,
+    target: Target,
+    accepts: Accepts,
+    timeout: float,
+    newer: Newer = lambda r: None,
+) -> Agreed:
     """A state `target`'s holders serve whose digest is the agreed one of its round: in chunks from
-    all of them at once, as a joiner downloads (network.download_chunked); else, from holders that
-    serve no chunks of it (one that moved on to the next agreed round serves no manifest of this
-    one), whole from one at a time, a holder's newer agreed state being as good."""
+    all of them at once, as a joiner downloads (network.download_chunked). Where none serves chunks
+    of it (holders that moved on to the next agreed round serve no manifest of this one), the newest
+    agreed round `newer` knows past it, in chunks from its holders. Else whole, from one holder at a
+    time, a holder's newer agreed state being as good."""
     deadline = time.monotonic() + timeout
     chunked = _download_chunked(model, source, target, timeout)
+    if chunked is None and (later := newer(target.round)) is not None and later.round > target.round:
+        logger.debug("round %d in chunks failed: its holders may have moved on; round %d", target.round, later.round)
+        target = later
+        chunked = _download_chunked(model, source, target, max(1.0, deadline - time.monotonic()))
     if chunked is not None and accepts(target.round, target.digest):
         logger.info(
             "downloaded round %d (digest %s) in chunks from %d holder(s)",
@@ -173,7 +188,7 @@ class Evaluations:
         if target is None or (target.round == self._failed and time.monotonic() < self._retry_at):
             return False
         try:
-            found = download_agreed(self.held, self.source, target, self.accepts, self.timeout)
+            found = download_agreed(self.held, self.source, target, self.accepts, self.timeout, self._newer)
         except StateDownloadError as e:
             # Said at the second failure: a holder that just left or moved on is no news.
             say = logger.warning if self._failed == target.round else logger.debug
@@ -184,6 +199,11 @@ class Evaluations:
         self.note(found.round, found.digest, loss)
         logger.info("held-out loss of the agreed state of round %d: %.4f", found.round, loss)
         return True
+
+    def _newer(self, round_: int) -> Target | None:
+        """A target past `round_` once the polls that feed `pick` show one, within NEWER_WAIT_S."""
+        past = lambda target: target is not None and target.round > round_  # noqa: E731
+        return deadlines.poll_until(self.pick, past, time.monotonic() + NEWER_WAIT_S, NEWER_POLL_S, self._stop)
 
     def _loop(self) -> None:
         while not self._stop.wait(self.every_s):

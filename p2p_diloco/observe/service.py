@@ -237,6 +237,10 @@ def fetch_agreed(
             != ""
         )
 
+    def newer(round_: int) -> Target | None:  # one more poll: the holders of `round_` moved on
+        log.ingest(*poll(), now=time.time())
+        return log.to_evaluate(1, time.time())
+
     def attempt() -> Agreed | None:
         """One poll, and a download of the newest agreed state if one is held; None if none came."""
         nonlocal why
@@ -251,7 +255,7 @@ def fetch_agreed(
         if target is None:
             return None
         try:
-            return download_agreed(model, source, target, accepts, download_s(config, model.numel))
+            return download_agreed(model, source, target, accepts, download_s(config, model.numel), newer)
         except StateDownloadError as e:
             why = str(e)
             return None

@@ -77,7 +77,7 @@ def wait_until(condition, procs, timeout_s, what):
             raise AssertionError(f"{what}: not within {timeout_s} s")
         for p in procs:
             if p.poll() is not None and p.returncode != 0:
-                raise AssertionError(f"{what}: a process exited with {p.returncode}: {Path(p.args[-1]).name}")
+                raise AssertionError(f"{what}: a process exited with {p.returncode}: {_log_tail(p)}")
         running = [p for p in procs if p.poll() is None]
         if not running:
             time.sleep(0.2)  # a poll interval, bounded by the deadline above
@@ -87,6 +87,16 @@ def wait_until(condition, procs, timeout_s, what):
             running[0].wait(timeout=0.2)
         except subprocess.TimeoutExpired:
             pass
+
+
+def _log_tail(proc: subprocess.Popen, lines: int = 30) -> str:
+    """The name of a peer's log (its last argument) and its last lines: in CI a failure shows only
+    its own output, and a peer's early exit is explained by its log's end."""
+    path = Path(proc.args[-1])
+    if not path.is_file():
+        return path.name
+    tail = path.read_text(errors="replace").splitlines()[-lines:]
+    return "\n".join([f"{path.name}, its last {len(tail)} lines:", *(line[:300] for line in tail)])
 
 
 class ProcessSwarm:
@@ -119,13 +129,7 @@ class ProcessSwarm:
         proc = subprocess.Popen(
             [
                 *CLI,
-                "bootstrap",
-                "--host",
-                "127.0.0.1",
-                "--port",
-                str(port),
-                "--report-every",
-                "2",
+                *("bootstrap", "--host", "127.0.0.1", "--port", str(port), "--report-every", "2"),
                 "--identity",
                 str(self.folder / f"{name}.key"),
                 "--config",
@@ -140,6 +144,7 @@ class ProcessSwarm:
             env=ENV,
             start_new_session=True,
         )
+        proc.args = [*proc.args, str(self.folder / f"{name}.log")]  # its log last, as a peer's
         self.procs.append(proc)
         self.sessions.add(proc.pid)
         self.nodes[name] = proc

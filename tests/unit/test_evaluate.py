@@ -78,8 +78,9 @@ class Source:
     ChunkFetcher assembles them: each checked against the manifest, so a holder's chunks make
     exactly the state it built its manifest of."""
 
-    def __init__(self, answers, chunked=None):
-        self.answers, self.chunked, self.closed = answers, chunked or {}, False
+    def __init__(self, answers, chunked=None, rounds=None):
+        """`rounds[peer]`, if given: the one round whose manifest the peer serves (it moved on)."""
+        self.answers, self.chunked, self.rounds, self.closed = answers, chunked or {}, rounds or {}, False
         self.asked: list[tuple] = []
 
     def fetch(self, peer, timeout):
@@ -91,7 +92,8 @@ class Source:
 
     def manifests(self, peers, wanted):
         self.asked.append(("manifests", tuple(peers)))
-        return {p: self._manifest(p, wanted) for p in peers if p in self.chunked}
+        serving = [p for p in peers if p in self.chunked and self.rounds.get(p, wanted[0]) == wanted[0]]
+        return {p: self._manifest(p, wanted) for p in serving}
 
     def _manifest(self, peer, wanted):
         metadata, tensors = self.chunked[peer]
@@ -140,6 +142,9 @@ def test_evaluations_note_the_loss_of_the_round_and_say_a_failure_only_when_it_r
     evaluations = Evaluations(held, source, lambda: target, lambda r, d: d == digest, lambda *a: noted.append(a), 5.0)
     clock = [100.0]
     monkeypatch.setattr("p2p_diloco.observe.evaluate.time.monotonic", lambda: clock[0])
+    # No holder serves chunks: each try also asks `pick` for a newer round, for NEWER_WAIT_S of a
+    # clock that stands still here (none comes: `pick` names round 5 throughout).
+    monkeypatch.setattr("p2p_diloco.observe.evaluate.NEWER_WAIT_S", 0.0)
     with caplog.at_level(logging.DEBUG, logger="p2p_diloco.observe.evaluate"):
         assert not evaluations.once()
         assert not evaluations.once()  # not asked again before RETRY_S
@@ -205,3 +210,28 @@ def test_the_agreed_state_comes_in_chunks_from_every_holder_of_it_and_whole_only
         (C,),
         [("manifests", (A, C)), ("chunks", (A,)), ("whole", A), ("whole", C)],
     )
+
+
+def test_where_the_holders_moved_on_the_newest_agreed_round_comes_in_chunks_before_any_whole_download(cfg, held):
+    """Rounds shorter than the observer's poll: the holders of the round it picked serve the next
+    one by the time it asks. It asks for the newer round's chunks, not for one holder's whole state."""
+    four, five = served(cfg, 4, seed=7), served(cfg, 5, seed=8)
+    wanted = lambda r, d: (r, d) in {(4, four[2]), (5, five[2])}  # noqa: E731
+    newer = lambda r: Target(5, five[2], (A, B)) if r == 4 else None  # noqa: E731
+
+    def holders_at_five():
+        return Source({A: five[:2], B: five[:2]}, chunked={A: five[:2], B: five[:2]}, rounds={A: 5, B: 5})
+
+    source = holders_at_five()
+    found = download_agreed(held, source, Target(4, four[2], (A, B)), wanted, 5.0, newer)
+    assert (found.round, found.digest, found.served_by) == (5, five[2], (A, B))
+    assert source.asked == [("manifests", (A, B)), ("manifests", (A, B)), ("chunks", (A, B))]
+    assert held.digest(*found.state) == five[2]
+    # Without a newer round to ask for (none seen yet): the whole path, one holder's newer state.
+    source = holders_at_five()
+    found = download_agreed(held, source, Target(4, four[2], (A, B)), wanted, 5.0)
+    assert (found.round, found.served_by, source.asked) == (5, (A,), [("manifests", (A, B)), ("whole", A)])
+    # A newer round that is not newer (the log saw nothing past the target) is not asked twice.
+    source = holders_at_five()
+    found = download_agreed(held, source, Target(4, four[2], (A, B)), wanted, 5.0, lambda r: Target(4, four[2], (A,)))
+    assert source.asked == [("manifests", (A, B)), ("whole", A)]
