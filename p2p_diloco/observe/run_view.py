@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from p2p_diloco.protocol.budget import STALE_S, ProgressReport
-from p2p_diloco.protocol.network import PastRound, RoundRecord
+from p2p_diloco.protocol.network import HISTORY_ROUNDS, PastRound, RoundRecord
 from p2p_diloco.train.metrics import prometheus_label
 
 # A peer with no progress report or new record for this long is offline: a peer's stale rule
@@ -43,6 +43,7 @@ from p2p_diloco.train.metrics import prometheus_label
 ONLINE_S = STALE_S
 MAX_ROUNDS_SHOWN = 200  # rounds in a view (the latest)
 ACTIVE_ROUNDS = 50  # at most this many rounds that started since the last poll are noted
+MIN_POLL_S = 1.0  # a reader that follows fast rounds (RunLog.poll_in_s) reads the DHT at most this often
 Credit = Callable[[Sequence[int]], list[int]]  # a group's tokens -> what its average weighed them at
 
 # Why a peer known to the run was not counted in a round (the dashboard shows these words).
@@ -314,16 +315,34 @@ class RunLog:
         return REASONS[why] if why is not None else None
 
     def _due_in(self, now: float) -> float | None:
-        """Seconds until the latest round is due to end, from the median length of the last rounds:
-        those whose start a poll saw (a round learned from a later record's history was not), a
-        gap of k rounds between two of them counting as k rounds of equal length."""
-        live = [r for r in sorted(self.rounds) if self.rounds[r].live][-11:]
-        starts = [(r, self.rounds[r].started) for r in live]
-        lengths = [(tb - ta) / (b - a) for (a, ta), (b, tb) in zip(starts, starts[1:], strict=False) if tb > ta]
+        """Seconds until the latest round is due to end, from the median length of the last rounds."""
+        lengths = self._round_lengths()
         if not lengths:
             return None
         latest = self.rounds[max(self.rounds)].started
         return round(max(0.0, latest + statistics.median(lengths) - now), 1)
+
+    def _round_lengths(self) -> list[float]:
+        """The lengths of the last rounds, oldest first: of those whose start a poll saw (a round
+        learned from a later record's history was not), a gap of k rounds between two of them
+        counting as k rounds of equal length."""
+        live = [r for r in sorted(self.rounds) if self.rounds[r].live][-11:]
+        starts = [(r, self.rounds[r].started) for r in live]
+        return [(tb - ta) / (b - a) for (a, ta), (b, tb) in zip(starts, starts[1:], strict=False) if tb > ta]
+
+    def poll_in_s(self, every_s: float) -> float:
+        """When to read the DHT next, given the reader's interval `every_s`: sooner where rounds
+        end faster than every_s / (HISTORY_ROUNDS / 2) (the median or the latest length, whichever
+        is shorter), so that every round is still in the history of the records the next read finds
+        (a record repeats its peer's last HISTORY_ROUNDS rounds), but never more often than MIN_POLL_S.
+        From the first round start it saw to the second, every MIN_POLL_S: the pace is not known
+        yet (before any, `every_s`: a run not training yet has no rounds to miss)."""
+        lengths = self._round_lengths()
+        if not lengths:
+            started = any(seen.live for seen in self.rounds.values())
+            return min(every_s, MIN_POLL_S) if started else every_s
+        pace = min(statistics.median(lengths), lengths[-1])
+        return min(every_s, max(MIN_POLL_S, pace * HISTORY_ROUNDS / 2))
 
 
 def agreed_digest(records: Mapping[str, RoundRecord]) -> str:

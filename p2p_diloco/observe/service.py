@@ -43,7 +43,7 @@ class Observatory:
     """A run's log and the HTTP server that shows it."""
 
     reader: Any = None  # what feeds it, for a caller that keeps the two together (a bootstrap node)
-    poll_s = 1.0  # how often that caller feeds it
+    poll_s = 1.0  # how often it is fed (sooner while rounds are fast: poll_in_s)
 
     def __init__(self, config: Config, healthy: Callable[[], tuple[bool, str]], host: str, port: int):
         self.log = run_log(config)
@@ -54,6 +54,12 @@ class Observatory:
     def ingest(self, poll: Poll) -> None:
         with self._lock:
             self.log.ingest(*poll, now=time.time())
+
+    def poll_in_s(self) -> float:
+        """When its feeder reads the DHT next: every `poll_s`, sooner while rounds end faster
+        than a record's history covers (RunLog.poll_in_s)."""
+        with self._lock:
+            return self.log.poll_in_s(self.poll_s)
 
     def view(self) -> dict[str, Any]:
         with self._lock:
@@ -106,6 +112,7 @@ def observe(
     """Serve the run's view until `stop` is set, polling the DHT every `poll_s` seconds; with
     `evaluate`, the held-out loss of the agreed state too (evaluate.py), in a thread of its own."""
     observatory = Observatory(config, healthy, host, port)
+    observatory.poll_s = poll_s
     emit(
         f"observer of run {config.run.run_id!r}: dashboard {observatory.server.url}, "
         f"JSON {observatory.server.url}api/v1/run, Prometheus {observatory.server.url}metrics"
@@ -114,7 +121,7 @@ def observe(
         observatory.evaluate(evaluate, poll_s)
         while True:
             observatory.ingest(poll())
-            if stop.wait(poll_s):
+            if stop.wait(observatory.poll_in_s()):
                 return
     finally:
         observatory.close()

@@ -99,7 +99,8 @@ class Bootstrap:
     def serve(self, stop: threading.Event, report_every_s: float, observatory: Any = None) -> None:
         """Log the status every `report_every_s` seconds until `stop` is set; meanwhile read (and
         publish again) the organiser's revocations, and feed `observatory` (service.Observatory,
-        with its `reader`) every `observatory.poll_s` seconds: this one thread uses the DHT handle."""
+        with its `reader`) every `observatory.poll_s` seconds, sooner while rounds are fast (its
+        `poll_in_s`; this loop turns every REVOCATIONS_POLL_S, 1 s): this one thread uses the DHT handle."""
         try:
             self._serve(stop, report_every_s, observatory)
         finally:
@@ -109,7 +110,7 @@ class Bootstrap:
     def _serve(self, stop: threading.Event, report_every_s: float, observatory: Any) -> None:
         last_report = last_poll = time.monotonic()
         while not stop.wait(min(report_every_s, REVOCATIONS_POLL_S)):
-            if observatory is not None and time.monotonic() - last_poll >= observatory.poll_s - 0.05:
+            if observatory is not None and time.monotonic() - last_poll >= observatory.poll_in_s() - 0.05:
                 observatory.ingest(observatory.reader.poll())
                 last_poll = time.monotonic()
             seen = self._rounds() if self.watch_run else {}  # read every cadence.ROUNDS_EVERY_S

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, replace
 
-from p2p_diloco.observe.run_view import REASONS, RunLog
+from p2p_diloco.observe.run_view import MIN_POLL_S, REASONS, RunLog
 from p2p_diloco.protocol.budget import ProgressReport
 from p2p_diloco.protocol.network import HISTORY_MEMBERS, HISTORY_ROUNDS, PastRound, RoundRecord, history_after
 
@@ -229,3 +229,49 @@ def test_the_next_round_is_due_from_round_lengths_even_when_polls_skip_rounds():
     # lengths (3.5 - 0) / 3 and (6.2 - 3.5) / 3 = 1.167 and 0.9 s: median 1.033 s; round 6 seen at
     # 6.2, due at 7.233: in 0.7 s (a median of lengths between polls, 2.7-3.5 s, said 3.1 s)
     assert log.view(now=6.5)["run"]["round_due_in_s"] == 0.7
+
+
+def paced_rounds(lengths: list[float], poll_in) -> RunLog:
+    """A and B average round after round, round r lasting lengths[r]; a reader polls at t = 0 and
+    then after poll_in(log) seconds each time, until one is past the last round's start: what it credited."""
+    a, b = Publisher(A), Publisher(B)
+    starts = [sum(lengths[:r]) for r in range(len(lengths) + 1)]
+    timeline = [{A: a.publish(0, digest(0)), B: b.publish(0, digest(0))}]
+    for r in range(1, len(starts)):
+        timeline.append({p: w.publish(r, digest(r % 16), 100, (A, B), "averaged") for p, w in ((A, a), (B, b))})
+    log, t = RunLog("r", "fp", rounds_total=1000), 0.0
+    while True:  # the last poll is the first one past the last round's start
+        latest = timeline[max(r for r, s in enumerate(starts) if s <= t)]
+        log.ingest(latest, [beat(A, t), beat(B, t)], {}, now=t)
+        if t >= starts[-1]:
+            return log
+        t += poll_in(log)
+
+
+def test_a_reader_that_polls_every_4_s_misses_rounds_once_they_end_every_0_3_s():
+    """The dashboard test's failure in a fresh clone, replayed: rounds of 1.5 s with three peers,
+    then 0.3 s for the two left once the third fell asleep. A poll every 4 s then finds 13 rounds
+    passed, more than the 8 a record repeats (HISTORY_ROUNDS): rounds are missed."""
+    lengths = [1.5] * 6 + [0.3] * 60
+    fixed = paced_rounds(lengths, lambda log: 4.0)
+    assert len(set(range(len(lengths) + 1)) - set(fixed.rounds)) > 0
+    # Following the pace (RunLog.poll_in_s) it polls sooner once it saw rounds that fast: only the
+    # one poll that first met the new pace can find more rounds passed than a record repeats.
+    paced = paced_rounds(lengths, lambda log: log.poll_in_s(4.0))
+    missed = sorted(set(range(len(lengths) + 1)) - set(paced.rounds))
+    assert missed and max(missed) - min(missed) < 13 - HISTORY_ROUNDS, missed
+    # A reader asked for every 2 s misses none: 6 or 7 fast rounds a poll, then sooner.
+    assert set(paced_rounds(lengths, lambda log: log.poll_in_s(2.0)).rounds) == set(range(len(lengths) + 1))
+
+
+def test_a_reader_of_fast_rounds_polls_every_second_until_it_knows_their_pace_and_misses_none():
+    lengths = [0.15] * 100  # 15 s of rounds of 0.15 s: 33 rounds in 5 s, 6.7 in the 1 s floor
+    assert set(paced_rounds(lengths, lambda log: log.poll_in_s(5.0)).rounds) == set(range(101))
+    # A poll every 5 s: each finds a round and the 8 before it, about 9 of every 33 (29 of 101 here).
+    assert len(paced_rounds(lengths, lambda log: 5.0).rounds) < 35
+    empty = RunLog("r", "fp", rounds_total=10)
+    assert empty.poll_in_s(5.0) == 5.0  # no round seen start yet: nothing to miss
+    one = paced_rounds([], lambda log: 5.0)  # one poll: round 0 seen start
+    assert one.poll_in_s(5.0) == MIN_POLL_S == 1.0 and one.poll_in_s(0.5) == 0.5  # the floor, or the reader's own
+    slow = paced_rounds([60.0] * 5, lambda log: log.poll_in_s(5.0))
+    assert slow.poll_in_s(5.0) == 5.0  # rounds of a minute: the reader's own interval
