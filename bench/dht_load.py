@@ -11,6 +11,13 @@ node's (the ones nearest to a key answer every read of it).
 
     .venv/bin/python bench/dht_load.py --nodes 8            # about 1.5 minutes on 2 cores
     .venv/bin/python bench/dht_load.py --nodes 16 32 --out dht_load_scale   # about 6 minutes
+    .venv/bin/python bench/dht_load.py --nodes 16 32 --bucket-size 8 --out dht_load_buckets
+
+`--bucket-size S`: the records by bucket, as the two-level round lays them out (docs/design.md
+§3, "Records by bucket"): the nodes are cut into G = round(N / S) buckets (node i in bucket i mod G:
+the balanced buckets `twolevel.merge` aims at), and each node's heartbeat publishes and reads the
+round and progress records under its bucket's keys only (`records.bucket_prefix`), so that a key
+holds at most about S entries. Without it (0): one key of each kind for the whole run, as today.
 
 Writes bench/results/dht_load.json (or --out NAME).
 """
@@ -19,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import signal
 import statistics
@@ -35,6 +43,7 @@ from hivemind.dht.protocol import DHTProtocol, P2PContext, dht_pb2  # counted in
 HERE = Path(__file__).resolve().parent
 SETTLE_S, WINDOW_S, START_TIMEOUT_S, END_GRACE_S = 20.0, 30.0, 120.0, 15.0
 RATE = 1000.0  # tokens/s each node reports
+ROUND = 3  # the round every node is in (its records and, by bucket, their keys)
 
 
 def count_per_key(folder: Path, index: int, names: dict[bytes, str]) -> None:
@@ -78,8 +87,9 @@ def _flush(counts: Counter[str], path: Path) -> None:
         os.replace(tmp, path)
 
 
-def node(index: int, folder: Path, initial: str) -> None:
-    """One DHT-only node: the real heartbeat of an open run, progress at a steady rate, until killed."""
+def node(index: int, folder: Path, initial: str, buckets: int) -> None:
+    """One DHT-only node: the real heartbeat of an open run, progress at a steady rate, until killed;
+    with `buckets` > 1, under the keys of its bucket (index mod buckets)."""
     import hivemind
     from hivemind.dht.routing import DHTID
 
@@ -92,11 +102,14 @@ def node(index: int, folder: Path, initial: str) -> None:
     from p2p_diloco.swarm.trust.run_dht import RunDHT
 
     config, identity = Config(), folder / f"id{index}.key"
-    prefix = records.run_prefix(config.run.run_id, config.fingerprint())
+    run = records.run_prefix(config.run.run_id, config.fingerprint())
+    prefixes = [records.bucket_prefix(run, ROUND, b, buckets) for b in range(buckets)]
     names = {
-        DHTID.generate(source=key(prefix)).to_bytes(): key.__name__
+        DHTID.generate(source=key(p)).to_bytes(): key.__name__
         for key in (records.progress_key, records.rounds_key)
+        for p in prefixes
     }
+    prefix = prefixes[index % buckets]
     count_per_key(folder, index, names)
     validator = make_validator(identity)
     dht = hivemind.DHT(
@@ -113,7 +126,7 @@ def node(index: int, folder: Path, initial: str) -> None:
     run_dht = RunDHT(dht, validator, prefix)
     heartbeat = Heartbeat(run_dht, run_dht.peer_id, Gate(config, run_dht.peer_id), Entries(dht))
     addrs = tuple(str(m) for m in dht.get_visible_maddrs())
-    record = RoundRecord(run_dht.peer_id, 3, "ab" * 32, 100_000, 3.5, addrs, serves=True)
+    record = RoundRecord(run_dht.peer_id, ROUND, "ab" * 32, 100_000, 3.5, addrs, serves=True)
     run_dht.publish_round(record)
     heartbeat.published(record)
     heartbeat.start()
@@ -122,7 +135,7 @@ def node(index: int, folder: Path, initial: str) -> None:
     try:
         while True:  # an inner phase at a steady rate: what the heartbeat sees between rounds
             time.sleep(0.5)  # the pace of the reports, as a trainer's steps
-            heartbeat.report_progress(3, int(RATE * (time.monotonic() - started)), RATE)
+            heartbeat.report_progress(ROUND, int(RATE * (time.monotonic() - started)), RATE)
     finally:
         dht.shutdown()
 
@@ -141,10 +154,15 @@ def wait_started(proc: subprocess.Popen, ready: Path, what: str) -> None:
         time.sleep(0.2)  # polling for a file, with a deadline
 
 
-def measure(n: int, folder: Path) -> dict:
+def bucket_count(n: int, bucket_size: int) -> int:
+    """G: the buckets of n nodes (1: one key for the run)."""
+    return max(1, round(n / bucket_size)) if bucket_size > 0 else 1
+
+
+def measure(n: int, folder: Path, buckets: int = 1) -> dict:
     """Nodes started one after another (all at once, some of 16 on 2 cores failed to reach the first
     node within p2pd's bootstrap timeout), then the window."""
-    cmd = [sys.executable, __file__, "--node"]
+    cmd = [sys.executable, __file__, "--buckets", str(buckets), "--node"]
     procs = [subprocess.Popen([*cmd, "0", str(folder), ""], start_new_session=True)]
     try:
         wait_started(procs[0], folder / "addr", "the first node")
@@ -161,7 +179,7 @@ def measure(n: int, folder: Path) -> dict:
             raise RuntimeError(f"a node exited during the window; see {folder}")
     finally:
         end(procs)
-    return summarise(n, before, after, seconds)
+    return {**summarise(n, before, after, seconds), "buckets": buckets, "entries_per_key": math.ceil(n / buckets)}
 
 
 def end(procs: list[subprocess.Popen]) -> None:
@@ -202,18 +220,21 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nodes", type=int, nargs="+", default=[8])
     parser.add_argument("--out", default="dht_load")
+    parser.add_argument("--bucket-size", type=int, default=0, help="records by bucket of this many nodes (0: one key)")
+    parser.add_argument("--buckets", type=int, default=1, help=argparse.SUPPRESS)  # a node's (internal)
     parser.add_argument("--node", nargs=3, help=argparse.SUPPRESS)  # a node of the measurement (internal)
     args = parser.parse_args()
     if args.node:
-        node(int(args.node[0]), Path(args.node[1]), args.node[2])
+        node(int(args.node[0]), Path(args.node[1]), args.node[2], args.buckets)
         return 0
     results = []
     for n in args.nodes:
         with tempfile.TemporaryDirectory(prefix="dht-load-") as tmp:
-            result = measure(n, Path(tmp))
+            result = measure(n, Path(tmp), bucket_count(n, args.bucket_size))
         results.append(result)
         print(
-            f"{n} nodes: {result['find_answer_bytes_per_peer_per_s'] / 1e3:.1f} KB/s of find answers per peer, "
+            f"{n} nodes in {result['buckets']} bucket(s): "
+            f"{result['find_answer_bytes_per_peer_per_s'] / 1e3:.1f} KB/s of find answers per peer, "
             f"the busiest node {result['max_served_find_bytes_per_s'] / 1e3:.1f} KB/s"
         )
     out = HERE / "results" / f"{args.out}.json"

@@ -2,7 +2,7 @@
 
 from p2p_diloco.protocol.agreement import majority
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm.trust.records import convicted_by, round_bits, run_prefix
+from p2p_diloco.swarm.trust.records import bucket_prefix, convicted_by, progress_key, round_bits, run_prefix
 
 D1, D2 = "a" * 32, "b" * 32
 
@@ -34,6 +34,14 @@ def test_ties_go_to_the_smallest_digest_so_every_peer_picks_the_same():
 def test_keys_separate_runs_configs_and_rounds():
     assert run_prefix("my run.v2", "abc") == "my_run_v2-abc"
     assert round_bits(5) == "0" * 29 + "101" and len({round_bits(r) for r in range(100)}) == 100
+
+
+def test_records_by_bucket_have_a_key_per_round_and_bucket_and_one_bucket_is_the_run_s_own_key():
+    run = run_prefix("r", "abc")
+    keys = {progress_key(bucket_prefix(run, r, b, 4)) for r in (7, 8) for b in range(4)}
+    assert len(keys) == 8 and progress_key(run) not in keys
+    assert progress_key(bucket_prefix(run, 7, 2, 4)) == "r-abc-r7-b2of4_progress"
+    assert bucket_prefix(run, 7, 0, 1) == run  # one bucket: the run's keys as today
 
 
 def test_convictions_are_listed_by_accused_with_who_says_so():

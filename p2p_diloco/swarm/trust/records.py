@@ -55,6 +55,13 @@ def run_prefix(run_id: str, fingerprint: str) -> str:
     return f"{safe}-{fingerprint}"
 
 
+def bucket_prefix(prefix: str, round_: int, bucket: int, buckets: int) -> str:
+    """The namespace of one bucket's round and progress records of round `round_` under the run's
+    `prefix` (the two-level layout, docs/design.md §3 "Records by bucket"; measured by
+    bench/dht_load.py, not yet used by the swarm): the run's own prefix where there is one bucket."""
+    return prefix if buckets <= 1 else f"{prefix}-r{round_}-b{bucket}of{buckets}"
+
+
 def round_bits(round_: int) -> str:
     """hivemind group bits for round r: one matchmaking key, so one group, per round."""
     return format(round_, "032b")
