@@ -417,9 +417,12 @@ def main() -> int:
         "note": "time: the slowest member's allreduce_s (from group formed to result); "
         "the 2-core machine was shared with other work: noisy",
     }
-    out.with_suffix(".json").write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
-    plot(results, out.with_suffix(".png"), args.up, args.down)
-    print(f"wrote {out}.json and {out}.png")
+    # Appended, not with_suffix: a name such as allreduce_25_pace1.5 keeps its ".5" (with_suffix
+    # wrote allreduce_25_pace1.json while this line said .5).
+    json_path, png_path = Path(f"{out}.json"), Path(f"{out}.png")
+    json_path.write_text(json.dumps({**meta, "results": results}, indent=1) + "\n")
+    plot(results, png_path, args.up, args.down)
+    print(f"wrote {json_path} and {png_path}")
     return 0
 
 
