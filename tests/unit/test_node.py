@@ -145,3 +145,20 @@ def test_the_metrics_port_goes_to_the_next_p2pd_only_and_on_loopback():
     metrics_at(9464)
     metrics_at(None)
     assert not any(a.startswith("-metricsAddr") for a in P2P._make_process_args("p2pd", relay=True))
+
+
+def test_a_dht_call_past_its_deadline_names_the_call_and_what_to_do():
+    """A peer of 24 on 2 cores (bench/many_peers.py, load 30) stopped with 'the DHT process did not
+    answer within 60 s': nothing said which call. Now the line names it."""
+    from concurrent.futures import Future
+
+    from p2p_diloco.errors import SwarmError
+    from p2p_diloco.swarm.transport.node import SwarmDHT, _named
+
+    node = SwarmDHT.__new__(SwarmDHT)  # its deadline alone: no process to start for this
+    node.timeout_s = 0.05
+    never = Future()
+    with pytest.raises(SwarmError, match=r"did not answer a read of 'r-abc_rounds' within 0.05 s .*overloaded"):
+        node._answer(never, False, f"a read of {_named('r-abc_rounds')}")
+    assert never.cancelled()
+    assert _named(b"\x00" * 20) == "bytes" and _named("k" * 200) == repr("k" * 200)[:80]

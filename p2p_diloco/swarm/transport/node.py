@@ -107,15 +107,18 @@ class SwarmDHT(hivemind.DHT):
             self.reachability: Reachability = self._decided.recv()
 
     def get(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
-        return self._answer(super().get(*args, return_future=True, **kwargs), return_future)
+        what = f"a read of {_named(args[0] if args else kwargs.get('key'))}"
+        return self._answer(super().get(*args, return_future=True, **kwargs), return_future, what)
 
     def store(self, *args: Any, return_future: bool = False, **kwargs: Any) -> Any:
-        return self._answer(super().store(*args, return_future=True, **kwargs), return_future)
+        what = f"a store of {_named(args[0] if args else kwargs.get('key'))}"
+        return self._answer(super().store(*args, return_future=True, **kwargs), return_future, what)
 
     def run_coroutine(self, coro: Any, return_future: bool = False) -> Any:
-        return self._answer(super().run_coroutine(coro, return_future=True), return_future)
+        what = f"a call of {getattr(coro, '__name__', None) or type(coro).__name__}"
+        return self._answer(super().run_coroutine(coro, return_future=True), return_future, what)
 
-    def _answer(self, future: Any, return_future: bool) -> Any:
+    def _answer(self, future: Any, return_future: bool, what: str) -> Any:
         if return_future:
             return future
         try:
@@ -123,8 +126,15 @@ class SwarmDHT(hivemind.DHT):
         except FuturesTimeout:
             future.cancel()
             raise SwarmError(
-                f"the DHT process did not answer within {self.timeout_s:g} s (swarm.join_timeout_s)"
+                f"the DHT process did not answer {what} within {self.timeout_s:g} s (swarm.join_timeout_s): the "
+                f"machine may be overloaded (free some CPU or raise swarm.join_timeout_s), or this node cannot "
+                f"reach the DHT nodes that hold the key"
             ) from None
+
+
+def _named(key: Any) -> str:
+    """A DHT key as a log line shows it: the run's record keys are short strings; anything else by type."""
+    return repr(key)[:80] if isinstance(key, str) else type(key).__name__
 
 
 def identity_in_use(check: Preflight | None) -> str:
