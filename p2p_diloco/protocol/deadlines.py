@@ -27,6 +27,13 @@ T = TypeVar("T")
 # others' (agreement's digests; a client for a reachable peer): a wait on them re-reads this often,
 # so that it ends within a fraction of a second of the last record it waits for, on every round.
 ROUND_POLL_S = 0.2
+# ... and a wait that lasts re-reads less often: each pause 1.5x the last, up to ROUND_POLL_MAX_S.
+# A read returns every peer's round record (about 2.4 KB each with its history) from 3 DHT nodes,
+# so at 5 a second N peers waiting cost those nodes 5 N reads of N records a second: a 15-s
+# agreement wait read 76 times, now 19; one that ends within a second reads at 0, 0.2, 0.5 and
+# 0.95 s (6 times before), so a record is seen at most 0.45 s after it lands there, 1 s later on.
+ROUND_POLL_GROWTH = 1.5
+ROUND_POLL_MAX_S = 1.0
 # A wait for the swarm to move (a peer ahead waits for the others to train up to its round; a
 # starting peer looks before it follows a state one peer backs) lasts seconds to minutes: it
 # re-reads less often. Also the first pause between two tries of a whole-state download (round/sync.py).
@@ -66,16 +73,25 @@ def poll_until(
     deadline: float,
     interval_s: float,
     stop: threading.Event | None = None,
+    growth: float = 1.0,
+    most_s: float | None = None,
 ) -> T:
     """`probe()` every `interval_s` until `done` holds for its value, the monotonic `deadline`
     passes, or `stop` is set; the last value. It probes at least once (I3: no wait without a
-    deadline, and a deadline already past still reads once)."""
-    value = probe()
+    deadline, and a deadline already past still reads once). With `growth`, each pause is that
+    many times the last, up to `most_s`: a long wait reads less often."""
+    value, interval = probe(), interval_s
     while not done(value) and time.monotonic() < deadline:
-        pause = min(interval_s, max(0.0, deadline - time.monotonic()))
+        pause = min(interval, max(0.0, deadline - time.monotonic()))
         if stop is not None and stop.wait(pause):
             return value
         if stop is None:
             time.sleep(pause)  # the poll interval, bounded by the deadline
         value = probe()
+        interval = min(interval * growth, most_s if most_s is not None else interval * growth)
     return value
+
+
+def round_poll(probe: Callable[[], T], done: Callable[[T], bool], deadline: float) -> T:
+    """`poll_until` for waits on the peers' round records: ROUND_POLL_S, growing to ROUND_POLL_MAX_S."""
+    return poll_until(probe, done, deadline, ROUND_POLL_S, growth=ROUND_POLL_GROWTH, most_s=ROUND_POLL_MAX_S)

@@ -244,7 +244,7 @@ class HivemindSwarm:
         def reached(state: agreement.Reference | None) -> bool:
             return state is not None and bool(state.holders) and state.round >= round_
 
-        return reached(deadlines.poll_until(backed, reached, time.monotonic() + timeout, deadlines.ROUND_POLL_S))
+        return reached(deadlines.round_poll(backed, reached, time.monotonic() + timeout))
 
     def wait_for_digests(self, round_: int, expected: tuple[str, ...]) -> dict[str, str]:
         """Digests of round `round_` published by `expected`, waiting until all are in (a peer whose
@@ -258,7 +258,7 @@ class HivemindSwarm:
             return found, not agreement.still_waiting(expected, found, self.stale_peers() | past)
 
         deadline = time.monotonic() + self.config.swarm.agreement_timeout_s
-        return deadlines.poll_until(read, lambda got: got[1], deadline, deadlines.ROUND_POLL_S)[0]
+        return deadlines.round_poll(read, lambda got: got[1], deadline)[0]
 
     def wait_for_reachable_peer(self, round_: int | None = None) -> None:
         """A private peer cannot reduce or serve: it needs a live public peer of the run to train
@@ -276,7 +276,7 @@ class HivemindSwarm:
             return reachability.beaten_since(punched, before, self.heartbeat.beats())
 
         timeout = self.config.swarm.join_timeout_s
-        if not deadlines.poll_until(beating, bool, time.monotonic() + timeout, deadlines.ROUND_POLL_S):
+        if not deadlines.round_poll(beating, bool, time.monotonic() + timeout):
             unpunched = len(self._private_peers()) if self.punching is not None else 0
             raise SwarmError(reachability.nobody_serves(self.config.run.run_id, round_, timeout, unpunched))
 

@@ -92,3 +92,29 @@ def test_poll_until_returns_what_it_waited_for_and_never_waits_past_its_deadline
     stop.set()
     calls.clear()
     assert deadlines.poll_until(probe, lambda n: False, time.monotonic() + 60, 5.0, stop) == 1  # stopped
+
+
+def test_a_wait_on_round_records_reads_less_often_as_it_lasts(monkeypatch):
+    """round_poll's pauses, on a clock of its own: 0.2 s, then 1.5x each, at most 1 s; a 15-s wait
+    (swarm.agreement_timeout_s in the tests) reads 19 times where a fixed 0.2 s read 76 times."""
+    now, pauses = [0.0], []
+
+    def sleep(s):
+        pauses.append(round(s, 6))
+        now[0] += s
+
+    monkeypatch.setattr(deadlines.time, "monotonic", lambda: now[0])
+    monkeypatch.setattr(deadlines.time, "sleep", sleep)
+    reads = []
+    deadlines.round_poll(lambda: reads.append(now[0]), lambda _: False, 15.0)
+    assert pauses[:6] == [0.2, 0.3, 0.45, 0.675, 1.0, 1.0] and max(pauses) == 1.0
+    assert len(reads) == 19 and reads[-1] == pytest.approx(15.0)  # the last read at the deadline
+    reads.clear()
+    now[0] = 0.0
+    deadlines.poll_until(lambda: reads.append(now[0]), lambda _: False, 15.0, deadlines.ROUND_POLL_S)
+    assert len(reads) >= 76  # one every 0.2 s from 0 to 15 (and a last at the deadline, after float sums)
+    reads.clear()
+    now[0] = 0.0
+    # what it waits for, found at the fourth read (0.95 s): no further read
+    assert deadlines.round_poll(lambda: reads.append(now[0]) or len(reads), lambda n: n == 4, 15.0) == 4
+    assert reads == pytest.approx([0.0, 0.2, 0.5, 0.95])
