@@ -104,11 +104,8 @@ def node(index: int, folder: Path, initial: str, buckets: int) -> None:
     config, identity = Config(), folder / f"id{index}.key"
     run = records.run_prefix(config.run.run_id, config.fingerprint())
     prefixes = [records.bucket_prefix(run, ROUND, b, buckets) for b in range(buckets)]
-    names = {
-        DHTID.generate(source=key(p)).to_bytes(): key.__name__
-        for key in (records.progress_key, records.rounds_key)
-        for p in prefixes
-    }
+    keys = [(key(p), key.__name__) for key in (records.progress_key, records.rounds_key) for p in prefixes]
+    names = {DHTID.generate(source=k).to_bytes(): name for k, name in keys}
     prefix = prefixes[index % buckets]
     count_per_key(folder, index, names)
     validator = make_validator(identity)

@@ -39,8 +39,26 @@ def buckets(seed: str, peers: Sequence[str], count: int) -> list[list[str]]:
     """Bucket b holds the peers whose sha256(seed, id) is b mod `count`, each bucket in rank order."""
     out: list[list[str]] = [[] for _ in range(count)]
     for peer in sorted(set(peers), key=lambda p: _rank(seed, p)):
-        out[_rank(seed, peer) % count].append(peer)
+        out[bucket_of(seed, peer, count)].append(peer)
     return out
+
+
+def bucket_of(seed: str, peer: str, count: int) -> int:
+    """The bucket of one peer (as `buckets` files it): where its round's records go (docs/design.md
+    §3, "Records by bucket"), known to the peer alone from the seed and G."""
+    return _rank(seed, peer) % count
+
+
+def is_head(seed: str, peer: str, expected: int, size: int = GROUP_SIZE) -> bool:
+    """Whether the peer also publishes its round record under the run's heads key, which joiners
+    read: about `size` of `expected` peers do, those whose sha256(seed, id) falls in the lowest
+    size / expected of its range (all of them where expected <= size). The seed is the agreed
+    digest, so nobody picks the heads; the hash is another than the bucket's, so the heads are
+    spread over the buckets."""
+    if expected <= size:
+        return True
+    value = int.from_bytes(hashlib.sha256(f"twolevel/head/{seed}/{peer}".encode()).digest()[:8], "big")
+    return value < (1 << 64) * size // expected
 
 
 def merge(

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -57,6 +58,21 @@ def test_buckets_put_every_peer_in_one_bucket_by_the_seed_alone():
         for p in bucket:
             rank = int.from_bytes(hashlib.sha256(f"twolevel/s1/{p}".encode()).digest()[:8], "big")
             assert rank % 6 == b
+
+
+def test_a_peer_knows_its_own_bucket_and_about_s_peers_of_a_round_are_heads():
+    peers = [f"peer-{i:04d}" for i in range(1024)]
+    filed = twolevel.buckets("seed-7", peers, 64)
+    assert all(twolevel.bucket_of("seed-7", p, 64) == b for b, members in enumerate(filed) for p in members)
+    heads = [sum(twolevel.is_head(f"seed-{r}", p, 1024) for p in peers) for r in range(20)]
+    # about s = 16 of 1,024 a round: binomial(1024, 1/64), mean 16, standard deviation 3.97
+    assert 14 <= sum(heads) / len(heads) <= 18 and min(heads) >= 4 and max(heads) <= 32, heads
+    round_0 = {p for p in peers if twolevel.is_head("seed-0", p, 1024)}
+    round_1 = {p for p in peers if twolevel.is_head("seed-1", p, 1024)}
+    assert len(round_0 & round_1) <= 4  # another seed, other heads: nobody stays one by choice
+    # spread over the buckets: no bucket of 64 holds more than 3 heads of a round
+    assert max(Counter(twolevel.bucket_of("seed-0", p, 64) for p in round_0).values()) <= 3
+    assert all(twolevel.is_head("s", p, 10) for p in peers[:10])  # a small run: every peer is one
 
 
 def test_spans_owners_and_replicas_by_hand():
