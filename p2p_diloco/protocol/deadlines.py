@@ -88,7 +88,7 @@ def poll_until(
         if stop is None:
             time.sleep(pause)  # the poll interval, bounded by the deadline
         value = probe()
-        interval = min(interval * growth, most_s if most_s is not None else interval * growth)
+        interval = interval * growth if most_s is None else min(interval * growth, most_s)
     return value
 
 

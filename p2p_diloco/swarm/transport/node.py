@@ -127,8 +127,8 @@ class SwarmDHT(hivemind.DHT):
             future.cancel()
             raise SwarmError(
                 f"the DHT process did not answer {what} within {self.timeout_s:g} s (swarm.join_timeout_s): the "
-                f"machine may be overloaded (free some CPU or raise swarm.join_timeout_s), or this node cannot "
-                f"reach the DHT nodes that hold the key"
+                f"machine may be overloaded (free some CPU or raise swarm.join_timeout_s), or the DHT nodes it "
+                f"asks do not answer"
             ) from None
 
 
