@@ -12,9 +12,14 @@ move every honest peer's θ at will, since all members apply the same bytes (I1)
    (swarm/transport/identity.py), so a statement is evidence anyone can check, and nobody can sign
    for someone else. A reducer refuses a part whose signed norms are not its chunks' (`misnormed`):
    the sender signed a malformed part, a case against it.
-2. **The check's randomness comes after.** Once every average arrived, each member derives the
-   audit `seed` from the group id and the hashes of every average it received. No reducer knows,
-   when it answers, which of its chunks will be checked; no reducer can change an answer after.
+2. **The check's randomness comes after, from every member.** Every member's *lot* is its unique
+   signature over `lot_statement(group)` (RSA PKCS#1 v1.5: one valid signature per key and
+   statement, so no member can choose its lot, and nobody can compute another's). A member shows
+   its lot only once it holds every average of the group, and the audit `seed` hashes the group
+   id, every average it received and every member's lot. So no reducer knows, when it answers a
+   member, which of its chunks that member will check: the hashes of the averages alone would let
+   a reducer that answers last (it receives the others' averages as a member) try variants of its
+   last average until the seed spared the values it lied on. No reducer can change an answer after.
 3. **The audit.** For each other reducer, every member asks it for every sender's signed chunk of
    AUDIT_CHUNKS chunks of its span (`audited_chunks`), each with the sender's seal, checks the
    signatures and the chunks against the seals, recomputes the combination of the chunks
@@ -160,9 +165,16 @@ def output_statement(group_id: bytes, reducer: str, part: int, payload: bytes) -
     return _framed(_OUTPUT, group_id, reducer.encode(), struct.pack(">Q", part), digest(payload))
 
 
-def seed(group_id: bytes, output_digests: Sequence[bytes]) -> bytes:
-    """The audit's randomness: fixed only once every average of the group is (in reducer, part order)."""
-    return digest(_framed(b"p2p-diloco/audit/v1", group_id, *output_digests))
+def lot_statement(group_id: bytes) -> bytes:
+    """What a member signs, with a signature unique to its key, for its lot in the group's audit."""
+    return _framed(b"p2p-diloco/audit-lot/v1", group_id)
+
+
+def seed(group_id: bytes, output_digests: Sequence[bytes], lots: Sequence[bytes]) -> bytes:
+    """The audit's randomness: fixed only once every average of the group is (in reducer, part
+    order) and every member has shown its lot (in member order), which it does only once it holds
+    every average."""
+    return digest(_framed(b"p2p-diloco/audit/v2", group_id, *output_digests, b"lots", *lots))
 
 
 def audited_parts(audit_seed: bytes, reducer: str, num_parts: int, count: int = 1) -> list[int]:
@@ -178,25 +190,27 @@ def audited_chunks(
 ) -> list[tuple[int, int]]:
     """Which chunks of `reducer`'s span every member checks: (part, chunk) pairs, in order. All of
     them when the span has no more than `count` chunks (`part_sizes`: the values of each of its
-    parts, cut by codecs.chunk_bounds); else the chunks holding `count` values spread evenly over
-    the span's values from an offset the seed chooses. Spread over values, not chunk indices: a
-    small model's parts are one full chunk and a short tail each (16,666 values: 16,384 + 282), and
-    picks by index fell on tails half the time (a fresh clone audited 1 full chunk of a span, where
-    the suite expected 2). A lie on a fraction q of a span's values is caught with probability
-    about 1 - (1 - q)^count per round."""
+    parts, cut by codecs.chunk_bounds); else one chunk from each of `count` runs of neighbouring
+    chunks (equal in number, within one), each drawn by its own hash of the seed, with a chance in
+    proportion to its values: a small model's parts are one full chunk and a short tail each
+    (16,666 values: 16,384 + 282), and picks by chunk index fell on tails half the time.
+
+    The draws are independent. Before, the picks were `count` values evenly spaced from one drawn
+    offset: a lie repeated with that spacing (on every other stretch of span / count values, say)
+    then escaped whenever the offset did, with probability 1 - q for a lie on a fraction q, not
+    (1 - q)^count. Now a lie on a fraction q_i of run i escapes with probability the product of the
+    (1 - q_i): at most (1 - q)^count where the runs hold equal values."""
     bounds = [(part, start, end) for part, size in enumerate(part_sizes) for start, end in codecs.chunk_bounds(size)]
     if len(bounds) <= count:
         return [(part, codecs.chunk_index(start)) for part, start, _ in bounds]
-    total = sum(part_sizes)
-    value = int.from_bytes(digest(audit_seed + b"chunks" + reducer.encode())[:8], "big")
-    positions = sorted((value + i * total // count) % total for i in range(count))
+    runs = [range(i * len(bounds) // count, (i + 1) * len(bounds) // count) for i in range(count)]
     picked: list[tuple[int, int]] = []
-    offsets = list(itertools.accumulate(part_sizes, initial=0))
-    for position in positions:
-        part = bisect.bisect_right(offsets, position) - 1
-        chunk = codecs.chunk_index(position - offsets[part])
-        if not picked or picked[-1] != (part, chunk):  # positions in order: a repeat follows its first
-            picked.append((part, chunk))
+    for i, run in enumerate(runs):
+        ends = list(itertools.accumulate(bounds[c][2] - bounds[c][1] for c in run))
+        drawn = digest(audit_seed + b"chunks" + struct.pack(">I", i) + reducer.encode())
+        value = int.from_bytes(drawn[:8], "big") % ends[-1]
+        part, start, _ = bounds[run[bisect.bisect_right(ends, value)]]
+        picked.append((part, codecs.chunk_index(start)))
     return picked
 
 
@@ -208,6 +222,8 @@ def parts_to_audit(part_bytes: int, budget_bytes: int = AUDIT_BYTES) -> int:
     return max(1, budget_bytes // max(1, part_bytes))
 
 
+LOT_SPREAD = 0.5  # a member may hold every average this share of the butterfly after another
+LOT_FLOOR_S = 30.0  # the lots' wait where the all-reduce has no wait for a chunk
 AUDIT_MARGIN = 3.0  # the audit's wait: this many times what its answers take at the butterfly's pace
 
 
@@ -223,6 +239,15 @@ def reply_timeout_s(chunk_timeout_s: float | None, answers_bytes: int, pace_byte
     if chunk_timeout_s is None or pace_bytes_s <= 0 or answers_bytes <= 0:
         return chunk_timeout_s
     return max(chunk_timeout_s, AUDIT_MARGIN * answers_bytes / pace_bytes_s)
+
+
+def lot_wait_s(chunk_timeout_s: float | None, butterfly_s: float) -> float:
+    """How long a member waits for every member's lot once it holds every average: the others may
+    still be receiving their last averages, up to LOT_SPREAD of this member's butterfly later
+    (measured: 1.3-4.2 s apart on 12-16 s butterflies, docs/benchmarks.md), and never under the
+    all-reduce's wait for a chunk (LOT_FLOOR_S where it has none)."""
+    floor = LOT_FLOOR_S if chunk_timeout_s is None else chunk_timeout_s
+    return max(floor, LOT_SPREAD * max(butterfly_s, 0.0))
 
 
 def answers_bytes(auditors: int, parts: int, senders: int, part_bytes: int) -> int:

@@ -37,13 +37,16 @@ def test_the_check_recomputes_the_runs_aggregator_not_the_mean():
     assert audit.disagreement(parts, [1.0, 1.0], CLIP, FP32, torch.tensor([2.0, 2.0])) is not None
 
 
-def test_the_audited_part_depends_on_every_average_and_stays_in_range():
+def test_the_audited_part_depends_on_every_average_and_every_lot_and_stays_in_range():
     outputs = [audit.digest(bytes([i])) for i in range(5)]
-    seed = audit.seed(b"group", outputs)
-    assert seed == audit.seed(b"group", list(outputs))
-    assert seed != audit.seed(b"group", outputs[:4] + [audit.digest(b"changed")])
-    assert seed != audit.seed(b"other group", outputs)
-    picks = {audit.audited_parts(audit.seed(b"g", [bytes([i])]), "reducer", 7)[0] for i in range(200)}
+    lots = [b"lot x", b"lot y", b"lot z"]
+    seed = audit.seed(b"group", outputs, lots)
+    assert seed == audit.seed(b"group", list(outputs), list(lots))
+    assert seed != audit.seed(b"group", outputs[:4] + [audit.digest(b"changed")], lots)
+    assert seed != audit.seed(b"other group", outputs, lots)
+    assert seed != audit.seed(b"group", outputs, lots[:2] + [b"another lot z"])  # any member's lot
+    assert seed != audit.seed(b"group", outputs[:4], [outputs[4]] + lots)  # an average is not a lot
+    picks = {audit.audited_parts(audit.seed(b"g", [bytes([i])], lots), "reducer", 7)[0] for i in range(200)}
     assert picks == set(range(7))  # every part can be picked, none outside
 
 
@@ -105,8 +108,32 @@ def test_the_ledger_keeps_only_parts_and_averages_their_signers_signed(keys):
         at_y.accept_average(
             0, 0, runtime_pb2.Tensor(buffer=b"\x02" * 8, size=[2], dtype="fp32"), at_x.sign_average(0, 0, average)
         )
-    assert at_x.seed() == at_y.seed()  # both hold the same average: the same audit
+    with pytest.raises(AllreduceException, match=f"no audit lot from {x}, {y}"):
+        at_x.seed()  # no seed before every member's lot is in
+    assert at_y.accept_lot(x, at_x.own_lot(x)) and at_x.accept_lot(y, at_y.own_lot(y))
+    assert at_x.seed() == at_y.seed()  # both hold the same average and the same lots: the same audit
     assert isinstance(kx, RSAPrivateKey)
+
+
+def test_a_lot_is_the_one_value_its_members_key_gives_and_nobody_else_can_show_it(keys):
+    (x, kx), (y, ky) = keys
+    public = {p: identity.key_of(p, identity.public_key_bytes(k)) for p, k in ((x, kx), (y, ky))}
+    at_x = Ledger(b"group", [x, y], [x, y], kx, public)
+    lot = identity.draw_lot(ky, audit.lot_statement(b"group"))
+    assert lot == identity.draw_lot(ky, audit.lot_statement(b"group"))  # fixed by key and group
+    assert lot != identity.draw_lot(ky, audit.lot_statement(b"other group"))
+    n = public[y]._public_key.public_numbers().n
+    refused = [
+        identity.draw_lot(kx, audit.lot_statement(b"group")),  # x's lot shown as y's
+        ky.sign(audit.lot_statement(b"group")),  # y's salted (PSS) signature: one of many
+        (int.from_bytes(lot, "big") + n).to_bytes(len(lot) + 1, "big"),  # the same value plus the modulus
+        b"\x00" + lot,  # the same value, one byte longer
+        b"",
+    ]
+    assert not any(at_x.accept_lot(y, other) for other in refused)
+    assert not at_x.accept_lot("not a member", lot)
+    assert at_x.missing_lots() == [x, y]
+    assert at_x.accept_lot(y, lot) and at_x.missing_lots() == [x]
 
 
 def test_a_silent_reducer_is_left_out_for_a_period_that_doubles_up_to_an_hour():
@@ -138,7 +165,7 @@ def test_a_small_model_s_span_is_audited_whole_and_a_big_model_s_one_part_at_a_t
     mib = 2 * 1024 * 1024
     assert audit.parts_to_audit(mib) == 1  # a big model: one 2 MiB part of each span
     assert audit.parts_to_audit(78_606) == 26  # the tiny preset's parts: every one of a span
-    seed = audit.seed(b"g", [b"x"])
+    seed = audit.seed(b"g", [b"x"], [b"lot"])
     assert audit.audited_parts(seed, "r", 4, audit.parts_to_audit(78_606)) == [0, 1, 2, 3]
     picked = audit.audited_parts(seed, "r", 10, 3)
     assert len(set(picked)) == 3 and all(0 <= p < 10 for p in picked) and picked == sorted(picked)
@@ -249,7 +276,7 @@ def test_the_audited_chunks_spread_over_the_span_s_values_and_every_member_picks
     assert audit.audited_chunks(b"seed", "r", sizes, 6) == everything
     assert audit.audited_chunks(b"seed", "r", sizes, 10) == everything  # no more than there are
     picked = audit.audited_chunks(b"seed", "r", sizes, 4)
-    assert len(set(picked)) == 4 and set(picked) <= set(everything)  # 4 values 1.25 chunks apart
+    assert len(set(picked)) == 4 and set(picked) <= set(everything)  # one of each run of 2, 2, 1, 1 chunks
     assert audit.audited_chunks(b"seed", "r", sizes, 4) == picked
     seeds = [i.to_bytes(2, "big") for i in range(400)]
     seen = Counter(pick for seed in seeds for pick in audit.audited_chunks(seed, "r", sizes, 1))
@@ -261,13 +288,55 @@ def test_the_audited_chunks_spread_over_the_span_s_values_and_every_member_picks
 def test_a_small_models_tails_do_not_take_the_audits_picks():
     # The fresh-clone failure: 800 kB of fp32 in 66,667-byte parts (links.part_bytes), each a full
     # chunk and a 282-value tail, and the 10 exact values as a part of their own. Picked by chunk
-    # index, 4 picks over such a span found 1 full chunk for some seeds; spread over values, each
-    # pick is 20,832 values from the next, and no two of them can fall in tails.
+    # index, 4 picks over such a span found 1 full chunk for some seeds. Now one pick from each
+    # quarter of the span's 11 chunks, each in proportion to its values: a tail is picked as often
+    # as it holds values in its quarter. By hand, the quarters' chances of a tail or the 10 values:
+    # 282 / 16,666, 282 / 33,332, 564 / 16,948 and 292 / 16,676: 0.0762 a seed, 152.4 in 2,000.
     sizes = [16_666] * 5 + [10]
+    full = Counter()
     for i in range(2000):
         picked = audit.audited_chunks(i.to_bytes(2, "big"), "r", sizes)
-        full = [p for p in picked if p[0] < 5 and p[1] == 0]
-        assert len(picked) == 4 and len(full) >= 3, (i, picked)
+        assert len(set(picked)) == 4 and picked == sorted(picked), (i, picked)
+        full[sum(1 for part, chunk in picked if part < 5 and chunk == 0)] += 1
+    tails = sum((4 - n) * seeds for n, seeds in full.items())
+    assert 104 <= tails <= 200, full  # 152.4 expected, 4 standard deviations either side
+    assert min(full) >= 2, full  # two tails in one audit: 0.2 % of seeds; three: about 1e-5
+
+
+def test_a_lie_repeated_at_the_audits_spacing_is_caught_as_often_as_an_even_lie():
+    # A span of 64 full chunks; the reducer lies on every other run of 8 chunks (half of them).
+    # Picks evenly spaced from one drawn offset (the design before) fell all 4 on lied chunks or
+    # all 4 on honest ones: caught 1 time in 2. Drawn one per quarter, each independently: caught
+    # unless all 4 miss, 1 - (1/2)^4 = 93.75 %.
+    C = codecs.CHUNK_VALUES
+    lied = {(0, c) for c in range(64) if (c // 8) % 2 == 0}
+    seeds = [audit.digest(i.to_bytes(2, "big")) for i in range(4096)]
+    caught = sum(1 for seed in seeds if lied & set(audit.audited_chunks(seed, "r", [64 * C])))
+    assert 0.92 <= caught / len(seeds) <= 0.955, caught  # 93.75 %, sd 0.38 %
+
+
+def test_a_reducer_that_holds_every_other_average_cannot_grind_the_seed_without_the_lots():
+    # The reducer answers last: it holds the others' averages (as a member) and tries variants of
+    # its last average until the audit would spare its lie on half its span. On the averages alone
+    # (the seed before lots), 16 variants are enough on average. With every member's lot in the
+    # seed, it can only guess the honest lots; the variant its guess spares is caught as often as
+    # any lie on half a span is, 15 times in 16.
+    C = codecs.CHUNK_VALUES
+    lied = {(0, c) for c in range(64) if c % 2 == 0}
+    others = [audit.digest(b"average of another reducer")]
+    honest_lots = [audit.digest(b"honest member's lot")]
+
+    def spared(group: bytes, lots: list[bytes], variant: int) -> bool:
+        seed = audit.seed(group, others + [audit.digest(b"last average %d" % variant)], lots)
+        return not lied & set(audit.audited_chunks(seed, "liar", [64 * C]))
+
+    tries, escaped = [], 0
+    for gid in (i.to_bytes(2, "big") for i in range(256)):
+        tries.append(1 + next(v for v in range(10_000) if spared(gid, honest_lots, v)))  # seed computable
+        guessed = next(v for v in range(10_000) if spared(gid, [b"a guess"], v))
+        escaped += spared(gid, honest_lots, guessed)
+    assert 12 <= sum(tries) / len(tries) <= 20, sum(tries) / len(tries)  # 16 expected: grinding is cheap
+    assert escaped <= 32, escaped  # 16 of 256 expected (1/16), sd 3.9
 
 
 def test_a_chunk_is_combined_with_its_parts_signed_norms():

@@ -37,6 +37,7 @@ from p2p_diloco.protocol import codecs
 from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner, malformed
 from p2p_diloco.swarm.averaging.evidence import Case, EvidenceDesk, judge, sender_case
 from p2p_diloco.swarm.averaging.ledger import Ledger, SignedPart, codec_of, numel_of
+from p2p_diloco.swarm.averaging.lots import Lots
 from p2p_diloco.swarm.transport import streams
 from p2p_diloco.trust import audit, wire
 
@@ -65,6 +66,7 @@ class Auditor:
         self.convicted: set[str] = set()  # reducers and senders this member refuses for the rest of the run
         self._benched: dict[str, tuple[int, float]] = {}  # reducer -> (unanswered audits, left out until: monotonic s)
         self._kept: OrderedDict[bytes, ConsistentAllReduceRunner] = OrderedDict()  # group -> its runner
+        self.lots = Lots(stub)  # the lots behind each kept group's audit seed (lots.py)
 
     def left_out(self, peer: Any) -> str | None:
         """Why `peer` is kept out of this member's groups (at every door), or None."""
@@ -114,6 +116,13 @@ class Auditor:
         self._kept[runner.group_id] = runner
         while len(self._kept) > KEEP_GROUPS:
             self._kept.popitem(last=False)
+        self.lots.keep(list(self._kept))
+
+    def answer_lots(
+        self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncGenerator[averaging_pb2.AveragingData, None]:
+        """As a reducer: another member's lot in, every member's out (lots.py)."""
+        return self.lots.answer(requests, context, self._kept)
 
     async def answer(
         self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -152,10 +161,14 @@ class Auditor:
             return []
         return [message for message in shown if message is not None]
 
-    async def check(self, runner: ConsistentAllReduceRunner, pace_bytes_s: float = 0.0) -> int:
-        """Audit every other reducer of the group; raise if any failed (before anything is applied).
-        `pace_bytes_s`: how fast the butterfly moved (audit.reply_timeout_s). Returns the bytes the
+    async def check(
+        self, runner: ConsistentAllReduceRunner, pace_bytes_s: float = 0.0, butterfly_s: float = 0.0
+    ) -> int:
+        """Gather every member's lot, then audit every other reducer of the group; raise if any
+        failed (before anything is applied). `pace_bytes_s`: how fast the butterfly moved
+        (audit.reply_timeout_s), in `butterfly_s` (audit.lot_wait_s). Returns the bytes the
         reducers' answers took (their messages' sizes)."""
+        await self.lots.gather(runner, audit.lot_wait_s(runner.sender_timeout, butterfly_s))
         seed = runner.ledger.seed()
         me = runner.ordered_peer_ids.index(runner.peer_id)
         reducers = [j for j, n in enumerate(runner.tensor_part_container.num_parts_by_peer) if n > 0 and j != me]

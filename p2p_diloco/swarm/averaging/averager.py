@@ -416,6 +416,14 @@ class DiLoCoAverager(BoundedAverager):
             async for message in answers:
                 yield message
 
+    async def rpc_lots(
+        self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A member's audit lot, answered with every member's (`Auditor.answer_lots`)."""
+        async with aclosing(self.auditor.answer_lots(requests, context)) as answers:
+            async for message in answers:
+                yield message
+
     async def rpc_evidence(
         self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:
@@ -580,7 +588,8 @@ class Reduction:
             results = [averaged async for averaged in runner]
             butterfly_done = time.perf_counter()
             pace = runner.stats().bytes_received / max(butterfly_done - started, 1e-3)
-            audit_bytes = await self._auditor.check(runner, pace)  # every other reducer's answer checked first
+            # every member's lot, then every other reducer's answer checked, before anything is applied
+            audit_bytes = await self._auditor.check(runner, pace, butterfly_done - started)
         finally:
             self._auditor.settle(runner.ledger)
             if fates := runner.fates():  # clipping is routine for a robust aggregator; a dropped part is news

@@ -5,7 +5,9 @@ trust/audit.py); as a reducer, it checks each sender's signature, keeps every si
 span (about one encoded model copy over the group, while the all-reduce is audited) and signs
 every average it answers; as a receiver of an average, it checks the reducer's signature and
 keeps the signed bytes. A part or an average whose signature does not
-verify fails the all-reduce at once: nothing unsigned is ever combined or applied.
+verify fails the all-reduce at once: nothing unsigned is ever combined or applied. Once it holds
+every average, a member shows its lot (trust/audit.py) and collects every other member's: the
+audit's seed needs them all.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from hivemind.proto import runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey, RSAPublicKey
 
 from p2p_diloco.protocol import codecs
+from p2p_diloco.swarm.transport import identity
 from p2p_diloco.trust import audit, wire
 
 
@@ -108,6 +111,7 @@ class Ledger:
         # only this member knows the span layout it computed, so no case others could judge;
         # refused here from then on, like a bad signer.
         self.misfits: set[str] = set()
+        self.lots: dict[str, bytes] = {}  # member -> its lot in this group's audit, checked
 
     def sign_part(
         self, reducer: int, part: int, weight: float, encoded: runtime_pb2.Tensor, decoded: torch.Tensor
@@ -151,6 +155,31 @@ class Ledger:
             raise AllreduceException(f"reducer {self.peers[reducer]} answered part {part} without a valid signature")
         self.averages[(reducer, part)] = SignedAverage(encoded, signature)
 
+    def own_lot(self, me: str) -> bytes:
+        """This member's lot (identity.draw_lot; `me`: its peer id): show it only once this member
+        holds every average."""
+        if me not in self.lots:
+            self.lots[me] = identity.draw_lot(self._signer, audit.lot_statement(self.group_id))
+        return self.lots[me]
+
+    def accept_lot(self, member: str, lot: bytes) -> bool:
+        """Keep `member`'s lot if it is a member and the lot is its own; whether it was kept."""
+        key = self.keys.get(member)
+        if member not in self.peers or key is None:
+            return False
+        if not identity.lot_holds(key, audit.lot_statement(self.group_id), lot):
+            return False
+        self.lots[member] = lot
+        return True
+
+    def missing_lots(self) -> list[str]:
+        """The members whose lot this member does not hold yet."""
+        return [p for p in self.peers if p not in self.lots]
+
     def seed(self) -> bytes:
-        """The audit's randomness, from every average this member holds (reducer, then part order)."""
-        return audit.seed(self.group_id, [audit.digest(self.averages[k].encoded.buffer) for k in sorted(self.averages)])
+        """The audit's randomness, from every average this member holds (reducer, then part order)
+        and every member's lot (member order); all of them must be here."""
+        if missing := self.missing_lots():
+            raise AllreduceException(f"no audit lot from {', '.join(missing)}")
+        outputs = [audit.digest(self.averages[k].encoded.buffer) for k in sorted(self.averages)]
+        return audit.seed(self.group_id, outputs, [self.lots[p] for p in self.peers])

@@ -15,9 +15,9 @@ import hashlib
 import re
 from pathlib import Path
 
-from cryptography.exceptions import UnsupportedAlgorithm
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric import rsa
+from cryptography.exceptions import InvalidSignature, UnsupportedAlgorithm
+from cryptography.hazmat.primitives import hashes, serialization
+from cryptography.hazmat.primitives.asymmetric import padding, rsa
 from hivemind.dht.crypto import RSASignatureValidator
 from hivemind.p2p import P2P, PeerID
 from hivemind.proto import crypto_pb2
@@ -115,3 +115,25 @@ def key_of(peer: str, shown: object) -> RSAPublicKey | None:
         return RSAPublicKey.from_bytes(shown)
     except (ValueError, TypeError):
         return None
+
+
+def draw_lot(private: RSAPrivateKey, statement: bytes) -> bytes:
+    """This key's lot for `statement`: its RSA PKCS#1 v1.5 signature over it, the only one that
+    verifies (hivemind's own signatures are PSS, salted: a signer could make as many as it likes).
+    So a lot is fixed by the key and the statement, and only the key's holder can compute it
+    (trust/audit.py, the audit's seed)."""
+    return private._private_key.sign(statement, padding.PKCS1v15(), hashes.SHA256())
+
+
+def lot_holds(public: RSAPublicKey, statement: bytes, lot: bytes) -> bool:
+    """Whether `lot` is the lot of `public`'s holder for `statement`: the key's size in bytes, below
+    its modulus (the one value that verifies, not it plus the modulus), and a valid signature."""
+    key = public._public_key
+    size = (key.key_size + 7) // 8
+    if len(lot) != size or int.from_bytes(lot, "big") >= key.public_numbers().n:
+        return False
+    try:
+        key.verify(lot, statement, padding.PKCS1v15(), hashes.SHA256())
+    except InvalidSignature:
+        return False
+    return True
