@@ -88,6 +88,21 @@ def test_peer_hangs_between_its_allreduce_and_the_audit(swarm):
     assert lost_s <= AVERAGING_S, f"the fault cost {lost_s:.1f} s, more than one all-reduce deadline"
 
 
+@pytest.mark.scenario  # in the suite: lots gathered in every audited all-reduce (test_average, test_attacks)
+@pytest.mark.timeout(300)
+def test_peer_sleeps_holding_every_average_before_it_shows_its_audit_lot(swarm):
+    # The subject holds every average of its 3rd group and goes to sleep before it shows its lot
+    # (swarm/averaging/lots.py): neither survivor can seed its audit. Both wait for the lot (the
+    # chunk wait, or half their butterfly), fail the round, nothing applied, and retry as a pair.
+    a, b, last = run_with_fault(swarm, "lots:3:STOP", {"swarm.probe_links": "false"})
+    assert_agree_every_round(a, b, last)
+    averaged = [(recs, r) for recs in (a, b) for r in range(last + 2, ROUNDS + 1) if "group_size" in recs.get(r, {})]
+    after = [recs[r]["group_size"] for recs, r in averaged]
+    assert after and set(after) == {2}, (last, after)
+    lost_s = time_lost(a, last)
+    assert lost_s <= AVERAGING_S, f"the fault cost {lost_s:.1f} s, more than one all-reduce deadline"
+
+
 def time_lost(records, last):
     """Seconds the survivor took from its round `last` to its end, beyond the median round. From
     the records' commit times: a round it caught up with (adopted from the others) has no wall_s
