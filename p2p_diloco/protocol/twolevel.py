@@ -24,6 +24,8 @@ from p2p_diloco.trust.wire import WireError
 
 GROUP_SIZE = 16  # s: the target group size; spans per group
 OUTPUT_TAG = b"p2p-diloco/sub-span/v1"
+PARTIAL_TAG = b"p2p-diloco/partial-sub-span/v1"
+MAX_ROUND_KEY = 256  # bytes of a round's key in a statement
 
 
 def _rank(seed: str, peer: str) -> int:
@@ -234,6 +236,38 @@ def parse_output(raw: bytes, by: str, groups: int, spans: int, numel: int) -> Ou
     return Output(span, sub, tuple(named), values, weight, by)
 
 
+def partial_statement(round_key: bytes, span: int, sub: int, group: int, weight: float, values: torch.Tensor) -> bytes:
+    """What a span's owner signs and sends each replica: its group's partial of one sub-span
+    (`parse_partial`), bound to the round by `round_key` (the agreed seed)."""
+    head = struct.pack(">H", len(round_key)) + round_key + struct.pack(">IIId", span, sub, group, weight)
+    return PARTIAL_TAG + head + values.numpy().astype(">f4").tobytes()
+
+
+def parse_partial(raw: bytes, round_key: bytes, groups: int, spans: int, numel: int) -> tuple[int, int, int, Partial]:
+    """A `partial_statement` from another node (untrusted): (span, sub-span, group, partial), or
+    WireError. Valid: the tag, this round's key, span, sub-span and group in range, a finite
+    weight >= 0, exactly `numel` finite values (the sub-span's)."""
+    if not isinstance(raw, bytes) or not raw.startswith(PARTIAL_TAG):
+        raise WireError("not a partial sub-span")
+    at = len(PARTIAL_TAG)
+    if len(raw) < at + 2 or len(round_key) > MAX_ROUND_KEY:
+        raise WireError("partial sub-span: short header")
+    (key_len,) = struct.unpack_from(">H", raw, at)
+    if raw[at + 2 : at + 2 + key_len] != round_key:
+        raise WireError("partial sub-span: of another round")
+    at += 2 + key_len
+    if len(raw) != at + 20 + 4 * numel:
+        raise WireError(f"partial sub-span: {len(raw)} bytes for {numel} values")
+    span, sub, group, weight = struct.unpack_from(">IIId", raw, at)
+    if span >= spans or sub >= groups or group >= groups:
+        raise WireError(f"partial sub-span: span {span}, sub-span {sub}, group {group} out of range")
+    wire.real(weight, lo=0.0)
+    values = torch.from_numpy(np.frombuffer(raw, dtype=">f4", offset=at + 20).astype(np.float32))
+    if not bool(torch.isfinite(values).all()):
+        raise WireError("partial sub-span: values that are not finite")
+    return span, sub, group, Partial(values, weight)
+
+
 def reduce_sub_span(span: int, sub: int, bounds: tuple[int, int], partials: Mapping[int, Partial], by: str) -> Output:
     """Sub-span `bounds` (within the span) of the sum of `partials` (by group), in group order,
     elementwise in fp32: the same bytes from any replica holding the same partials."""
@@ -285,12 +319,13 @@ def settle(
 ) -> Settled:
     """The secondary's one decision for sub-span `sub` of `span`: the primary's output if it came
     in time and checks against the partials held here; else its own sum of what it holds (a
-    primary that summed wrong is convicted); nothing if it holds none. No secondary (it is dead,
-    or the primary's group is the only one): the primary's output stands, or nothing."""
+    primary that summed wrong is convicted; one that names a partial not held here cannot be
+    checked and is not taken: a lie would pass); nothing if it holds none. No secondary (it is
+    dead, or the primary's group is the only one): the primary's output stands, or nothing."""
     if secondary is None:
         return Settled(primary)
     own = reduce_sub_span(span, sub, bounds, held, secondary) if held else None
-    if primary is None:
+    if primary is None or any(g not in held for g in primary.groups):
         return Settled(own)
     if cross_check(primary, bounds, held) is not None:
         return Settled(own, convicted=primary.by)

@@ -120,6 +120,9 @@ def test_the_secondary_settles_on_one_output():
     assert settled.convicted == "p" and settled.output.by == "s" and torch.equal(settled.output.values, primary.values)
     assert twolevel.settle(None, 0, 0, (0, 2), {}, "s").output is None  # it holds nothing: no output
     assert twolevel.settle(primary, 0, 0, (0, 2), held, None).output is primary  # no secondary
+    # A sum naming a partial the secondary does not hold cannot be checked: not taken, not convicted.
+    unchecked = twolevel.settle(liar, 0, 0, (0, 2), {0: held[0]}, "s")
+    assert unchecked.convicted is None and unchecked.output.by == "s" and unchecked.output.groups == (0,)
 
 
 def test_cost_against_the_flat_butterfly():
