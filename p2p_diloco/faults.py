@@ -21,6 +21,9 @@ class FaultPoint(enum.Enum):
     MATCHMAKING = "matchmaking"  # the peer starts looking for its round's group (context: window_s)
     ASSEMBLED = "assembled"  # the averager process's matchmaking assembled a group (context: dht_pid, its DHT process)
     AUDIT = "audit"  # the averager process, as a reducer, is asked for the audit of its span
+    STAGE2_DECIDED = (
+        "stage2-decided"  # a stage-2 decider decided a sub-span, before anyone heard (context: peer, span, sub)
+    )
     STAGE2 = "stage2"  # a stage-2 primary summed a sub-span and is about to push it (context: peer, span, sub)
     LOTS = "lots"  # the averager process holds every average and is about to show its audit lot (context: group)
     ALLREDUCE_PART = "allreduce"  # the averager process sends or receives a part of an all-reduce

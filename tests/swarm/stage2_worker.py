@@ -9,7 +9,8 @@ its group's partial (group g: values (g + 1) x [1, 2, ..., NUMEL] / 8, weight g 
 fp32) and writes FOLDER/INDEX.json: each sub-span's decided statement's sha256 and the groups it
 names, the average, and whom it convicted; or the error. FAULT (environment):
 - `lie`: as a primary, the sum it pushes is 100 times the true one (it checks the decision honestly);
-- `kill`: as a primary, it SIGKILLs its p2pd and itself just before it pushes its sum.
+- `kill`: as a primary, it SIGKILLs its p2pd and itself just before it pushes its sum;
+- `kill-decider`: the same, as a decider, once it decided a sub-span and before it told anyone.
 """
 
 import asyncio
@@ -61,13 +62,14 @@ def install_fault(fault: str, p2p: P2P, me: str) -> None:
 
         twolevel.reduce_sub_span = sum_once_times_100
         faults.install(faults.FaultPoint.STAGE2, lambda **context: lying.append(True))  # its push's sum, only
-    elif fault == "kill":
+    elif fault in ("kill", "kill-decider"):
 
         def die(**context) -> None:
             os.kill(p2p._child.pid, signal.SIGKILL)
             os.kill(os.getpid(), signal.SIGKILL)
 
-        faults.install(faults.FaultPoint.STAGE2, die)
+        point = faults.FaultPoint.STAGE2 if fault == "kill" else faults.FaultPoint.STAGE2_DECIDED
+        faults.install(point, die)
 
 
 async def main(index: int, groups: int, numel: int, folder: Path) -> None:

@@ -84,3 +84,14 @@ def test_a_primary_killed_as_it_pushes_its_sum_leaves_the_others_the_same_result
     else:
         assert a["subs"] == b["subs"] and a["average"] == b["average"]
         assert a["average"][3:6] == reference(a["subs"][1]["groups"])[3:6]
+
+
+@pytest.mark.timeout(120)
+def test_a_decider_killed_once_it_decided_loses_its_sub_span_alike_for_every_owner(tmp_path):
+    # Owner 2 decides sub-span 1 (its primary: owner 1) and dies before it answers anyone. The
+    # primary holds no signature of the decision, so it serves nothing: both survivors end without
+    # sub-span 1, and nothing is applied anywhere (I2), rather than each its own sum.
+    ended = run_owners(tmp_path, {2: "kill-decider"})
+    assert ended[2] is None
+    for survivor in (ended[0], ended[1]):
+        assert survivor is not None and "sub-spans [1]" in survivor.get("error", ""), ended

@@ -322,6 +322,7 @@ class Stage2:
         if settled.output is not None:
             statement = settled.output.statement()
             r.decided[sub] = (statement, seal(self._signer, plan.round_key, statement))
+            faults.reached(faults.FaultPoint.STAGE2_DECIDED, peer=self.me, span=plan.span, sub=sub)
 
     async def _fetch(self, r: _Round, plan: Plan, sub: int, started: float) -> Output | None:
         """Sub-span `sub` as its decider decided it: from this peer's own roles, else from its
