@@ -17,6 +17,9 @@ spaces its packets), so that no queue builds at the link and the ACKs of the flo
 other way do not wait behind 100 ms of it; `--cc cubic` sets the connections' congestion control
 (this machine's default, which the lab's namespaces inherit, is bbr; most volunteers' is cubic).
 
+`--libp2p` moves the same bytes in the same phases through hivemind's p2pd and raw libp2p streams
+(bench/p2p_streams.py): the stack under our all-reduce, without its protobuf, codec or signatures.
+
 Writes bench/results/tcp_butterfly.json (or --out NAME).
 """
 
@@ -56,7 +59,15 @@ def _recv(conn: socket.socket, nbytes: int) -> None:
 
 def worker(ip: str, part: int) -> None:
     """One host: listen, print the port; read the peers' addresses and "go" on stdin; move the
-    butterfly's bytes; print the seconds from "go" to the last byte received."""
+    butterfly's bytes; print the seconds from "go" to the last byte received. With --libp2p, the
+    same through p2pd and libp2p streams (bench/p2p_streams.py)."""
+    if os.environ.get("TCPB_LIBP2P"):
+        import asyncio
+
+        import p2p_streams
+
+        asyncio.run(p2p_streams.worker(ip, part))
+        return
     server = socket.create_server((ip, 0), backlog=64)
     print(server.getsockname()[1], flush=True)
     peers = json.loads(sys.stdin.readline())  # [[ip, port], ...] of the others, in host order
@@ -97,9 +108,14 @@ def one(lab: NetLab, k: int, part: int, timeout_s: float) -> float:
         lab.popen(i, [*cmd, lab.hosts[i].ip, str(part)], stdin=-1, stdout=-1, text=True, bufsize=1) for i in range(k)
     ]
     outs = [line_reader(p) for p in procs]
-    ports = [int(next_line(out, 30, "worker's port")) for out in outs]
+    shown = [
+        json.loads(next_line(out, 60, "worker's port")) for out in outs
+    ]  # a port, or a libp2p peer's id and addresses
     for i, p in enumerate(procs):
-        peers = [None if j == i else [lab.hosts[j].ip, ports[j]] for j in range(k)]
+        peers = [
+            None if j == i else shown[j] if isinstance(shown[j], dict) else [lab.hosts[j].ip, shown[j]]
+            for j in range(k)
+        ]
         p.stdin.write(json.dumps(peers) + "\n")
         p.stdin.flush()
     for out in outs:  # every connection made before the clock starts
@@ -128,6 +144,17 @@ def main() -> int:
         "--pace", type=float, default=0.0, help="cap each connection at PACE x the rate / (k - 1) (SO_MAX_PACING_RATE)"
     )
     parser.add_argument("--cc", help="the connections' congestion control (TCP_CONGESTION; default: the system's)")
+    parser.add_argument(
+        "--libp2p",
+        action="store_true",
+        help="the same bytes through hivemind's p2pd and libp2p streams (bench/p2p_streams.py)",
+    )
+    parser.add_argument(
+        "--pieces",
+        type=int,
+        default=0,
+        help="over libp2p, our all-reduce's schedule: parts in PIECES, each answered once all are in",
+    )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # one host's worker (internal)
     args = parser.parse_args()
     if args.worker:
@@ -138,6 +165,8 @@ def main() -> int:
         return 2
     os.environ["TCPB_PACE_BPS"] = str(args.pace * args.rate * 1e6 / 8 / (args.k - 1))  # the workers read these
     os.environ["TCPB_CC"] = args.cc or ""
+    os.environ["TCPB_LIBP2P"] = "1" if args.libp2p or args.pieces else ""
+    os.environ["TCPB_PIECES"] = str(args.pieces)
     part = int(args.numel * 4 / args.k)
     bound = 2 * (args.k - 1) * part * 8 / (args.rate * 1e6)
     delays = None if args.no_forwarders else [0.0] * args.k
@@ -145,7 +174,12 @@ def main() -> int:
         times = [one(lab, args.k, part, 20 * bound + 60) for _ in range(args.repeats)]
     result = {"k": args.k, "rate_mbit": args.rate, "numel": args.numel, "bound_s": bound, "times_s": times}
     system_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
-    result |= {"pace": args.pace, "cc": args.cc or system_cc}
+    result |= {
+        "pace": args.pace,
+        "cc": args.cc or system_cc,
+        "transport": "libp2p" if args.libp2p or args.pieces else "tcp",
+        "pieces": args.pieces,
+    }
     result["ratio"] = statistics.median(times) / bound
     print(f"k={args.k} at {args.rate:g} Mbit/s: {[round(t, 2) for t in times]} s, {result['ratio']:.2f}x the bound")
     out = HERE / "results" / f"{args.out}.json"
