@@ -10,10 +10,12 @@ Ends at EOF on stdin. Logs go to stderr.
 
 import hashlib
 import json
+import os
 import sys
 import time
 from pathlib import Path
 
+import part_trace
 import torch
 
 from p2p_diloco import config
@@ -47,6 +49,9 @@ def main(
         },
     )
     run_dir.mkdir(parents=True, exist_ok=True)
+    if trace_dir := os.environ.get("PART_TRACE_DIR"):  # bench/part_trace.py: before the averager forks
+        os.environ["PART_TRACE"] = str(Path(trace_dir) / f"w{index}.jsonl")
+        part_trace.install()
     swarm = HivemindSwarm(cfg, run_dir, numel, lambda: ({}, []))
     try:
         print("ready", flush=True)

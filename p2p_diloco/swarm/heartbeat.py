@@ -27,6 +27,7 @@ from p2p_diloco.swarm.trust.run_dht import RunDHT
 
 logger = logging.getLogger(__name__)
 
+LAST_WORD_S = 5.0  # how long a leaving peer waits for the store of its last convictions
 BEAT_S = 1.0  # how often a peer reads everyone's progress (and may publish its own: cadence.report_due)
 # An id this peer first saw after it knew the swarm is new to it for FRESH_S: it does not count in
 # the swarm's state (agreement.counted) until then. The peers a starting peer finds are known: those
@@ -69,6 +70,23 @@ class Heartbeat:
         self._stop.set()
         if self._thread.is_alive():
             self._thread.join(timeout=10)
+        self._say_convictions()
+
+    def _say_convictions(self) -> None:
+        """Before this peer leaves: if it convicted someone since its last report, one last report
+        that says so, waited for up to LAST_WORD_S. Its accusation would otherwise never reach
+        the others or the organiser's list (a peer that convicted on a case and ended its run two
+        seconds later, with swarm.linger_s = 0: CI of session 33)."""
+        self.convictions.refresh({})  # the verdicts that came in since the last beat
+        convicted, mine = frozenset(self.gate.convicted), self._my_progress
+        if mine is None or convicted == self._sent_convicted:
+            return
+        report = replace(mine, time=time.time())
+        try:
+            self.run_dht.send_progress(report, convicted).result(timeout=LAST_WORD_S)
+            self._sent_report, self._sent_convicted = report, convicted
+        except Exception as e:  # the DHT may be gone already: nothing more to do on the way out
+            logger.warning("could not publish this peer's last convictions before leaving: %s", e)
 
     def _loop(self) -> None:
         while not self._stop.wait(BEAT_S):

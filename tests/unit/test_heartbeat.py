@@ -1,6 +1,8 @@
 """Liveness as the heartbeat judges it (swarm/heartbeat.py), with the DHT replaced by a scripted
 read: the judgement is as of this peer's last read of the swarm, never of reads that failed."""
 
+from concurrent.futures import Future
+
 import pytest
 
 from p2p_diloco.protocol.budget import ProgressReport
@@ -102,11 +104,15 @@ class ScriptedDHT(RunDHT):
         self.progress: list[ProgressReport] = []
         self.rounds: dict = {}
         self.sent: list[ProgressReport] = []
+        self.convicted: list[list[str]] = []  # the accusations each report carried
         self.read_keys: list[str] = []
 
     def send_progress(self, report, convicted):
         self.sent.append(report)
-        return None  # a store that ended at once
+        self.convicted.append(sorted(convicted))
+        done = Future()
+        done.set_result(True)
+        return done  # a store that ended at once
 
     def read_now(self, *keys):
         self.read_keys.extend(key.__name__ for key in keys)
@@ -151,3 +157,22 @@ def test_the_heartbeat_sends_progress_only_when_due_and_reads_round_records_on_a
     clock[0] += heartbeat.cadence.ROUNDS_EVERY_S  # nothing new for 10 s: read the records anyway
     beat._beat()
     assert dht.read_keys.count("rounds_key") == 3
+
+
+def test_a_peer_that_convicted_someone_since_its_last_report_says_so_before_it_leaves(clock, monkeypatch):
+    # CI of session 33: a peer convicted a reducer on another's case and ended its run 2 s later
+    # (swarm.linger_s = 0): no beat published the accusation, and the organiser's list named one
+    # accuser of two. Leaving now publishes it, once; a peer with nothing new to say sends nothing.
+    dht = ScriptedDHT()
+    gate = Gate()
+    gate.convicted = set()
+    beat = scripted(monkeypatch, dht)
+    beat.gate = gate
+    beat.report_progress(4, 0, 100.0)
+    beat._beat()
+    assert dht.convicted == [[]]
+    gate.convicted = {"liar"}  # the verdict came in after the last beat
+    beat.stop()  # the thread never started: only the last word
+    assert dht.convicted == [[], ["liar"]] and dht.sent[-1].round == 4
+    beat.stop()
+    assert len(dht.sent) == 2  # nothing new: nothing sent

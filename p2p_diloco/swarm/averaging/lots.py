@@ -78,9 +78,14 @@ class Lots:
             if parts > 0 and peer != me
         ]
         request = averaging_pb2.AveragingData(group_id=runner.group_id, peer_id=own)
+        deadline = time.monotonic() + wait_s
         asks = [asyncio.create_task(self._ask(runner, peer, request, wait_s)) for peer in dialled]
         try:
             await asyncio.wait_for(complete.wait(), wait_s)
+            # The other reducers answer too, each once it holds every lot: let them, within the
+            # wait. An ask cut short resets its stream, which the reducer logs as a broken request.
+            if asks:
+                await asyncio.wait(asks, timeout=max(0.0, deadline - time.monotonic()))
         except asyncio.TimeoutError:
             missing = ", ".join(ledger.missing_lots())
             raise AllreduceException(f"no audit lot from {missing} within {wait_s:.0f} s; nothing applied") from None
