@@ -108,10 +108,11 @@ def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
         assert max(shares) <= 0.51 and sum(shares) == pytest.approx(1.0, abs=0.01), shares
         # The audit, counted apart (issue 30's honest figures): each member checks AUDIT_CHUNKS (4)
         # chunks of each other reducer's span, every sender's (3) chunk of each with its seal. A
-        # chunk holds 16,384 values (64 KiB of fp32); the 4 picks hold values spread evenly over the
-        # span, so at most one falls in a part's 282-value tail or in the 10 exact values' part
-        # (tests/unit/test_audit.py; picked by chunk index, a fresh clone audited 1 full chunk of a
-        # span), and each other reducer with a span costs at least 3 x min(its span, 2 x 64 KiB) and
+        # chunk holds 16,384 values (64 KiB of fp32); the 4 picks are one from each quarter of the
+        # span's chunks, in proportion to values, so three of them fall in parts' 282-value tails or
+        # the 10 exact values' part about once in 1e5 audits (two: 0.2 %; tests/unit/test_audit.py;
+        # picked by chunk index, a fresh clone audited 1 full chunk of a span), and each other
+        # reducer with a span costs at least 3 x min(its span, 2 x 64 KiB) and
         # at most 3 x 4 x (64 KiB + 2 KiB of seal and framing). Whole spans cost 3 (2 V - bytes_received) before.
         chunk = 4 * CHUNK_VALUES
         for i, r in enumerate(results):

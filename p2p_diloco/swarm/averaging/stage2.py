@@ -367,20 +367,31 @@ class Stage2:
         sub = _sub_of(request, plan.groups) if plan is not None else None
         return None if plan is None or sub is None else (r, plan, sub)
 
-    async def take_partial(
-        self, request: averaging_pb2.AveragingData, context: P2PContext
-    ) -> averaging_pb2.AveragingData:
-        """As a replica: another group's owner's partial of a sub-span this peer replicates."""
+    async def _taken(
+        self, request: averaging_pb2.AveragingData, context: P2PContext, check: Callable[..., Any], what: str
+    ) -> tuple[_Round, Plan, int, Any] | averaging_pb2.AveragingData:
+        """The round, plan and sub-span another owner's request names, with what `check` made of
+        its statement; or the answer that refuses it (`check` said why, as a str)."""
         named = await self._planned(request)
         if named is None:
             return _message(b"", 0)
         r, plan, sub = named
-        sender, statement = str(context.remote_id), request.tensor_part.buffer
-        why = _partial_refusal(plan, sub, sender, self.me, statement, request.peer_id)
-        if isinstance(why, str):
-            logger.warning("stage 2: partial from %s refused: %s", sender, why)
+        sender = str(context.remote_id)
+        value = check(plan, sub, sender, self.me, request.tensor_part.buffer, request.peer_id)
+        if isinstance(value, str):
+            logger.warning("stage 2: %s from %s refused: %s", what, sender, value)
             return _message(plan.key, sub)
-        await self._note(r, lambda: r.held.setdefault(sub, {}).setdefault(why[0], why[1]))
+        return r, plan, sub, value
+
+    async def take_partial(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        """As a replica: another group's owner's partial of a sub-span this peer replicates."""
+        taken = await self._taken(request, context, _partial_refusal, "partial")
+        if isinstance(taken, averaging_pb2.AveragingData):
+            return taken
+        r, plan, sub, (group, partial) = taken
+        await self._note(r, lambda: r.held.setdefault(sub, {}).setdefault(group, partial))
         return _message(plan.key, sub, b"held")
 
     async def take_output(
@@ -388,15 +399,11 @@ class Stage2:
     ) -> averaging_pb2.AveragingData:
         """As a decider: the primary's sum. Answers with what this peer decided, signed (the
         primary's sum, then kept with the primary's signature, or its own)."""
-        named = await self._planned(request)
-        if named is None:
-            return _message(b"", 0)
-        r, plan, sub = named
-        sender, statement = str(context.remote_id), request.tensor_part.buffer
-        output = _output_from(plan, sub, sender, self.me, statement, request.peer_id)
-        if isinstance(output, str):
-            logger.warning("stage 2: sum from %s refused: %s", sender, output)
-            return _message(plan.key, sub)
+        taken = await self._taken(request, context, _output_from, "sum")
+        if isinstance(taken, averaging_pb2.AveragingData):
+            return taken
+        r, plan, sub, output = taken
+        statement = request.tensor_part.buffer
         # Every partial the sum names should be here to check it by (each owner sent it to both replicas).
         await self._until(r, lambda: set(output.groups) <= set(r.held.get(sub, {})), time.monotonic() + self.wait_s)
         async with r.changed:
