@@ -15,6 +15,7 @@ import sys
 import time
 from pathlib import Path
 
+import lockstep
 import part_trace
 import torch
 
@@ -52,6 +53,8 @@ def main(
     if trace_dir := os.environ.get("PART_TRACE_DIR"):  # bench/part_trace.py: before the averager forks
         os.environ["PART_TRACE"] = str(Path(trace_dir) / f"w{index}.jsonl")
         part_trace.install()
+    if os.environ.get("LOCKSTEP"):  # bench/lockstep.py, an experiment
+        lockstep.install()
     swarm = HivemindSwarm(cfg, run_dir, numel, lambda: ({}, []))
     try:
         print("ready", flush=True)
