@@ -25,7 +25,6 @@ from p2p_diloco.trust.wire import WireError
 GROUP_SIZE = 16  # s: the target group size; spans per group
 OUTPUT_TAG = b"p2p-diloco/sub-span/v1"
 PARTIAL_TAG = b"p2p-diloco/partial-sub-span/v1"
-MAX_ROUND_KEY = 256  # bytes of a round's key in a statement
 
 
 def _rank(seed: str, peer: str) -> int:
@@ -250,7 +249,7 @@ def parse_partial(raw: bytes, round_key: bytes, groups: int, spans: int, numel: 
     if not isinstance(raw, bytes) or not raw.startswith(PARTIAL_TAG):
         raise WireError("not a partial sub-span")
     at = len(PARTIAL_TAG)
-    if len(raw) < at + 2 or len(round_key) > MAX_ROUND_KEY:
+    if len(raw) < at + 2:
         raise WireError("partial sub-span: short header")
     (key_len,) = struct.unpack_from(">H", raw, at)
     if raw[at + 2 : at + 2 + key_len] != round_key:

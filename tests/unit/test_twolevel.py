@@ -441,6 +441,48 @@ def test_any_bytes_give_an_output_or_a_wire_error(raw):
         assert list(out.groups) == sorted(set(out.groups)) and all(g < 4 for g in out.groups)
 
 
+# --- a partial from another owner ---------------------------------------------------------------
+
+
+def test_a_partial_goes_through_the_wire_and_back_and_anything_else_is_one_clear_wire_error():
+    raw = twolevel.partial_statement(b"round 7", 3, 5, 2, 6.5, torch.tensor([1.5, -2.0, 3.25e-7]))
+    span, sub, group, back = twolevel.parse_partial(raw, b"round 7", groups=8, spans=16, numel=3)
+    assert (span, sub, group, back.weight) == (3, 5, 2, 6.5)
+    assert torch.equal(back.values, torch.tensor([1.5, -2.0, 3.25e-7]))
+
+    def bad(round_key=b"round 7", span=3, sub=5, group=2, weight=6.5, values=(1.0, 2.0, 3.0)):
+        return twolevel.partial_statement(round_key, span, sub, group, weight, torch.tensor(values))
+
+    for raw, why in [
+        (bad()[:10], "not a partial"),
+        (bad(round_key=b"round 8"), "another round"),
+        (bad(round_key=b"round 77"), "another round"),
+        (bad()[:-1], "bytes for 3 values"),
+        (bad() + b"\0", "bytes for 3 values"),
+        (bad(span=16), "out of range"),
+        (bad(sub=8), "out of range"),
+        (bad(group=8), "out of range"),
+        (bad(weight=-1.0), "out of"),
+        (bad(weight=math.nan), "not finite"),
+        (bad(values=(1.0, math.inf, 3.0)), "not finite"),
+    ]:
+        with pytest.raises(twolevel.WireError, match=why):
+            twolevel.parse_partial(raw, b"round 7", groups=8, spans=16, numel=3)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.binary(max_size=200))
+def test_any_bytes_give_a_partial_or_a_wire_error(raw):
+    head = twolevel.PARTIAL_TAG + b"\x00\x01k"
+    for candidate in (raw, twolevel.PARTIAL_TAG + raw, head + raw):
+        try:
+            span, sub, group, partial = twolevel.parse_partial(candidate, b"k", groups=4, spans=4, numel=2)
+        except twolevel.WireError:
+            continue
+        assert span < 4 and sub < 4 and group < 4 and partial.weight >= 0
+        assert partial.values.shape == (2,) and bool(torch.isfinite(partial.values).all())
+
+
 # --- fixed spans on hivemind's partition ---------------------------------------------------------
 
 
