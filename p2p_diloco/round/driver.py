@@ -149,6 +149,9 @@ class RoundDriver:
     def start_averaging(self, trained: Trained, in_background: bool) -> InFlight:
         """Step 1: average this round's Δ with the peers at the same round (averaging.py)."""
         self.replica.phase.set("averaging")
+        # Before the group to expect is read: a test's gate that holds here (tests/swarm/round_gate.py)
+        # held after it once, and its peers then formed the group they had read before the hold.
+        faults.reached(faults.FaultPoint.MATCHMAKING, window_s=self.config.swarm.matchmaking_time_s)
         round_, expected = self.replica.state.round, self._expected_group()
         swarm, config, log = self.swarm, self.config, self.replica.log
 

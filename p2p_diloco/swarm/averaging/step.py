@@ -19,7 +19,6 @@ from hivemind.averaging.control import AveragingStage
 from hivemind.averaging.matchmaking import MatchmakingException
 from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
-from p2p_diloco import faults
 from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import AveragingError, SwarmError, SwarmMovedOn
 from p2p_diloco.protocol import deadlines, links
@@ -93,7 +92,6 @@ class AveragingStep:
     ) -> AllReduced | None:
         """See `Swarm.average`. `overtaken()`: whether the swarm finished the round meanwhile; while
         no all-reduce has begun, the step then ends at once (SwarmMovedOn), checked every second."""
-        faults.reached(faults.FaultPoint.MATCHMAKING, window_s=self.sc.matchmaking_time_s)
         self.check_averager()
         self._load(delta, exact, round_, expected_group)
         timeout = self._matchmaking_timeout(retry)
