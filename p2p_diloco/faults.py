@@ -26,6 +26,9 @@ class FaultPoint(enum.Enum):
     )
     STAGE2 = "stage2"  # a stage-2 primary summed a sub-span and is about to push it (context: peer, span, sub)
     LOTS = "lots"  # the averager process holds every average and is about to show its audit lot (context: group)
+    VERDICTS = (
+        "verdicts"  # the averager process checked its share of the audit, about to show its verdicts (context: group)
+    )
     ALLREDUCE_PART = "allreduce"  # the averager process sends or receives a part of an all-reduce
     ALLREDUCE_DONE = "allreduce-done"  # the averager process completed an all-reduce
     SERVE = "serve"  # another peer asks for this peer's state, before a byte is sent

@@ -214,6 +214,75 @@ def audited_chunks(
     return picked
 
 
+CHECKERS = 2  # members that check each audited chunk (or part) of a reducer; the others take their verdicts
+PASS, DOUBT, SILENT = (
+    0,
+    1,
+    2,
+)  # a checker's verdict on one item: it checks; it does not (or the part convicts); no answer
+WHOLE_PART = 0xFFFFFFFF  # an item's chunk field where the item is a whole part
+_VERDICT = struct.Struct(">HIIB")  # reducer index, part, chunk (WHOLE_PART), outcome
+Item = tuple[int, int, int]  # (reducer index, part, chunk or WHOLE_PART): one audited piece of a reducer's span
+
+
+def checkers(audit_seed: bytes, reducer: str, reducer_index: int, members: int, items: int) -> list[tuple[int, ...]]:
+    """Which members (indices in the group) check each of a reducer's `items` audited items: the
+    reducer's CHECKERS * items checks dealt in turn to the other members from an offset drawn by
+    the seed, CHECKERS different members an item; every other member checks every item where there
+    are no more than CHECKERS of them. Each member then checks about CHECKERS * items of the
+    group's items in all, whatever its size (every member checked every item before: k - 1 times
+    the items at k members), and a lie escapes only where every checker of its item lies with it."""
+    others = [m for m in range(members) if m != reducer_index]
+    if len(others) <= CHECKERS:
+        return [tuple(others)] * items
+    drawn = digest(audit_seed + b"checkers" + reducer.encode())
+    offset = int.from_bytes(drawn[:8], "big") % len(others)
+    return [
+        tuple(sorted(others[(offset + CHECKERS * i + c) % len(others)] for c in range(CHECKERS))) for i in range(items)
+    ]
+
+
+def verdict_statement(group_id: bytes, member: str, packed: bytes) -> bytes:
+    """What a member signs of its verdicts (`pack_verdicts`) in a group's audit."""
+    return _framed(b"p2p-diloco/audit-verdicts/v1", group_id, member.encode(), packed)
+
+
+def pack_verdicts(verdicts: dict[Item, int]) -> bytes:
+    """A member's verdicts on the items it checked, in item order, as one field."""
+    ordered = sorted(verdicts.items())
+    return struct.pack(">H", len(ordered)) + b"".join(_VERDICT.pack(*item, outcome) for item, outcome in ordered)
+
+
+def unpack_verdicts(raw: bytes) -> tuple[dict[Item, int], bytes, bytes]:
+    """(verdicts, their packed bytes, the rest: the signature) of a signed verdicts field from
+    another node (untrusted): WireError if it is not one."""
+    if len(raw) < 2:
+        raise wire.WireError("verdicts cut short")
+    n = struct.unpack(">H", raw[:2])[0]
+    end = 2 + n * _VERDICT.size
+    if len(raw) < end:
+        raise wire.WireError(f"a verdicts field of {len(raw)} bytes cannot hold {n} verdicts")
+    verdicts: dict[Item, int] = {}
+    for at in range(2, end, _VERDICT.size):
+        j, part, chunk, outcome = _VERDICT.unpack(raw[at : at + _VERDICT.size])
+        if outcome not in (PASS, DOUBT, SILENT) or (j, part, chunk) in verdicts:
+            raise wire.WireError(f"a verdict {outcome} on ({j}, {part}, {chunk}): unknown or repeated")
+        verdicts[(j, part, chunk)] = outcome
+    return verdicts, raw[:end], raw[end:]
+
+
+def unvouched(plan: dict[Item, tuple[int, ...]], me: int, verdicts: dict[int, dict[Item, int]]) -> list[Item]:
+    """The items this member (index `me`) must check itself after the verdicts came (`plan`: each
+    item's checkers; `verdicts`: member index -> its verdicts): those it did not check already
+    and that some checker did not vouch for (a doubt, no answer from the reducer, or no word at
+    all on it). A lie then escapes this member only where every checker of its item vouched for it."""
+    return [
+        item
+        for item, who in sorted(plan.items())
+        if me not in who and any(verdicts.get(m, {}).get(item) != PASS for m in who)
+    ]
+
+
 def parts_to_audit(part_bytes: int, budget_bytes: int = AUDIT_BYTES) -> int:
     """How many of a reducer's parts each audit checks: as many as fit `budget_bytes`, at least one.
     A big model's 2 MiB parts: one, a fraction q of a liar's parts caught with probability q per
@@ -250,10 +319,19 @@ def lot_wait_s(chunk_timeout_s: float | None, butterfly_s: float) -> float:
     return max(floor, LOT_SPREAD * max(butterfly_s, 0.0))
 
 
-def answers_bytes(auditors: int, parts: int, senders: int, part_bytes: int) -> int:
-    """What one reducer uploads to answer a group's audits: each auditor asks for `parts` of its
-    parts (or chunks: then `part_bytes` is a chunk's), each with every sender's signed one."""
-    return auditors * parts * senders * part_bytes
+def verdict_wait_s(chunk_timeout_s: float | None, checks_s: float) -> float:
+    """How long a member waits for every member's verdicts once its own checks are done (in
+    `checks_s`): the others started theirs within a round trip of this member (the lots come to
+    all at once) but may check more items or over a slower link, up to AUDIT_MARGIN times as
+    long; never under the all-reduce's wait for a chunk (LOT_FLOOR_S where it has none)."""
+    floor = LOT_FLOOR_S if chunk_timeout_s is None else chunk_timeout_s
+    return max(floor, AUDIT_MARGIN * max(checks_s, 0.0))
+
+
+def answers_bytes(checks: int, senders: int, part_bytes: int) -> int:
+    """What one reducer uploads to answer a group's audits: `checks` items (a checker's ask for one
+    of its parts or chunks: then `part_bytes` is a chunk's), each with every sender's signed one."""
+    return checks * senders * part_bytes
 
 
 def disagreement(

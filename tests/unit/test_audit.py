@@ -110,7 +110,7 @@ def test_the_ledger_keeps_only_parts_and_averages_their_signers_signed(keys):
         )
     with pytest.raises(AllreduceException, match=f"no audit lot from {x}, {y}"):
         at_x.seed()  # no seed before every member's lot is in
-    assert at_y.accept_lot(x, at_x.own_lot(x)) and at_x.accept_lot(y, at_y.own_lot(y))
+    assert at_y.lots.accept(x, at_x.own_lot(x)) and at_x.lots.accept(y, at_y.own_lot(y))
     assert at_x.seed() == at_y.seed()  # both hold the same average and the same lots: the same audit
     assert isinstance(kx, RSAPrivateKey)
 
@@ -130,10 +130,10 @@ def test_a_lot_is_the_one_value_its_members_key_gives_and_nobody_else_can_show_i
         b"\x00" + lot,  # the same value, one byte longer
         b"",
     ]
-    assert not any(at_x.accept_lot(y, other) for other in refused)
-    assert not at_x.accept_lot("not a member", lot)
-    assert at_x.missing_lots() == [x, y]
-    assert at_x.accept_lot(y, lot) and at_x.missing_lots() == [x]
+    assert not any(at_x.lots.accept(y, other) for other in refused)
+    assert not at_x.lots.accept("not a member", lot)
+    assert at_x.lots.missing() == [x, y]
+    assert at_x.lots.accept(y, lot) and at_x.lots.missing() == [x]
 
 
 def test_a_silent_reducer_is_left_out_for_a_period_that_doubles_up_to_an_hour():
@@ -178,7 +178,7 @@ def test_the_audits_wait_follows_what_the_reducer_must_upload_at_the_butterflys_
     # per reducer, 4 senders, 3 auditors: 22.5 MB through the reducer's upload. The butterfly
     # delivered 15 MB to each member in 13.6 s (1.1 MB/s): 3 x 20.4 s, not the fixed 15 s that let
     # 1 all-reduce in 6 fail.
-    volume = audit.answers_bytes(auditors=3, parts=3, senders=4, part_bytes=625_000)
+    volume = audit.answers_bytes(checks=3 * 3, senders=4, part_bytes=625_000)
     assert volume == 22_500_000
     assert audit.reply_timeout_s(15.0, volume, 15e6 / 13.6) == pytest.approx(3 * 22.5e6 / (15e6 / 13.6))
     # a small group on a fast link keeps the all-reduce's own wait; no pace measured: the same
@@ -196,7 +196,7 @@ def test_an_answer_slower_than_the_chunk_wait_but_as_fast_as_its_volume_allows_i
 
     from hivemind.proto import averaging_pb2
 
-    from p2p_diloco.swarm.averaging.auditor import Auditor
+    from p2p_diloco.swarm.averaging.inspection import Inspector
 
     senders = 3
 
@@ -218,19 +218,19 @@ def test_an_answer_slower_than_the_chunk_wait_but_as_fast_as_its_volume_allows_i
     runner = SimpleNamespace(
         tensor_part_container=container,
         ordered_peer_ids=("me", "reducer", "other"),
-        ledger=SimpleNamespace(senders=("me", "reducer", "other")),
+        ledger=SimpleNamespace(senders=("me", "reducer", "other"), peers=("me", "reducer", "other")),
         aggregation=("centered-clip", 1.0, 2.0),  # audited whole parts, as before chunks
         sender_timeout=0.1,
         group_id=b"g",
     )
-    auditor = Auditor(SlowReducer, evidence=None, left_out_changed=lambda: None)
-    monkeypatch.setattr(auditor, "_judge", lambda runner, j, part, shown: None if len(shown) == senders else "short")
+    inspector = Inspector(SlowReducer, evidence=None)
+    monkeypatch.setattr(inspector, "_judge", lambda runner, j, part, shown: None if len(shown) == senders else "short")
     # volume: 2 auditors x 1 part x 3 senders x 1 MB = 6 MB, at 8 MB/s: 0.75 s, x 3 = 2.25 s
-    received: list[int] = []
-    assert asyncio.run(auditor._audit_one(runner, 1, b"seed", received, pace_bytes_s=8e6)) is None
+    item, received = (1, 0, audit.WHOLE_PART), []
+    assert asyncio.run(inspector.check(runner, 1, [item], 2, received, pace_bytes_s=8e6)) == {item: (audit.PASS, "")}
     assert len(received) == 1
-    verdict = asyncio.run(auditor._audit_one(runner, 1, b"seed", [], pace_bytes_s=0.0))
-    assert verdict == (False, "no answer to the audit of part 0 (TimeoutError)")
+    found = asyncio.run(inspector.check(runner, 1, [item], 2, [], pace_bytes_s=0.0))
+    assert found == {item: (audit.SILENT, "no answer to the audit of part 0 (TimeoutError)")}
 
 
 def test_an_all_reduce_with_no_chunk_wait_keeps_no_limit_on_its_audit():
@@ -382,7 +382,8 @@ def _reduced(trio, parts, aggregation, lie=None):
 
 
 def _chunk_verdicts(reducer, auditor, aggregation):
-    from p2p_diloco.swarm.averaging.auditor import _shown, chunk_disagreement
+    from p2p_diloco.swarm.averaging.auditor import _shown
+    from p2p_diloco.swarm.averaging.inspection import chunk_disagreement
 
     signed = reducer.parts[0]
     return [
@@ -407,7 +408,8 @@ def test_the_audit_of_a_chunk_passes_an_honest_reducer_and_sees_a_lie_where_it_i
     assert verdicts[:2] == [None, None] and "off by" in verdicts[2]  # seen only where audited
 
     reducer, auditor = _reduced(trio, parts, CLIP)
-    from p2p_diloco.swarm.averaging.auditor import _shown, chunk_disagreement
+    from p2p_diloco.swarm.averaging.auditor import _shown
+    from p2p_diloco.swarm.averaging.inspection import chunk_disagreement
 
     signed = reducer.parts[0]
     swapped = [_shown(signed[s], 0) for s in range(3)]

@@ -1,11 +1,17 @@
 """The audit after every all-reduce (trust/audit.py): the averager's `Auditor`, run in the averager process.
 
-Once a member holds every average of its group, and before it applies any, it asks each other
-reducer for every sender's signed chunk of some chunks of its span (`audit.audited_chunks`), checks
-the senders' signatures and seals, recomputes the combination of the chunks and compares it with
-the same chunk of the signed average it received. A chunk that does not check (or any part under
+Once a member holds every average of its group, and before it applies any, it shows its lot and
+collects every member's (showings.py): the audit's seed. The seed picks some chunks of each other
+reducer's span (`audit.audited_chunks`), and for each chunk CHECKERS members that check it
+(`audit.checkers`). A checker asks the reducer for every sender's signed chunk, checks the senders'
+signatures and seals, recomputes the combination of the chunks and compares it with the same chunk
+of the signed average it received (inspection.py). A chunk that does not check (or any part under
 centered-clip, `audit.CHUNK_AUDITABLE`) is settled on the whole part: every sender's signed part
-of it, recomputed as the reducer had to (`audit.disagreement`).
+of it, recomputed as the reducer had to (`audit.disagreement`). Every member then shows its signed
+verdicts and collects every member's (showings.py), and checks itself every item some checker did
+not vouch for (`audit.unvouched`): a lie escapes a member only where every checker of its item lied
+with the reducer, and each member checks about CHECKERS x AUDIT_CHUNKS items, not k - 1 times that.
+In groups of 3 or fewer, every other member checks every item, and no verdicts are shown.
 
 - A reducer whose average does not match, or that shows a part its sender did not sign, is
   **convicted**: the all-reduce fails (nothing applied, I2), and this member refuses the reducer
@@ -20,7 +26,6 @@ A reducer serves the parts of its KEEP_GROUPS latest groups, to members of that 
 from __future__ import annotations
 
 import asyncio
-import math
 import struct
 import time
 from collections import OrderedDict
@@ -34,19 +39,17 @@ from hivemind.utils import get_logger
 
 from p2p_diloco import faults
 from p2p_diloco.protocol import codecs
-from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner, malformed
-from p2p_diloco.swarm.averaging.evidence import Case, EvidenceDesk, judge, sender_case
+from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
+from p2p_diloco.swarm.averaging.evidence import EvidenceDesk, sender_case
+from p2p_diloco.swarm.averaging.inspection import WHOLE, Found, Inspector
 from p2p_diloco.swarm.averaging.ledger import Ledger, SignedPart, codec_of, numel_of
-from p2p_diloco.swarm.averaging.lots import Lots
+from p2p_diloco.swarm.averaging.showings import Showing
 from p2p_diloco.swarm.transport import streams
-from p2p_diloco.trust import audit, wire
+from p2p_diloco.trust import audit
 
 logger = get_logger(__name__)
 
 KEEP_GROUPS = 2  # groups whose signed parts a reducer keeps for auditors
-WHOLE = None  # an audit request for whole parts, not a chunk
-ESCALATE = (False, "")  # a chunk that did not check: the whole part settles it
-CHUNK_ANSWER_BYTES = 4 * codecs.CHUNK_VALUES + 2048  # one sender's chunk and seal in an audit's answer, at most
 
 
 class ReducerConvicted(AllreduceException):
@@ -66,7 +69,13 @@ class Auditor:
         self.convicted: set[str] = set()  # reducers and senders this member refuses for the rest of the run
         self._benched: dict[str, tuple[int, float]] = {}  # reducer -> (unanswered audits, left out until: monotonic s)
         self._kept: OrderedDict[bytes, ConsistentAllReduceRunner] = OrderedDict()  # group -> its runner
-        self.lots = Lots(stub)  # the lots behind each kept group's audit seed (lots.py)
+        # What every member shows once it holds every average (showings.py): its lot, behind the
+        # audit's seed, and then its verdicts on the items it checked.
+        self._inspector = Inspector(stub, evidence)
+        self.lots = Showing(stub, "rpc_lots", "lot", lambda ledger: ledger.lots, faults.FaultPoint.LOTS)
+        self.verdicts = Showing(
+            stub, "rpc_verdicts", "verdicts", lambda ledger: ledger.verdicts, faults.FaultPoint.VERDICTS
+        )
 
     def left_out(self, peer: Any) -> str | None:
         """Why `peer` is kept out of this member's groups (at every door), or None."""
@@ -117,12 +126,19 @@ class Auditor:
         while len(self._kept) > KEEP_GROUPS:
             self._kept.popitem(last=False)
         self.lots.keep(list(self._kept))
+        self.verdicts.keep(list(self._kept))
 
     def answer_lots(
         self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncGenerator[averaging_pb2.AveragingData, None]:
-        """As a reducer: another member's lot in, every member's out (lots.py)."""
+        """As a reducer: another member's lot in, every member's out (showings.py)."""
         return self.lots.answer(requests, context, self._kept)
+
+    def answer_verdicts(
+        self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncGenerator[averaging_pb2.AveragingData, None]:
+        """As a reducer: another member's verdicts in, every member's out (showings.py)."""
+        return self.verdicts.answer(requests, context, self._kept)
 
     async def answer(
         self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
@@ -164,147 +180,101 @@ class Auditor:
     async def check(
         self, runner: ConsistentAllReduceRunner, pace_bytes_s: float = 0.0, butterfly_s: float = 0.0
     ) -> int:
-        """Gather every member's lot, then audit every other reducer of the group; raise if any
+        """Gather every member's lot, check this member's share of the audit (audit.checkers),
+        show its verdicts and check whatever the others did not vouch for; raise if a reducer
         failed (before anything is applied). `pace_bytes_s`: how fast the butterfly moved
         (audit.reply_timeout_s), in `butterfly_s` (audit.lot_wait_s). Returns the bytes the
-        reducers' answers took (their messages' sizes)."""
-        await self.lots.gather(runner, audit.lot_wait_s(runner.sender_timeout, butterfly_s))
-        seed = runner.ledger.seed()
-        me = runner.ordered_peer_ids.index(runner.peer_id)
-        reducers = [j for j, n in enumerate(runner.tensor_part_container.num_parts_by_peer) if n > 0 and j != me]
-        received: list[int] = []
-        audits = (self._audit_one(runner, j, seed, received, pace_bytes_s) for j in reducers)
-        verdicts = await asyncio.gather(*audits)
-        convictions = [(j, v[1]) for j, v in zip(reducers, verdicts) if v is not None and v[0]]
-        for j, reason in convictions:
-            peer = str(runner.ordered_peer_ids[j])
-            self.convicted.add(peer)
-            logger.warning("convicted reducer %s in the audit: %s; it is refused for the rest of the run", peer, reason)
-        if convictions:
-            j, reason = convictions[0]
-            raise ReducerConvicted(f"reducer {runner.ordered_peer_ids[j]} failed the audit: {reason}; nothing applied")
-        unanswered = [(j, v[1]) for j, v in zip(reducers, verdicts) if v is not None]
-        for j, reason in unanswered:
-            self.bench(str(runner.ordered_peer_ids[j]), reason)
-        if unanswered:
-            j, reason = unanswered[0]
-            raise AllreduceException(f"reducer {runner.ordered_peer_ids[j]}: {reason}; nothing applied")
+        answers took (the reducers' to the audit, the lots and verdicts passed on)."""
+        ledger, me = runner.ledger, runner.ordered_peer_ids.index(runner.peer_id)
+        wait_s = audit.lot_wait_s(runner.sender_timeout, butterfly_s)
+        received = [await self.lots.gather(runner, lambda: ledger.own_lot(ledger.peers[me]), wait_s)]
+        plan = self._plan(runner, ledger.seed())
+        started = time.monotonic()
+        found = await self._inspect(runner, [i for i, who in plan.items() if me in who], plan, received, pace_bytes_s)
+        if any(me not in who for who in plan.values()):  # some items are others' to check: take their word
+            verdicts = {item: outcome for item, (outcome, _) in found.items()}
+            wait_s = audit.verdict_wait_s(runner.sender_timeout, time.monotonic() - started)
+            own = lambda: ledger.own_verdicts(ledger.peers[me], verdicts)  # noqa: E731
+            received.append(await self.verdicts.gather(runner, own, wait_s))
+            read = {ledger.peers.index(m): v for m, v in ledger.verdicts.read.items()}
+            doubted = audit.unvouched(plan, me, read)
+            if doubted:
+                logger.info("%d audited items not vouched for by their checkers: checking them", len(doubted))
+            more = await self._inspect(runner, doubted, plan, received, pace_bytes_s)
+            found |= {
+                item: (outcome, why + _doubters(item, plan, read, ledger.peers))
+                for item, (outcome, why) in more.items()
+            }
+        self._conclude(runner, found)
         return sum(received)
 
-    async def _audit_one(
-        self, runner: ConsistentAllReduceRunner, j: int, seed: bytes, received: list[int], pace_bytes_s: float
-    ) -> tuple[bool, str] | None:
-        """None if reducer `j` passes; (True, why) if it is convicted; (False, why) if it did not
-        answer. Its chunks first, then whole the parts whose chunk did not check (or, where the
-        aggregator is not chunk-local, parts as audit.parts_to_audit). The size of each answer goes
-        to `received`."""
-        container = runner.tensor_part_container
-        reducer, num_parts = str(runner.ordered_peer_ids[j]), container.num_parts_by_peer[j]
-        senders, auditors = len(runner.ledger.senders), len(runner.ordered_peer_ids) - 1
-        if runner.aggregation[0] in audit.CHUNK_AUDITABLE:
-            sizes = [numel_of(runner.ledger.averages[(j, p)].encoded) for p in range(num_parts)]
-            picked = audit.audited_chunks(seed, reducer, sizes)
-            volume = audit.answers_bytes(auditors, len(picked), senders, CHUNK_ANSWER_BYTES)
-            wait_s = audit.reply_timeout_s(runner.sender_timeout, volume, pace_bytes_s)
-            checks = (self._audit_chunk(runner, j, part, chunk, received, wait_s) for part, chunk in picked)
-            results = await asyncio.gather(*checks)
-            unanswered = [v for v in results if v is not None and v is not ESCALATE]
-            if unanswered:
-                return unanswered[0]
-            parts = sorted({part for (part, _), v in zip(picked, results) if v is ESCALATE})
-        else:
-            parts = audit.audited_parts(seed, reducer, num_parts, audit.parts_to_audit(container.part_size_bytes))
-        volume = audit.answers_bytes(auditors, len(parts), senders, container.part_size_bytes)
-        wait_s = audit.reply_timeout_s(runner.sender_timeout, volume, pace_bytes_s)
-        verdicts = await asyncio.gather(*(self._audit_part(runner, j, part, received, wait_s) for part in parts))
-        failed = [v for v in verdicts if v is not None]
-        return next((v for v in failed if v[0]), failed[0] if failed else None)  # a conviction first
+    def _plan(self, runner: ConsistentAllReduceRunner, seed: bytes) -> dict[audit.Item, tuple[int, ...]]:
+        """Every audited item of every other reducer's span, with the members that check it. Chunks
+        (audit.audited_chunks), or whole parts where the aggregator is not chunk-local
+        (audit.parts_to_audit)."""
+        container, ledger = runner.tensor_part_container, runner.ledger
+        me = runner.ordered_peer_ids.index(runner.peer_id)
+        plan: dict[audit.Item, tuple[int, ...]] = {}
+        for j, num_parts in enumerate(container.num_parts_by_peer):
+            if num_parts == 0 or j == me:
+                continue
+            if runner.aggregation[0] in audit.CHUNK_AUDITABLE:
+                sizes = [numel_of(ledger.averages[(j, p)].encoded) for p in range(num_parts)]
+                items = [(j, part, chunk) for part, chunk in audit.audited_chunks(seed, ledger.peers[j], sizes)]
+            else:
+                count = audit.parts_to_audit(container.part_size_bytes)
+                parts = audit.audited_parts(seed, ledger.peers[j], num_parts, count)
+                items = [(j, part, audit.WHOLE_PART) for part in parts]
+            who = audit.checkers(seed, ledger.peers[j], j, len(ledger.peers), len(items))
+            plan.update(zip(items, who))
+        return plan
 
-    async def _audit_chunk(
+    async def _inspect(
         self,
         runner: ConsistentAllReduceRunner,
-        j: int,
-        part: int,
-        chunk: int,
+        items: list[audit.Item],
+        plan: dict[audit.Item, tuple[int, ...]],
         received: list[int],
-        wait_s: float | None,
-    ) -> tuple[bool, str] | None:
-        """None if chunk `chunk` of reducer `j`'s part checks, ESCALATE if it does not, (False, why)
-        if the reducer did not answer."""
-        peer = runner.ordered_peer_ids[j]
-        try:
-            shown = await self._ask(peer, runner.group_id, part, len(runner.ledger.senders), wait_s, chunk)
-        except Exception as e:  # a dead, slow or garbled reducer: the round fails, nobody is convicted
-            return False, f"no answer to the audit of part {part}, chunk {chunk} ({type(e).__name__})"
-        received.append(sum(message.ByteSize() for message in shown))
-        why = chunk_disagreement(runner.ledger, runner.aggregation, j, part, chunk, shown)
-        if why is None:
-            return None
-        logger.info(
-            "reducer %s: chunk %d of part %d does not check (%s); auditing the part whole", peer, chunk, part, why
+        pace_bytes_s: float,
+    ) -> Found:
+        """Check `items`, every reducer's at once (inspection.py); `plan`: every item's checkers."""
+        reducers = sorted({item[0] for item in items})
+        checks = {j: sum(len(who) for item, who in plan.items() if item[0] == j) for j in reducers}
+        found = await asyncio.gather(
+            *(
+                self._inspector.check(runner, j, [i for i in items if i[0] == j], checks[j], received, pace_bytes_s)
+                for j in reducers
+            )
         )
-        return ESCALATE
+        return {item: outcome for by_reducer in found for item, outcome in by_reducer.items()}
 
-    async def _audit_part(
-        self, runner: ConsistentAllReduceRunner, j: int, part: int, received: list[int], wait_s: float | None
-    ) -> tuple[bool, str] | None:
-        """The verdict on one whole part of reducer `j`'s span, as `_audit_one`'s; `wait_s`: the
-        longest wait for the next message of its answer."""
-        peer = runner.ordered_peer_ids[j]
-        try:
-            shown = await self._ask(peer, runner.group_id, part, len(runner.ledger.senders), wait_s)
-        except Exception as e:  # a dead, slow or garbled reducer: the round fails, nobody is convicted
-            return False, f"no answer to the audit of part {part} ({type(e).__name__})"
-        received.append(sum(message.ByteSize() for message in shown))
-        return self._judge(runner, j, part, shown)
+    def _conclude(self, runner: ConsistentAllReduceRunner, found: Found) -> None:
+        """Convict the reducers whose item convicted, bench those that did not answer; raise for
+        the first of either (a conviction first): nothing is applied."""
+        peers = runner.ledger.peers
+        convictions = {item[0]: why for item, (outcome, why) in sorted(found.items()) if outcome == audit.DOUBT}
+        for j, reason in convictions.items():
+            self.convicted.add(peers[j])
+            logger.warning(
+                "convicted reducer %s in the audit: %s; it is refused for the rest of the run", peers[j], reason
+            )
+        if convictions:
+            j, reason = next(iter(convictions.items()))
+            raise ReducerConvicted(f"reducer {peers[j]} failed the audit: {reason}; nothing applied")
+        unanswered = {item[0]: why for item, (outcome, why) in sorted(found.items()) if outcome == audit.SILENT}
+        for j, reason in unanswered.items():
+            self.bench(peers[j], reason)
+        if unanswered:
+            j, reason = next(iter(unanswered.items()))
+            raise AllreduceException(f"reducer {peers[j]}: {reason}; nothing applied")
 
-    async def _ask(
-        self,
-        peer: Any,
-        group_id: bytes,
-        part: int,
-        senders: int,
-        reply_timeout_s: float | None,
-        chunk: int | None = WHOLE,
-    ) -> list[averaging_pb2.AveragingData]:
-        """The reducer's answer, each signed part within `reply_timeout_s` (audit.reply_timeout_s:
-        the all-reduce's own wait for a chunk, longer only as far as the answers' volume needs at
-        the butterfly's pace): a member that hung after its all-reduce (its answers all sent, a
-        laptop gone to sleep) would cost the others the whole all-reduce deadline and then the
-        retry's matchmaking (docs/design.md §3, step 7)."""
-        asked = b"" if chunk is WHOLE else struct.pack(">I", chunk)
-        request = averaging_pb2.AveragingData(group_id=group_id, weight=float(part), peer_id=asked)
-        return await streams.ask(
-            self._stub(peer).rpc_audit, request, lambda shown: len(shown) == senders, senders, reply_timeout_s
-        )
 
-    def _judge(
-        self, runner: ConsistentAllReduceRunner, j: int, part: int, shown: list[averaging_pb2.AveragingData]
-    ) -> tuple[bool, str] | None:
-        """The audit's verdict on reducer `j` (see `_audit_one`): a conviction only on what is
-        signed; its case is kept for peers outside the group (swarm/averaging/evidence.py)."""
-        ledger = runner.ledger
-        if len(shown) != len(ledger.senders):
-            # Nothing signed says so: a stream cut short looks the same (a peer that just resumed,
-            # say). The round fails; nobody is convicted.
-            return False, f"answered the audit of part {part} with {len(shown)} parts for {len(ledger.senders)} senders"
-        average = ledger.averages[(j, part)]
-        case = Case(
-            ledger.group_id,
-            ledger.peers,
-            ledger.senders,
-            ledger.keys,
-            j,
-            part,
-            shown,
-            average.encoded,
-            average.signature,
-        )
-        verdict = judge(case, runner.codec, runner.aggregation)
-        if verdict is None:
-            return None
-        self._evidence.file(ledger.peers[j], case)
-        return True, verdict[1]
+def _doubters(
+    item: audit.Item, plan: dict[audit.Item, tuple[int, ...]], read: dict[int, dict[audit.Item, int]], peers: list[str]
+) -> str:
+    """Which checkers did not vouch for `item`, for the line that says why this member checked it."""
+    doubters = [peers[m] for m in plan[item] if read.get(m, {}).get(item) != audit.PASS]
+    return f" (checked after {', '.join(doubters)} did not vouch for it)" if doubters else ""
 
 
 def _chunk_asked(raw: bytes) -> int | None:
@@ -338,62 +308,3 @@ def _shown(part: SignedPart, chunk: int | None) -> averaging_pb2.AveragingData |
         weight=part.weight,
         peer_id=part.sealed(digests=True),
     )
-
-
-def chunk_disagreement(
-    ledger: Ledger,
-    aggregation: tuple[Any, float, float],
-    j: int,
-    part: int,
-    chunk: int,
-    shown: list[averaging_pb2.AveragingData],
-) -> str | None:
-    """Why the chunks reducer `j` showed of `part` do not check against the signed average this
-    member holds (a chunk or seal not signed, a chunk not its seal's, or not the combination), or
-    None. Not a conviction: the whole part settles it."""
-    if len(shown) != len(ledger.senders):
-        return f"{len(shown)} chunks for {len(ledger.senders)} senders"
-    average = ledger.averages[(j, part)].encoded
-    codec, numel = codec_of(average), numel_of(average)
-    if codec is None:
-        return f"an average encoded as {average.dtype!r}"
-    start, end = codecs.chunk_bounds(numel)[chunk]
-    pieces, norms = [], []
-    for sender, message in zip(ledger.senders, shown):
-        checked = _signed_chunk(ledger, j, part, chunk, sender, message, numel)
-        if isinstance(checked, str):
-            return f"sender {sender}'s: {checked}"
-        pieces.append(checked[0])
-        norms.append(checked[1])
-    answered = codec.decode(codec.piece(average.buffer, numel, start, end), end - start)
-    return audit.chunk_disagreement(pieces, [m.weight for m in shown], norms, aggregation, codec, answered)
-
-
-def _signed_chunk(
-    ledger: Ledger, j: int, part: int, chunk: int, sender: str, message: averaging_pb2.AveragingData, numel: int
-) -> tuple[Any, float] | str:
-    """(the decoded chunk, the norm of its whole part) of what `sender` signed, or why not."""
-    try:
-        norms, digests, signature = audit.unpack_seal(message.peer_id)
-    except wire.WireError as e:
-        return str(e)
-    bounds = codecs.chunk_bounds(numel)
-    seal = audit.Seal(digests, norms)
-    statement = audit.part_statement(
-        ledger.group_id, ledger.peers[j], part, message.weight, seal.root(), numel, message.tensor_part.dtype
-    )
-    if len(digests) != len(bounds) or not ledger.keys[sender].verify(statement, signature):
-        return "not signed"
-    if audit.digest(message.tensor_part.buffer) != digests[chunk] or not all(
-        math.isfinite(n) and n >= 0 for n in norms
-    ):
-        return "not its seal's"
-    codec = codec_of(message.tensor_part)
-    start, end = bounds[chunk]
-    try:
-        decoded = codec.decode(message.tensor_part.buffer, end - start) if codec is not None else None
-    except ValueError:
-        decoded = None
-    if decoded is None or malformed(decoded, message.weight, (norms[chunk],)) is not None:
-        return "malformed"
-    return decoded, seal.norm()

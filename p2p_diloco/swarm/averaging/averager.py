@@ -424,6 +424,14 @@ class DiLoCoAverager(BoundedAverager):
             async for message in answers:
                 yield message
 
+    async def rpc_verdicts(
+        self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.AveragingData]:
+        """A member's audit verdicts, answered with every member's (`Auditor.answer_verdicts`)."""
+        async with aclosing(self.auditor.answer_verdicts(requests, context)) as answers:
+            async for message in answers:
+                yield message
+
     async def rpc_evidence(
         self, requests: AsyncIterator[averaging_pb2.AveragingData], context: P2PContext
     ) -> AsyncIterator[averaging_pb2.AveragingData]:

@@ -13,6 +13,7 @@ audit's seed needs them all.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -83,6 +84,35 @@ class SignedAverage:
     signature: bytes
 
 
+class Board:
+    """What every member of a group shows the others once after its all-reduce (its audit lot, its
+    verdicts: swarm/averaging/showings.py), each value kept only once it holds for its member."""
+
+    def __init__(self, peers: list[str], keys: dict[str, RSAPublicKey], holds: Callable[[str, bytes], Any]):
+        """`holds(member, value)`: what the value says if it is `member`'s (checked against its
+        key), else None."""
+        self.peers, self._keys, self._holds = peers, keys, holds
+        self.shown: dict[str, bytes] = {}  # member -> the value it showed, as it came
+        self.read: dict[str, Any] = {}  # member -> what its value says
+
+    def show(self, member: str, value: bytes, read: Any) -> None:
+        self.shown[member], self.read[member] = value, read
+
+    def accept(self, member: str, value: bytes) -> bool:
+        """Keep `member`'s value if it is a member and the value holds; whether it was kept."""
+        if member not in self.peers or member not in self._keys:
+            return False
+        read = self._holds(member, value)
+        if read is None:
+            return False
+        self.show(member, value, read)
+        return True
+
+    def missing(self) -> list[str]:
+        """The members whose value this member does not hold yet."""
+        return [p for p in self.peers if p not in self.shown]
+
+
 class Ledger:
     """Signatures made and checked in one all-reduce, and what they cover."""
 
@@ -111,7 +141,8 @@ class Ledger:
         # only this member knows the span layout it computed, so no case others could judge;
         # refused here from then on, like a bad signer.
         self.misfits: set[str] = set()
-        self.lots: dict[str, bytes] = {}  # member -> its lot in this group's audit, checked
+        self.lots = Board(peers, keys, self._lot_holds)  # every member's lot in this group's audit
+        self.verdicts = Board(peers, keys, self._verdicts_hold)  # every member's verdicts on the items it checked
 
     def sign_part(
         self, reducer: int, part: int, weight: float, encoded: runtime_pb2.Tensor, decoded: torch.Tensor
@@ -158,28 +189,36 @@ class Ledger:
     def own_lot(self, me: str) -> bytes:
         """This member's lot (identity.draw_lot; `me`: its peer id): show it only once this member
         holds every average."""
-        if me not in self.lots:
-            self.lots[me] = identity.draw_lot(self._signer, audit.lot_statement(self.group_id))
-        return self.lots[me]
+        if me not in self.lots.shown:
+            self.lots.show(me, identity.draw_lot(self._signer, audit.lot_statement(self.group_id)), True)
+        return self.lots.shown[me]
 
-    def accept_lot(self, member: str, lot: bytes) -> bool:
-        """Keep `member`'s lot if it is a member and the lot is its own; whether it was kept."""
-        key = self.keys.get(member)
-        if member not in self.peers or key is None:
-            return False
-        if not identity.lot_holds(key, audit.lot_statement(self.group_id), lot):
-            return False
-        self.lots[member] = lot
-        return True
+    def own_verdicts(self, me: str, verdicts: dict[audit.Item, int]) -> bytes:
+        """This member's verdicts on the items it checked, signed (audit.pack_verdicts)."""
+        if me not in self.verdicts.shown:
+            packed = audit.pack_verdicts(verdicts)
+            signature = self._signer.sign(audit.verdict_statement(self.group_id, me, packed))
+            self.verdicts.show(me, packed + signature, dict(verdicts))
+        return self.verdicts.shown[me]
 
-    def missing_lots(self) -> list[str]:
-        """The members whose lot this member does not hold yet."""
-        return [p for p in self.peers if p not in self.lots]
+    def _lot_holds(self, member: str, lot: bytes) -> bool | None:
+        return identity.lot_holds(self.keys[member], audit.lot_statement(self.group_id), lot) or None
+
+    def _verdicts_hold(self, member: str, raw: bytes) -> dict[audit.Item, int] | None:
+        try:
+            verdicts, packed, signature = audit.unpack_verdicts(raw)
+        except wire.WireError:
+            return None
+        return (
+            verdicts
+            if self.keys[member].verify(audit.verdict_statement(self.group_id, member, packed), signature)
+            else None
+        )
 
     def seed(self) -> bytes:
         """The audit's randomness, from every average this member holds (reducer, then part order)
         and every member's lot (member order); all of them must be here."""
-        if missing := self.missing_lots():
+        if missing := self.lots.missing():
             raise AllreduceException(f"no audit lot from {', '.join(missing)}")
         outputs = [audit.digest(self.averages[k].encoded.buffer) for k in sorted(self.averages)]
-        return audit.seed(self.group_id, outputs, [self.lots[p] for p in self.peers])
+        return audit.seed(self.group_id, outputs, [self.lots.shown[p] for p in self.peers])
