@@ -15,6 +15,12 @@ reports what it measured of the others' links (bytes/s) and the figure it then a
 
 With `mean` the reducers take the plain weighted mean (swarm.aggregator), else `clip`.
 
+With `lie-on-first-part` the peer, as a reducer, answers its span's first part x 100 and the rest
+true: a lie on one audited chunk, which only that chunk's checkers see themselves (trust/audit.py).
+
+With `vouch-all` the peer signs PASS on every item of the audit it was dealt, whatever it found: a
+checker that lies for a reducer.
+
 With `kill-averager` the peer SIGKILLs its own averager process right after handing it the step:
 the averaging process dying under a peer that is waiting for its result.
 """
@@ -35,6 +41,8 @@ from p2p_diloco.protocol import codecs
 from p2p_diloco.swarm import HivemindSwarm
 from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
+from p2p_diloco.swarm.averaging.ledger import Ledger
+from p2p_diloco.trust import audit
 
 NUMEL = 1000
 EXACT = 10
@@ -58,6 +66,26 @@ def die_as_reducer() -> None:
             yield reply
 
     ConsistentAllReduceRunner._accumulate_parts_streaming = dying
+
+
+def lie_on_first_part() -> None:
+    """Patch the reducer side to answer its span's part 0 x 100."""
+    original = ConsistentAllReduceRunner._encode_average
+
+    def encode_average(self, part_index, averaged):
+        return original(self, part_index, averaged * 100 if part_index == 0 else averaged)
+
+    ConsistentAllReduceRunner._encode_average = encode_average
+
+
+def vouch_for_all() -> None:
+    """Patch this member's verdicts to PASS on every item it was dealt."""
+    original = Ledger.own_verdicts
+
+    def vouching(self, me, verdicts):
+        return original(self, me, {item: audit.PASS for item in verdicts})
+
+    Ledger.own_verdicts = vouching
 
 
 def kill_averager_after_start() -> None:
@@ -165,5 +193,9 @@ if __name__ == "__main__":
         die_as_reducer()
     if "kill-averager" in sys.argv:
         kill_averager_after_start()
+    if "lie-on-first-part" in sys.argv:
+        lie_on_first_part()
+    if "vouch-all" in sys.argv:
+        vouch_for_all()
     numel = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6].isdigit() else NUMEL
     main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5], numel)

@@ -128,6 +128,55 @@ def test_average_is_the_hand_computed_weighted_mean_on_every_peer(swarm, codec):
         assert residuals == ["codec-loss"] * 3  # the reducer's own part goes through the codec too (trust/audit.py)
 
 
+# Five members, so that each audited chunk has 2 checkers of the 4 others (trust/audit.py, checkers).
+# 327,580 values: 1,310,360 bytes over 5 reducers x 4 parts is under 64 KiB a part, so parts are
+# 64 KiB (links.MIN_PART_BYTES): one 16,384-value chunk each, 20 parts and the 10 exact values' part
+# over 5 spans of 4-5 parts; 4 or 5 chunks a span, so the first audited chunk is always the first
+# part's (audit.audited_chunks: runs [0], [1], [2], [3, 4]).
+SHARED = str(5 * 4 * CHUNK_VALUES - 100)
+
+
+@pytest.mark.timeout(240)
+def test_five_members_check_two_chunks_of_each_span_each_and_agree(swarm):
+    workers = start_workers(swarm, [1.0] * 5, "fp32", *[[SHARED, "mean"]] * 5)
+    results = [json.loads(read_line(w, 120)) for w in workers]
+    for w in workers:
+        w.stdin.close()
+        assert w.wait(timeout=60) == 0
+    assert all("error" not in r for r in results), [r.get("error") for r in results]
+    assert [r["group"] for r in results] == [5] * 5
+    assert len({r["sha256"] for r in results}) == 1, "every member must hold the same bytes"
+    # mean of (i + 1) x the ramp, i = 0..4: 3 x the ramp
+    expected = 3 * (1 + torch.arange(int(SHARED), dtype=torch.float32) / 1000)
+    torch.testing.assert_close(torch.tensor(results[0]["values"]), expected, rtol=1e-6, atol=0)
+    # Each other reducer's 4 items x 2 checkers are dealt over its 4 others: 2 items each, so each
+    # member checks 8 items, every sender's (5) chunk of each, at most 64 KiB + 2 KiB of seal and
+    # framing, and at least 6 full chunks (a span's last item may be its 10 exact values), plus the
+    # lots and verdicts passed on (about 300 bytes a member per reducer's answer: < 30 KB). When
+    # every member checked every item, that was 16 items: 5.2 MB.
+    chunk = 4 * CHUNK_VALUES
+    for r in results:
+        assert 6 * 5 * chunk <= r["audit_bytes"] <= 8 * 5 * (chunk + 2048) + 30_000, r["audit_bytes"]
+
+
+@pytest.mark.timeout(240)
+def test_a_lie_on_one_chunk_is_caught_by_members_that_did_not_check_it_from_their_checkers_word(swarm):
+    # Worker 0 answers its first part x 100 (the first audited chunk of its span, checked by 2 of
+    # the 4 others); worker 1 vouches for every item it was dealt. Whatever the seed deals, at least
+    # one honest member (2-4) is not a checker of that chunk, or shares it with the voucher: it
+    # convicts only because a checker did not vouch for the chunk, and says so.
+    flags = [[SHARED, "mean", "lie-on-first-part"], [SHARED, "mean", "vouch-all"]] + [[SHARED, "mean"]] * 3
+    workers = start_workers(swarm, [1.0] * 5, "fp32", *flags)
+    results = [json.loads(read_line(w, 120)) for w in workers]
+    for w in workers:
+        w.stdin.close()
+        assert w.wait(timeout=60) == 0
+    for r in results[1:]:
+        assert "error" in r and "failed the audit" in r["error"], r
+        assert r["own_delta_intact"]
+    assert any("did not vouch for it" in r["error"] for r in results[2:]), [r["error"] for r in results[2:]]
+
+
 @pytest.mark.timeout(180)
 def test_reducer_killed_mid_allreduce_leaves_no_partial_update(swarm):
     # 3M values: each peer reduces a span of ~1M, i.e. 2 parts; peer 0 dies when its second part arrives.

@@ -199,12 +199,12 @@ class Auditor:
             read = {ledger.peers.index(m): v for m, v in ledger.verdicts.read.items()}
             doubted = audit.unvouched(plan, me, read)
             if doubted:
-                logger.info("%d audited items not vouched for by their checkers: checking them", len(doubted))
+                doubters = sorted(
+                    {ledger.peers[m] for i in doubted for m in plan[i] if read.get(m, {}).get(i) != audit.PASS}
+                )
+                logger.info("%d audited items not vouched for by %s: checking them", len(doubted), ", ".join(doubters))
             more = await self._inspect(runner, doubted, plan, received, pace_bytes_s)
-            found |= {
-                item: (outcome, why + _doubters(item, plan, read, ledger.peers))
-                for item, (outcome, why) in more.items()
-            }
+            found |= {item: (outcome, _doubters(item, plan, read) + why) for item, (outcome, why) in more.items()}
         self._conclude(runner, found)
         return sum(received)
 
@@ -269,12 +269,11 @@ class Auditor:
             raise AllreduceException(f"reducer {peers[j]}: {reason}; nothing applied")
 
 
-def _doubters(
-    item: audit.Item, plan: dict[audit.Item, tuple[int, ...]], read: dict[int, dict[audit.Item, int]], peers: list[str]
-) -> str:
-    """Which checkers did not vouch for `item`, for the line that says why this member checked it."""
-    doubters = [peers[m] for m in plan[item] if read.get(m, {}).get(item) != audit.PASS]
-    return f" (checked after {', '.join(doubters)} did not vouch for it)" if doubters else ""
+def _doubters(item: audit.Item, plan: dict[audit.Item, tuple[int, ...]], read: dict[int, dict[audit.Item, int]]) -> str:
+    """How many of `item`'s checkers did not vouch for it, for the line that says why this member
+    checked it (first: a failed round's line is cut at 200 characters, swarm/averaging/step.py)."""
+    doubters = sum(read.get(m, {}).get(item) != audit.PASS for m in plan[item])
+    return f"taken up after {doubters} of its {len(plan[item])} checkers did not vouch for it; "
 
 
 def _chunk_asked(raw: bytes) -> int | None:
