@@ -92,7 +92,7 @@ def test_peer_hangs_between_its_allreduce_and_the_audit(swarm):
 @pytest.mark.timeout(300)
 def test_peer_sleeps_holding_every_average_before_it_shows_its_audit_lot(swarm):
     # The subject holds every average of its 3rd group and goes to sleep before it shows its lot
-    # (swarm/averaging/lots.py): neither survivor can seed its audit. Both wait for the lot (the
+    # (swarm/averaging/showings.py): neither survivor can seed its audit. Both wait for the lot (the
     # chunk wait, or half their butterfly), fail the round, nothing applied, and retry as a pair.
     a, b, last = run_with_fault(swarm, "lots:3:STOP", {"swarm.probe_links": "false"})
     assert_agree_every_round(a, b, last)
