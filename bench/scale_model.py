@@ -13,11 +13,12 @@ Schemes, for an encoded pseudo-gradient of M bytes (default 150M values at int8:
 - flat: one group of all N; hivemind's balancer gives each reachable peer a span proportional to
   its upload (at most half the vector); a peer's time is the larger of what it sends over its
   upload and receives over its download (2M(N-1)/N each for equal spans); matchmaking through one
-  leader grows with N; the reducer audit after it costs (N - 1) N chunks per member (O(N^2));
+  leader grows with N; the reducer audit after it costs about 2 x 4 x N chunks per member (O(N):
+  each audited chunk has 2 checkers; every member checked every chunk, (N - 1) x 4 x N, before);
   past p2pd's connection limit (256 low water) the extra connections are
   dialled again every round; one failure anywhere retries everyone.
 - two-level (protocol/twolevel.py): groups from the real bucket code, stage 1 inside each group as
-  flat (its audit O(s^2)) with spans owned as `twolevel.owners` gives them (by upload), stage 2
+  flat (its audit O(s)) with spans owned as `twolevel.owners` gives them (by upload), stage 2
   among each span's owners (every owner sends its partial's sub-spans to 2
   replicas, each replica returns its sums), stage 3 back inside the group; a failed group retries
   alone (a sub-span fails only if both its replicas fail: p^2, left out).
@@ -104,14 +105,18 @@ def butterfly_s(group: list[Peer], m: float, fractions: list[float] | None = Non
 
 
 def audit_s(group: list[Peer]) -> float:
-    """The reducer audit after a group's butterfly (trust/audit.py): every member fetches
-    AUDIT_CHUNKS chunks of each sender's part from every other reducer, (g - 1) g of them, and
-    every reducer answers as many; int8 chunks of CHUNK_VALUES values. The slowest member's."""
+    """The reducer audit after a group's butterfly (trust/audit.py): AUDIT_CHUNKS chunks of each
+    reducer's span, each checked by CHECKERS of the g - 1 others (`audit.checkers`), every sender's
+    int8 chunk of CHUNK_VALUES values each; a member is dealt AUDIT_CHUNKS x CHECKERS / (g - 1) of
+    each other reducer's items on average (the model takes the mean: at g = 16 a member checks 8
+    items on average, 13 or more 0.8 % of the time). The slowest member's."""
     g = len(group)
     reducers = [p for p in group if not p.nat] or group
     chunk = codecs.CHUNK_VALUES * codecs.get("int8").bytes_per_value()
-    fetched = (len(reducers) - 1) * g * audit.AUDIT_CHUNKS * chunk  # what one member downloads
-    answered = (g - 1) * g * audit.AUDIT_CHUNKS * chunk  # what one reducer uploads
+    checkers = min(audit.CHECKERS, g - 1)
+    others = len(reducers) if len(reducers) < g else len(reducers) - 1  # a client audits every reducer
+    fetched = others * audit.AUDIT_CHUNKS * checkers / max(1, g - 1) * g * chunk  # what one member downloads
+    answered = audit.AUDIT_CHUNKS * checkers * g * chunk  # what one reducer uploads
     return max([fetched / p.down for p in group] + [answered / p.up for p in reducers])
 
 
@@ -222,14 +227,16 @@ def main() -> int:
     p.add_argument("--density", type=float, default=0.01, help="share of values the sparse all-gather sends")
     p.add_argument("--draws", type=int, default=9)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out", default=OUT.name, help="name of the results in bench/results (.json, .png)")
     args = p.parse_args()
+    out = OUT.with_name(args.out)
     result = run(args)
-    OUT.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
-    plot(result, OUT.with_suffix(".png"))
+    out.with_suffix(".json").write_text(json.dumps(result, indent=1) + "\n")
+    plot(result, out.with_suffix(".png"))
     for r in result["rows"]:
         print(" ".join(f"{k}={v:.0f}" if isinstance(v, float) else f"{k}={v}" for k, v in r.items()))
     print("defaults:", result["defaults"])
-    print(f"wrote {OUT.with_suffix('.json').relative_to(ROOT)} and .png")
+    print(f"wrote {out.with_suffix('.json').relative_to(ROOT)} and .png")
     return 0
 
 
