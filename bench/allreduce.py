@@ -45,6 +45,7 @@ from pathlib import Path
 
 from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.swarm.transport import leftovers
 
 if __package__:  # imported as bench.allreduce (the tests)
     from .netlab import NetLab, available, line_reader, namespaces, next_line
@@ -406,7 +407,10 @@ def main() -> int:
     codecs = known_codecs(args.codecs)
     folder = Path(tempfile.mkdtemp(prefix="allreduce-"))
     print(f"logs in {folder}", flush=True)
-    results = [result for rtt_ms in args.rtt_ms for result in run_lab(args, rtt_ms, codecs, folder)]
+    try:
+        results = [result for rtt_ms in args.rtt_ms for result in run_lab(args, rtt_ms, codecs, folder)]
+    finally:
+        leftovers.sweep_below(folder)  # the shared memory of the workers the labs killed (leftovers.py)
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     meta = {

@@ -21,11 +21,12 @@ from collections.abc import Callable
 from pathlib import Path
 
 from p2p_diloco import config
+from p2p_diloco.swarm.transport import leftovers
 
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
-from tests.swarm.procs import signal_tree  # noqa: E402  (a peer's process tree, p2pd included)
+from tests.swarm.procs import descendants, signal_tree, wait_gone  # noqa: E402  (a peer's tree, p2pd included)
 
 ENV = {**os.environ, "OMP_NUM_THREADS": "1"}  # several peers share the machine's cores
 # The issue-13/14 benchmarks' run: the tiny preset, H = 20 fixed (no speed-aware rounds, so every
@@ -191,5 +192,8 @@ class LocalSwarm:
                 proc.wait(timeout=30)
             except subprocess.TimeoutExpired:
                 pass
+        trees = [pid for pgid in self.groups for pid in descendants(pgid)]
         for pgid in self.groups:  # whatever is left: a peer's DHT and averager processes, p2pd
             signal_tree(pgid, signal.SIGKILL)
+        wait_gone(trees, deadline_s=10)
+        leftovers.sweep_below(self.folder)  # the shared memory of the peers killed (leftovers.py)

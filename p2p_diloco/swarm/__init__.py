@@ -15,6 +15,7 @@ protocol/agreement.py: this class only does the I/O.
 from __future__ import annotations
 
 import logging
+import os
 import time
 from collections.abc import Callable
 from functools import partial
@@ -46,7 +47,7 @@ from p2p_diloco.swarm.averaging.step import AveragingStep
 from p2p_diloco.swarm.heartbeat import Entries, Heartbeat
 from p2p_diloco.swarm.punching import Punching
 from p2p_diloco.swarm.run_identity import RunIdentity
-from p2p_diloco.swarm.transport import entry
+from p2p_diloco.swarm.transport import entry, leftovers
 from p2p_diloco.swarm.transport.identity import load_identity, make_validator, peer_id_of, public_key_bytes
 from p2p_diloco.swarm.transport.node import relays, start_dht
 from p2p_diloco.swarm.transport.processes import children_started, stop_process
@@ -71,6 +72,7 @@ class HivemindSwarm:
         """`numel` values travel through the run's codec, `exact_numel` more (norms, biases) exact."""
         sc = config.swarm
         self.config = config
+        _sweep_leftovers(run_dir)
         identity = Path(sc.identity_path) if sc.identity_path else run_dir / "identity.key"
         # Admission first: a peer that a certified run would refuse stops before it touches the network.
         self.gate = Gate(config, peer_id_of(identity))
@@ -85,6 +87,7 @@ class HivemindSwarm:
             # The run's records: this peer's threads take turns with them (RunDHT's lock discipline).
             self.run_dht = RunDHT.of_run(self.dht, validator, config)
             self._join(config, identity, numel, exact_numel, state_provider)
+            leftovers.note(run_dir, [os.getpid(), self.dht.pid, self.averager.pid])  # for the next start's sweep
         except BaseException:  # also Ctrl+C during start-up: never leave a child process behind
             self.close()
             raise
@@ -352,6 +355,18 @@ class HivemindSwarm:
             else:
                 stop_process(part, "averaging process" if part is not self.dht else "DHT process")
         self._started = []
+
+
+def _sweep_leftovers(run_dir: Path) -> None:
+    """Remove the shared memory this run dir's last peer left if it was killed (leftovers.py)."""
+    count, size = leftovers.sweep(run_dir)
+    if count:
+        logger.info(
+            "removed %d shared-memory segments (%.0f MB) in %s that this run dir's last peer left when it was killed",
+            count,
+            size / 1e6,
+            leftovers.SHM,
+        )
 
 
 def download_from(

@@ -14,8 +14,9 @@ from pathlib import Path
 import pytest
 
 from p2p_diloco import config
+from p2p_diloco.swarm.transport import leftovers
 from tests.conftest import TINY
-from tests.swarm.procs import alive, descendants, signal_tree, started_at
+from tests.swarm.procs import alive, descendants, signal_tree, started_at, wait_gone
 
 CLI = [sys.executable, "-m", "p2p_diloco.cli"]
 # The tiny run of tests/conftest.py, on loopback, with short swarm deadlines.
@@ -224,6 +225,11 @@ class ProcessSwarm:
         for pid, started in trees:
             if alive(pid) and started_at(pid) == started:  # the same process, not a reused pid
                 os.kill(pid, signal.SIGKILL)
+        wait_gone([pid for pid, _ in trees], deadline_s=10)
+        # The shared memory of the processes killed (leftovers.py): the peers', and the bootstrap
+        # nodes' (hivemind's futures, 80 bytes each), whose run dirs note nothing.
+        leftovers.sweep_below(self.folder)
+        leftovers.remove_gone([pid for pid, _ in trees])
 
 
 def _end_session(pgid: int) -> None:

@@ -2,6 +2,7 @@
 runs in a session of its own (p2p_diloco/swarm/transport/processes.py), so only the parent links find it."""
 
 import os
+import time
 
 
 def _parent_of(pid: int) -> int | None:
@@ -62,3 +63,11 @@ def started_at(pid: int) -> int | None:
             return int(f.read().rsplit(")", 1)[1].split()[19])
     except (OSError, ValueError, IndexError):
         return None
+
+
+def wait_gone(pids: list[int], deadline_s: float) -> None:
+    """Until none of `pids` is alive (a SIGKILL takes effect when the process next runs), at most
+    `deadline_s`."""
+    deadline = time.monotonic() + deadline_s
+    while any(alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)  # a poll, bounded by the deadline

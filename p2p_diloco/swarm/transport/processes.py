@@ -31,7 +31,8 @@ SwarmError (`wait_started`, `wait_result`), never a wait on a dead pipe.
 Leftovers. A SIGKILLed peer leaves its temporary files: p2pd's sockets, multiprocessing's pymp-*
 folders, torch's torch-shm-dir-*. They all go to TMPDIR (`_sockets_in_the_tempdir` moves
 hivemind's sockets there from its fixed /tmp), so a supervisor that gives a peer a TMPDIR of its
-own (the test suite does) removes them with that folder.
+own (the test suite does) removes them with that folder. Its shared tensors stay in /dev/shm
+whatever TMPDIR says: the next peer of its run dir removes them (leftovers.py).
 """
 
 from __future__ import annotations
