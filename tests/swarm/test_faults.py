@@ -28,17 +28,17 @@ AGREEMENT_S = float(SWARM["swarm.agreement_timeout_s"])
 AVERAGING_S = float(SWARM["swarm.averaging_timeout_s"])
 
 
-def run_with_fault(swarm, fault, extra=None):
-    """Two survivors and a subject, held before their first round until all three are there
-    (round_gate.py); the subject fails as `fault` says. Returns the survivors' records and the last
-    round the subject completed (it averaged in that round)."""
+def run_with_fault(swarm, fault, extra=None, survivors=("a", "b")):
+    """Survivors (two) and a subject ("c"), held before their first round until all are there
+    (round_gate.py); the subject fails as `fault` says. Returns the first two survivors' records
+    and the last round the subject completed (it averaged in that round)."""
     options, go = {**FAST, **(extra or {})}, swarm.folder / "go"
     gated, env = [sys.executable, "-m", "tests.swarm.gated_peer"], {"ROUND_GO": str(go)}
-    survivors = [swarm.peer(name, options, script=gated, env=env) for name in ("a", "b")]
+    procs = [swarm.peer(name, options, script=gated, env=env) for name in survivors]
     subject = swarm.peer("c", options, fault=fault, env=env)
-    open_gate(go, [*survivors, subject])
-    wait_until(lambda: all(p.poll() is not None for p in survivors), survivors, 220, "survivors finish")
-    assert [p.returncode for p in survivors] == [0, 0], swarm.log("a")[-3000:]
+    open_gate(go, [*procs, subject])
+    wait_until(lambda: all(p.poll() is not None for p in procs), procs, 220, "survivors finish")
+    assert [p.returncode for p in procs] == [0] * len(procs), swarm.log("a")[-3000:]
     assert subject.poll() is None or subject.returncode == -9
     c = swarm.records("c")
     assert c and max(c) < ROUNDS - 2, "the fault must leave the survivors rounds to finish"
@@ -101,6 +101,43 @@ def test_peer_sleeps_holding_every_average_before_it_shows_its_audit_lot(swarm):
     assert after and set(after) == {2}, (last, after)
     lost_s = time_lost(a, last)
     assert lost_s <= AVERAGING_S, f"the fault cost {lost_s:.1f} s, more than one all-reduce deadline"
+
+
+@pytest.mark.scenario  # in the suite: verdicts exchanged in test_average's five members
+@pytest.mark.timeout(300)
+def test_peer_hangs_during_the_audit_of_a_group_of_four(swarm):
+    # Four members: each audited chunk of the subject's span has 2 checkers of 3. The subject
+    # answers its span's first audit request of its 3rd group and sleeps as the next comes. A
+    # checker without an answer fails its round at once, without showing its verdicts; the others
+    # fail within their wait for those verdicts: all three alike, and they retry as three. Before,
+    # that checker first waited for the others' verdicts, 3 x its own checks (15 s with one chunk
+    # wait in them), and missed the others' retry (22 s lost, first seen in the verdicts scenario).
+    a, b, last = run_with_fault(swarm, "audit:3:STOP", {"swarm.probe_links": "false"}, ("a", "b", "d"))
+    assert_agree_every_round(a, b, last)
+    averaged = [(recs, r) for recs in (a, b) for r in range(last + 2, ROUNDS + 1) if "group_size" in recs.get(r, {})]
+    after = [recs[r]["group_size"] for recs, r in averaged]
+    assert after and set(after) == {3}, (last, after)
+    lost_s = time_lost(a, last)
+    assert lost_s <= AVERAGING_S, f"the fault cost {lost_s:.1f} s, more than one all-reduce deadline"
+
+
+@pytest.mark.scenario  # in the suite: verdicts exchanged in test_average's five members
+@pytest.mark.timeout(300)
+def test_peer_sleeps_after_its_share_of_the_audit_before_it_shows_its_verdicts(swarm):
+    # Four peers: each audited chunk has 2 checkers of 3, so members show their verdicts
+    # (swarm/averaging/showings.py). The subject checked its share of its 3rd group's audit and
+    # goes to sleep before it shows its verdicts: the survivors wait for them (the chunk wait, or 3x
+    # their own checks), fail the round alike, nothing applied, and retry as a group of three.
+    a, b, last = run_with_fault(swarm, "verdicts:3:STOP", {"swarm.probe_links": "false"}, ("a", "b", "d"))
+    assert_agree_every_round(a, b, last)
+    averaged = [(recs, r) for recs in (a, b) for r in range(last + 2, ROUNDS + 1) if "group_size" in recs.get(r, {})]
+    after = [recs[r]["group_size"] for recs, r in averaged]
+    assert after and set(after) == {3}, (last, after)
+    lost_s = time_lost(a, last)
+    assert lost_s <= AVERAGING_S, f"the fault cost {lost_s:.1f} s, more than one all-reduce deadline"
+    assert re.search(r"no audit verdicts from \S+(, \S+)* within \d+ s; nothing applied", swarm.log("a")), swarm.log("a")[
+        -3000:
+    ]
 
 
 def time_lost(records, last):

@@ -191,7 +191,11 @@ class Auditor:
         plan = self._plan(runner, ledger.seed())
         started = time.monotonic()
         found = await self._inspect(runner, [i for i, who in plan.items() if me in who], plan, received, pace_bytes_s)
-        if any(me not in who for who in plan.values()):  # some items are others' to check: take their word
+        # Some items are others' to check: take their word, unless a reducer did not answer this
+        # member, which fails its round whatever the others say (it tells nobody: the others then
+        # fail alike, within their wait for its verdicts, instead of waiting for it to wait too).
+        silent = any(outcome == audit.SILENT for outcome, _ in found.values())
+        if any(me not in who for who in plan.values()) and not silent:
             verdicts = {item: outcome for item, (outcome, _) in found.items()}
             wait_s = audit.verdict_wait_s(runner.sender_timeout, time.monotonic() - started)
             own = lambda: ledger.own_verdicts(ledger.peers[me], verdicts)  # noqa: E731
