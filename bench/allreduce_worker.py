@@ -16,6 +16,7 @@ import time
 from pathlib import Path
 
 import lockstep
+import noseal
 import part_trace
 import torch
 
@@ -55,6 +56,8 @@ def main(
         part_trace.install()
     if os.environ.get("LOCKSTEP"):  # bench/lockstep.py, an experiment
         lockstep.install()
+    if os.environ.get("NOSEAL"):  # bench/noseal.py, an experiment
+        noseal.install()
     swarm = HivemindSwarm(cfg, run_dir, numel, lambda: ({}, []))
     try:
         print("ready", flush=True)
