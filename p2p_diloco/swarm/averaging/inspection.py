@@ -106,7 +106,7 @@ class Inspector:
     async def _audit_part(
         self, runner: ConsistentAllReduceRunner, j: int, part: int, received: list[int], wait_s: float | None
     ) -> tuple[bool, str] | None:
-        """The verdict on one whole part of reducer `j`'s span, as `_audit_one`'s; `wait_s`: the
+        """The verdict on one whole part of reducer `j`'s span, as `_judge`'s; `wait_s`: the
         longest wait for the next message of its answer."""
         peer = runner.ordered_peer_ids[j]
         try:
@@ -139,8 +139,9 @@ class Inspector:
     def _judge(
         self, runner: ConsistentAllReduceRunner, j: int, part: int, shown: list[averaging_pb2.AveragingData]
     ) -> tuple[bool, str] | None:
-        """The audit's verdict on reducer `j` (see `_audit_one`): a conviction only on what is
-        signed; its case is kept for peers outside the group (swarm/averaging/evidence.py)."""
+        """The audit's verdict on one part of reducer `j`: None if it checks, (True, why) if it
+        convicts, (False, why) if the answer was short. A conviction only on what is signed; its
+        case is kept for peers outside the group (swarm/averaging/evidence.py)."""
         ledger = runner.ledger
         if len(shown) != len(ledger.senders):
             # Nothing signed says so: a stream cut short looks the same (a peer that just resumed,
