@@ -7,6 +7,15 @@ One host: start its p2pd on its lab address, print its peer id and address, read
 reading `part` bytes from each host's stream to it; phase 2 starts once phase 1 is done both
 ways. Prints the seconds from "go" to the last byte received.
 
+With TCPB_RPC=1 as well (--rpc), that schedule through hivemind's protobuf RPC streams, as our
+all-reduce's runner uses them: one request stream to each other host carrying its pieces as
+AveragingData messages, and the answers on the same stream, still with no codec, signature or
+arithmetic: what hivemind's RPC path costs against raw streams. Not yet usable (session 34): in the
+lab at 25 Mbit/s it ran at 250 KB pieces (1M values, k = 4: 1.18x) but not at 750 KB or 1.56 MB
+pieces (a worker's request stream broken under it, "Broken pipe", or no result within 300 s),
+while the same sizes pass on 127.0.0.1 without a link limit, and our runner moves 1.56 MB parts
+through the same RPC in that lab every time. Why is open.
+
 With TCPB_PIECES=P (--pieces), our all-reduce's schedule instead: each host's part for another
 is P pieces sent back to back, and a host answers piece i of its own span to every other host as
 soon as it holds every other host's piece i (as our reducers answer each part of 2 MiB once every
@@ -22,6 +31,7 @@ import sys
 import time
 
 from hivemind.p2p import P2P, PeerID
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.multiaddr import Multiaddr
 
 NO_NAT = {"auto_nat": False, "nat_port_map": False, "use_relay": False, "use_auto_relay": False}
@@ -40,11 +50,11 @@ async def worker(ip: str, part: int) -> None:
     print(json.dumps({"id": str(p2p.peer_id), "addrs": addrs}), flush=True)
     peers = json.loads(await _read_line())  # [{"id", "addrs"} or None for this host], in host order
     others = [PeerID.from_base58(p["id"]) for p in peers if p is not None]
-    for p in peers:
-        if p is not None:
-            await p2p._client.connect(PeerID.from_base58(p["id"]), [Multiaddr(a) for a in p["addrs"]])
+    me = peers.index(None)
+    for p in peers[me + 1 :]:  # one dial a pair: two at once can fail noise's handshake ("message is too short")
+        await p2p._client.connect(PeerID.from_base58(p["id"]), [Multiaddr(a) for a in p["addrs"]])
     if pieces := int(os.environ.get("TCPB_PIECES") or 0):
-        await streamed(p2p, others, part, pieces)
+        await (rpc if os.environ.get("TCPB_RPC") else streamed)(p2p, others, part, pieces)
         return
     arrived = {1: asyncio.Queue(), 2: asyncio.Queue()}
 
@@ -121,5 +131,60 @@ async def streamed(p2p: P2P, others: list[PeerID], part: int, pieces: int) -> No
     start = time.perf_counter()
     sends = [out(peer, kind) for peer in others for kind in (b"p", b"a")]
     await asyncio.gather(*sends, *(averages_in.get() for _ in others))
+    print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
+    await p2p.shutdown()
+
+
+RPC = "butterfly-rpc"
+
+
+def _piece(i: int, size: int) -> averaging_pb2.AveragingData:
+    return averaging_pb2.AveragingData(tensor_part=runtime_pb2.Tensor(buffer=bytes(size)), weight=float(i))
+
+
+async def rpc(p2p: P2P, others: list[PeerID], part: int, pieces: int) -> None:
+    """`streamed`'s schedule through hivemind's protobuf stream handlers (see the module's doc).
+    A request stream stays open until every answer on it arrived, as our runner's does."""
+    size = part // pieces
+    have = [0] * pieces
+    ready = [asyncio.Event() for _ in range(pieces)]
+
+    async def handle(requests, context):
+        async def take() -> None:
+            async for request in requests:
+                i = int(request.weight)
+                have[i] += 1
+                if have[i] == len(others):
+                    ready[i].set()
+
+        taking = asyncio.create_task(take())
+        try:
+            for i in range(pieces):
+                await ready[i].wait()
+                yield _piece(i, size)
+            await taking
+        finally:
+            taking.cancel()
+
+    async def exchange(peer: PeerID) -> None:
+        received_all = asyncio.Event()
+
+        async def requests():
+            for i in range(pieces):
+                yield _piece(i, size)
+            await received_all.wait()
+
+        got = 0
+        stream = await p2p.iterate_protobuf_handler(peer, RPC, requests(), averaging_pb2.AveragingData)
+        async for _ in stream:
+            got += 1
+            if got == pieces:
+                received_all.set()
+
+    await p2p.add_protobuf_handler(RPC, handle, averaging_pb2.AveragingData, stream_input=True, stream_output=True)
+    print("ready", flush=True)
+    await _read_line()  # "go"
+    start = time.perf_counter()
+    await asyncio.gather(*(exchange(peer) for peer in others))
     print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
     await p2p.shutdown()

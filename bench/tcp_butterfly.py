@@ -19,6 +19,8 @@ other way do not wait behind 100 ms of it; `--cc cubic` sets the connections' co
 
 `--libp2p` moves the same bytes in the same phases through hivemind's p2pd and raw libp2p streams
 (bench/p2p_streams.py): the stack under our all-reduce, without its protobuf, codec or signatures.
+`--pieces P` moves them in our all-reduce's schedule over those streams, and `--rpc` with it
+through hivemind's protobuf RPC streams, as our runner does.
 
 Writes bench/results/tcp_butterfly.json (or --out NAME).
 """
@@ -155,6 +157,11 @@ def main() -> int:
         default=0,
         help="over libp2p, our all-reduce's schedule: parts in PIECES, each answered once all are in",
     )
+    parser.add_argument(
+        "--rpc",
+        action="store_true",
+        help="with --pieces: through hivemind's protobuf RPC streams, as our all-reduce's runner uses them",
+    )
     parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)  # one host's worker (internal)
     args = parser.parse_args()
     if args.worker:
@@ -167,6 +174,7 @@ def main() -> int:
     os.environ["TCPB_CC"] = args.cc or ""
     os.environ["TCPB_LIBP2P"] = "1" if args.libp2p or args.pieces else ""
     os.environ["TCPB_PIECES"] = str(args.pieces)
+    os.environ["TCPB_RPC"] = "1" if args.rpc else ""
     part = int(args.numel * 4 / args.k)
     bound = 2 * (args.k - 1) * part * 8 / (args.rate * 1e6)
     delays = None if args.no_forwarders else [0.0] * args.k
@@ -177,7 +185,7 @@ def main() -> int:
     result |= {
         "pace": args.pace,
         "cc": args.cc or system_cc,
-        "transport": "libp2p" if args.libp2p or args.pieces else "tcp",
+        "transport": "hivemind-rpc" if args.rpc else "libp2p" if args.libp2p or args.pieces else "tcp",
         "pieces": args.pieces,
     }
     result["ratio"] = statistics.median(times) / bound
