@@ -151,3 +151,57 @@ def test_a_members_verdicts_are_kept_only_signed_by_it_for_this_group(pair):
     assert not at_x.verdicts.accept("not a member", shown)
     assert at_x.verdicts.missing() == [y]
     assert at_x.verdicts.accept(y, shown) and at_x.verdicts.read[y] == verdicts and at_x.verdicts.missing() == []
+
+
+def _checked(outcome, monkeypatch, shown):
+    """One member's Auditor.check over a plan of two items of reducer 1 (index 0 checks the first,
+    not the second) whose own check of the first ends in `outcome`; the verdicts' exchange and the
+    checks are stand-ins recording what the audit asked of them (the real ones: test_average.py,
+    test_faults.py). `shown` collects the verdicts this member showed. Returns what check raised."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from p2p_diloco.swarm.averaging.auditor import Auditor
+
+    peers = ["me", "reducer", "x", "y"]
+    plan = {(1, 0, 0): (0, 2), (1, 0, 1): (2, 3)}
+    runner = SimpleNamespace(
+        ordered_peer_ids=peers,
+        peer_id="me",
+        sender_timeout=5.0,
+        ledger=SimpleNamespace(
+            peers=peers,
+            seed=lambda: b"seed",
+            own_lot=lambda me: b"lot",
+            own_verdicts=lambda me, verdicts: shown.append(verdicts) or b"verdicts",
+            verdicts=SimpleNamespace(read={"x": {(1, 0, 0): audit.PASS}, "y": {(1, 0, 1): audit.PASS}}),
+        ),
+    )
+    auditor = Auditor(stub=None, evidence=None, left_out_changed=lambda: None)
+
+    async def gather(runner, own, wait_s):
+        own()
+        return 0
+
+    async def inspect(runner, items, plan, received, pace):
+        return {item: (outcome, "no answer" if outcome == audit.SILENT else "") for item in items}
+
+    monkeypatch.setattr(auditor.lots, "gather", gather)
+    monkeypatch.setattr(auditor.verdicts, "gather", gather)
+    monkeypatch.setattr(auditor, "_plan", lambda runner, seed: plan)
+    monkeypatch.setattr(auditor, "_inspect", inspect)
+    try:
+        asyncio.run(auditor.check(runner))
+    except Exception as e:  # noqa: BLE001 - the caller looks at what it was
+        return e
+    return None
+
+
+def test_a_member_shows_its_verdicts_when_its_checks_pass_and_fails_at_once_when_a_reducer_was_silent(monkeypatch):
+    shown: list = []
+    assert _checked(audit.PASS, monkeypatch, shown) is None
+    assert shown == [{(1, 0, 0): audit.PASS}]  # its word on the item it was dealt, and the others' taken
+    shown.clear()
+    failed = _checked(audit.SILENT, monkeypatch, shown)
+    assert shown == []  # no verdicts shown, no wait for the others' (test_faults.py: 28.6 s lost before)
+    assert "reducer reducer: no answer; nothing applied" in str(failed)
