@@ -10,11 +10,9 @@ ways. Prints the seconds from "go" to the last byte received.
 With TCPB_RPC=1 as well (--rpc), that schedule through hivemind's protobuf RPC streams, as our
 all-reduce's runner uses them: one request stream to each other host carrying its pieces as
 AveragingData messages, and the answers on the same stream, still with no codec, signature or
-arithmetic: what hivemind's RPC path costs against raw streams. Not yet usable (session 34): in the
-lab at 25 Mbit/s it ran at 250 KB pieces (1M values, k = 4: 1.18x) but not at 750 KB or 1.56 MB
-pieces (a worker's request stream broken under it, "Broken pipe", or no result within 300 s),
-while the same sizes pass on 127.0.0.1 without a link limit, and our runner moves 1.56 MB parts
-through the same RPC in that lab every time. Why is open.
+arithmetic: what hivemind's RPC path costs against raw streams. A host is done once it holds every
+answer and the others hold its answers: one that shut its p2pd down once it held its own broke the
+others' streams to it ("Broken pipe", no result within 300 s; session 34, past 250 KB pieces).
 
 With TCPB_PIECES=P (--pieces), our all-reduce's schedule instead: each host's part for another
 is P pieces sent back to back, and a host answers piece i of its own span to every other host as
@@ -148,6 +146,7 @@ async def rpc(p2p: P2P, others: list[PeerID], part: int, pieces: int) -> None:
     size = part // pieces
     have = [0] * pieces
     ready = [asyncio.Event() for _ in range(pieces)]
+    served, all_served = [0], asyncio.Event()  # this host's answers delivered, host by host
 
     async def handle(requests, context):
         async def take() -> None:
@@ -162,7 +161,10 @@ async def rpc(p2p: P2P, others: list[PeerID], part: int, pieces: int) -> None:
             for i in range(pieces):
                 await ready[i].wait()
                 yield _piece(i, size)
-            await taking
+            await taking  # the asker ends its requests once it holds every answer
+            served[0] += 1
+            if served[0] == len(others):
+                all_served.set()
         finally:
             taking.cancel()
 
@@ -185,6 +187,8 @@ async def rpc(p2p: P2P, others: list[PeerID], part: int, pieces: int) -> None:
     print("ready", flush=True)
     await _read_line()  # "go"
     start = time.perf_counter()
-    await asyncio.gather(*(exchange(peer) for peer in others))
+    # Done once it holds every answer and every other host holds its answers: a host that shut its
+    # p2pd down once it held its own broke the others' streams to it (no result in 300 s).
+    await asyncio.gather(*(exchange(peer) for peer in others), all_served.wait())
     print(json.dumps({"seconds": time.perf_counter() - start}), flush=True)
     await p2p.shutdown()
