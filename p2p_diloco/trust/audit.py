@@ -315,8 +315,13 @@ def lot_wait_s(chunk_timeout_s: float | None, butterfly_s: float) -> float:
     still be receiving their last averages, up to LOT_SPREAD of this member's butterfly later
     (measured: 1.3-4.2 s apart on 12-16 s butterflies, docs/benchmarks.md), and never under the
     all-reduce's wait for a chunk (LOT_FLOOR_S where it has none)."""
-    floor = LOT_FLOOR_S if chunk_timeout_s is None else chunk_timeout_s
-    return max(floor, LOT_SPREAD * max(butterfly_s, 0.0))
+    return max(_floor(chunk_timeout_s), LOT_SPREAD * max(butterfly_s, 0.0))
+
+
+def _floor(chunk_timeout_s: float | None) -> float:
+    """The shortest wait for what every member shows: the all-reduce's wait for a chunk, or
+    LOT_FLOOR_S where it has none."""
+    return LOT_FLOOR_S if chunk_timeout_s is None else chunk_timeout_s
 
 
 def verdict_wait_s(chunk_timeout_s: float | None, checks_s: float) -> float:
@@ -324,8 +329,7 @@ def verdict_wait_s(chunk_timeout_s: float | None, checks_s: float) -> float:
     `checks_s`): the others started theirs within a round trip of this member (the lots come to
     all at once) but may check more items or over a slower link, up to AUDIT_MARGIN times as
     long; never under the all-reduce's wait for a chunk (LOT_FLOOR_S where it has none)."""
-    floor = LOT_FLOOR_S if chunk_timeout_s is None else chunk_timeout_s
-    return max(floor, AUDIT_MARGIN * max(checks_s, 0.0))
+    return max(_floor(chunk_timeout_s), AUDIT_MARGIN * max(checks_s, 0.0))
 
 
 def answers_bytes(checks: int, senders: int, part_bytes: int) -> int:

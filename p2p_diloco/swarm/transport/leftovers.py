@@ -52,7 +52,7 @@ def note(run_dir: Path, pids: Sequence[int]) -> None:
 def sweep(run_dir: Path, shm: Path = SHM) -> tuple[int, int]:
     """Remove the shared-memory segments of the processes the last record names that are gone;
     (segments removed, their bytes). A record that cannot be read removes nothing."""
-    return remove_gone([pid for pid, _ in _recorded(run_dir)], shm)
+    return remove_gone(_recorded(run_dir), shm)
 
 
 def remove_gone(pids: Sequence[int], shm: Path = SHM) -> tuple[int, int]:
@@ -72,12 +72,13 @@ def remove_gone(pids: Sequence[int], shm: Path = SHM) -> tuple[int, int]:
     return count, size
 
 
-def _recorded(run_dir: Path) -> list[tuple[int, int]]:
-    """(pid, start time) of each process the record names; none if there is no readable record."""
+def _recorded(run_dir: Path) -> list[int]:
+    """The pid of each process the record names (its start time there is for whoever reads the
+    file); none if there is no readable record."""
     path = run_dir / RECORD
     try:
         entries = json.loads(path.read_text())
-        return [(int(e["pid"]), int(e["started"])) for e in entries if int(e["pid"]) > 0]
+        return [pid for e in entries if (pid := int(e["pid"])) > 0 and int(e["started"]) > 0]
     except FileNotFoundError:
         return []
     except (OSError, ValueError, TypeError, KeyError) as e:
