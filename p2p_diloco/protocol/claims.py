@@ -1,0 +1,179 @@
+"""Pure: who owns span k in each group of a two-level round, as every owner of span k agrees it
+(docs/design.md §3, "Past one group": step (1) of "The round around it").
+
+Stage 2 needs the same `Plan.owners` on every owner of a span: who is the primary and who the
+decider of each sub-span follows from it. After stage 1's all-gather, a group's members know its
+*layout*: its members in group order and the owner of each of the s spans. Each member signs that
+layout, bound to the round's key (`GroupLayout.statement`), once a round. The span-k owners of all
+groups then meet (matchmaking under a (round, span) key, which hands each of them the same list of
+what the others showed), each showing its group's layout with its members' signatures: a *claim*.
+From that one list every owner computes the same owners (`plan_owners`):
+
+- a claim counts only where its claimant owns span k in the layout it shows and more than half of
+  the layout's members signed it (the caller verifies a signature, `holds`: it holds the keys and
+  the admission certificates);
+- a group covers the buckets its members hash into (twolevel.bucket_of); of claims whose buckets
+  overlap (a bucket that split into two groups, or a claim made up by a few peers of one bucket),
+  the one more members signed counts, ties to the lower sha256 of the layout;
+- the groups that count are numbered in the order of their lowest bucket.
+
+A group whose owner of span k did not come counts in no sub-span of span k, as designed.
+Nothing here talks or verifies a signature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from p2p_diloco.protocol import twolevel
+from p2p_diloco.trust.wire import WireError
+
+LAYOUT_TAG = b"p2p-diloco/group-layout/v1"
+CLAIM_TAG = b"p2p-diloco/span-claim/v1"
+MAX_MEMBERS = 4 * twolevel.GROUP_SIZE  # a merged group is under 2 s; more is not a group of ours
+MAX_ID = 128  # bytes of a peer id in base58 (46 for today's RSA keys)
+MAX_SEAL = 4096  # bytes of one member's seal (signature and key)
+
+Holds = Callable[[str, bytes, bytes], bool]  # (member, statement, seal) -> the seal is the member's over it
+
+
+@dataclass(frozen=True)
+class GroupLayout:
+    """A stage-1 group of one round: its members in group order and each span's owner."""
+
+    round_key: bytes
+    members: tuple[str, ...]
+    span_owners: tuple[str, ...]
+
+    def statement(self) -> bytes:
+        """What each member signs (`parse_layout` reads it): the round's key, the members, and each
+        span's owner as an index into the members."""
+        index = {m: i for i, m in enumerate(self.members)}
+        out = [LAYOUT_TAG, struct.pack(">H", len(self.round_key)), self.round_key]
+        out.append(struct.pack(">HH", len(self.members), len(self.span_owners)))
+        for member in self.members:
+            raw = member.encode()
+            out += [struct.pack(">B", len(raw)), raw]
+        out.append(struct.pack(f">{len(self.span_owners)}H", *(index[o] for o in self.span_owners)))
+        return b"".join(out)
+
+    def buckets(self, seed: str, count: int) -> frozenset[int]:
+        """The buckets of the round (of `count`) that this group's members hash into."""
+        return frozenset(twolevel.bucket_of(seed, m, count) for m in self.members)
+
+
+@dataclass(frozen=True)
+class Claim:
+    """A span owner's claim, as the assembly showed it: `by` (the peer that showed it), its group's
+    layout, and the seals its members signed the layout with, by member."""
+
+    by: str
+    layout: GroupLayout
+    seals: Mapping[str, bytes]
+
+    def encode(self) -> bytes:
+        """The claim as its owner shows it (`parse_claim`)."""
+        statement = self.layout.statement()
+        index = {m: i for i, m in enumerate(self.layout.members)}
+        out = [CLAIM_TAG, struct.pack(">I", len(statement)), statement, struct.pack(">H", len(self.seals))]
+        for member, seal in sorted(self.seals.items(), key=lambda item: index[item[0]]):
+            out += [struct.pack(">HH", index[member], len(seal)), seal]
+        return b"".join(out)
+
+
+class _Reader:
+    """Reads untrusted bytes front to back; anything short raises WireError."""
+
+    def __init__(self, raw: bytes, what: str) -> None:
+        self.raw, self.at, self.what = raw, 0, what
+
+    def take(self, n: int) -> bytes:
+        if n < 0 or self.at + n > len(self.raw):
+            raise WireError(f"{self.what}: cut short")
+        self.at += n
+        return self.raw[self.at - n : self.at]
+
+    def unpack(self, fmt: str) -> tuple:
+        return struct.unpack(fmt, self.take(struct.calcsize(fmt)))
+
+    def end(self) -> None:
+        if self.at != len(self.raw):
+            raise WireError(f"{self.what}: {len(self.raw) - self.at} bytes too many")
+
+
+def parse_layout(raw: object, round_key: bytes, spans: int) -> GroupLayout:
+    """A `GroupLayout.statement()` from another node (untrusted), of this round and `spans` spans:
+    the layout, or WireError. Valid: the tag, this round's key, 1 to MAX_MEMBERS distinct peer ids
+    of 1 to MAX_ID bytes of ASCII, exactly `spans` owners, each a member, and nothing more."""
+    if not isinstance(raw, bytes) or not raw.startswith(LAYOUT_TAG):
+        raise WireError("not a group layout")
+    read = _Reader(raw[len(LAYOUT_TAG) :], "group layout")
+    if read.take(read.unpack(">H")[0]) != round_key:
+        raise WireError("group layout: of another round")
+    count, owned = read.unpack(">HH")
+    if not 1 <= count <= MAX_MEMBERS or owned != spans:
+        raise WireError(f"group layout: {count} members and {owned} spans (expected {spans})")
+    members = tuple(_peer_id(read.take(read.unpack(">B")[0])) for _ in range(count))
+    if len(set(members)) != count:
+        raise WireError("group layout: a member named twice")
+    indices = read.unpack(f">{spans}H")
+    read.end()
+    if any(i >= count for i in indices):
+        raise WireError("group layout: a span owned by no member")
+    return GroupLayout(round_key, members, tuple(members[i] for i in indices))
+
+
+def _peer_id(raw: bytes) -> str:
+    if not 1 <= len(raw) <= MAX_ID or not raw.isascii() or not raw.isalnum():
+        raise WireError(f"group layout: {raw[:16]!r} is not a peer id")
+    return raw.decode()
+
+
+def parse_claim(raw: object, by: str, round_key: bytes, spans: int) -> Claim:
+    """A `Claim.encode()` that `by` showed (untrusted): the claim, or WireError. Valid: the tag, a
+    valid layout (`parse_layout`), seals of members named once each, of 1 to MAX_SEAL bytes, and
+    nothing more. Whether a seal holds is for `plan_owners`' caller to say."""
+    if not isinstance(raw, bytes) or not raw.startswith(CLAIM_TAG):
+        raise WireError("not a span claim")
+    read = _Reader(raw[len(CLAIM_TAG) :], "span claim")
+    layout = parse_layout(read.take(read.unpack(">I")[0]), round_key, spans)
+    seals: dict[str, bytes] = {}
+    for _ in range(read.unpack(">H")[0]):
+        index, size = read.unpack(">HH")
+        if index >= len(layout.members) or layout.members[index] in seals or not 1 <= size <= MAX_SEAL:
+            raise WireError(f"span claim: a seal of member {index} ({size} bytes)")
+        seals[layout.members[index]] = read.take(size)
+    read.end()
+    return Claim(by, layout, seals)
+
+
+def signers(claim: Claim, holds: Holds) -> frozenset[str]:
+    """The members of the claim's group whose seal over its layout holds."""
+    statement = claim.layout.statement()
+    members = set(claim.layout.members)
+    return frozenset(m for m, seal in claim.seals.items() if m in members and holds(m, statement, seal))
+
+
+def plan_owners(seed: str, count: int, span: int, claims: Sequence[Claim], holds: Holds) -> tuple[str, ...]:
+    """Span `span`'s owner in each group that counts, in group order (`Plan.owners`), from the claims
+    the assembly showed every owner alike, in a round of `count` buckets: the module's rules."""
+    counted: list[tuple[int, bytes, Claim]] = []
+    for claim in claims:
+        layout = claim.layout
+        if span >= len(layout.span_owners) or layout.span_owners[span] != claim.by:
+            continue
+        signed = len(signers(claim, holds))
+        if 2 * signed > len(layout.members):
+            counted.append((-signed, hashlib.sha256(layout.statement()).digest(), claim))
+    taken: list[tuple[int, str]] = []  # (lowest bucket, owner)
+    covered: set[int] = set()
+    for _, _, claim in sorted(counted, key=lambda c: (c[0], c[1])):
+        buckets = claim.layout.buckets(seed, count)
+        if buckets & covered:
+            continue
+        covered |= buckets
+        taken.append((min(buckets), claim.by))
+    return tuple(owner for _, owner in sorted(taken))

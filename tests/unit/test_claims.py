@@ -1,0 +1,168 @@
+"""Who owns span k in each group, as every owner of span k agrees it (protocol/claims.py): groups'
+layouts signed by their members with real identity keys (the seals of swarm/averaging/stage2.py),
+claims shown in any order, and claims that must not count."""
+
+import hashlib
+import itertools
+import random
+import struct
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from p2p_diloco.protocol import claims, twolevel
+from p2p_diloco.protocol.claims import Claim, GroupLayout
+from p2p_diloco.swarm.averaging import stage2
+from p2p_diloco.swarm.transport import identity
+from p2p_diloco.trust.wire import WireError
+
+ROUND_KEY = b"digest of theta(r)"
+SEED = ROUND_KEY.hex()
+SPANS = 4
+
+
+@pytest.fixture(scope="module")
+def keys(tmp_path_factory):
+    out = {}
+    for i in range(12):
+        path = tmp_path_factory.mktemp(f"peer{i}") / "identity.key"
+        out[identity.peer_id_of(path)] = identity.load_identity(path)
+    return out
+
+
+def holds(member: str, statement: bytes, seal: bytes) -> bool:
+    return stage2.sealed_by(member, ROUND_KEY, statement, seal)
+
+
+def layout_of(group) -> GroupLayout:
+    return GroupLayout(ROUND_KEY, tuple(group), tuple(twolevel.owners(SEED, group, SPANS)))
+
+
+def claim(layout: GroupLayout, keys, span: int, signed_by=None, by=None) -> Claim:
+    statement = layout.statement()
+    signed_by = layout.members if signed_by is None else signed_by
+    seals = {m: stage2.seal(keys[m], ROUND_KEY, statement) for m in signed_by}
+    return Claim(by or layout.span_owners[span], layout, seals)
+
+
+def test_three_groups_owners_agree_on_every_span_whatever_order_the_claims_came_in(keys):
+    peers = sorted(keys)
+    groups = twolevel.groups_of(SEED, peers, size=4)  # 12 peers: 3 buckets of about 4, merged to >= 2
+    assert len(groups) >= 2
+    count = twolevel.group_count(len(peers), 4)
+    for span in range(SPANS):
+        shown = [claim(layout_of(g), keys, span) for g in groups]
+        # By hand: each group's owner of the span, groups in the order of their lowest bucket,
+        # which is `groups_of`'s order (buckets walked in index order).
+        expected = tuple(layout_of(g).span_owners[span] for g in groups)
+        for order in range(5):
+            random.Random(order).shuffle(shown)
+            assert claims.plan_owners(SEED, count, span, shown, holds) == expected
+
+
+def test_a_claim_counts_only_from_the_spans_owner_and_with_more_than_half_of_its_members(keys):
+    peers = sorted(keys)[:4]
+    layout = layout_of(peers)
+    owner = layout.span_owners[0]
+    other = next(p for p in peers if p != owner)
+    assert claims.plan_owners(SEED, 1, 0, [claim(layout, keys, 0)], holds) == (owner,)
+    assert claims.plan_owners(SEED, 1, 0, [claim(layout, keys, 0, by=other)], holds) == ()
+    assert claims.plan_owners(SEED, 1, 0, [claim(layout, keys, 0, signed_by=peers[:3])], holds) == (owner,)
+    assert claims.plan_owners(SEED, 1, 0, [claim(layout, keys, 0, signed_by=peers[:2])], holds) == ()  # 2 of 4
+    # A member's seal shown under another member's name, or over another layout, is no signature.
+    good = claim(layout, keys, 0)
+    swapped = dict(good.seals)
+    swapped[peers[3]] = good.seals[peers[2]]
+    swapped[peers[2]] = good.seals[peers[3]]
+    swapped[peers[1]] = good.seals[peers[0]]
+    assert claims.signers(Claim(owner, layout, swapped), holds) == {peers[0]}
+    moved = GroupLayout(ROUND_KEY, layout.members, (other,) * SPANS)
+    assert claims.plan_owners(SEED, 1, 0, [Claim(other, moved, good.seals)], holds) == ()
+    # Seals of peers outside the group do not make a majority.
+    outsiders = sorted(keys)[4:8]
+    padded = {**claim(layout, keys, 0, signed_by=peers[:1]).seals}
+    padded.update({m: stage2.seal(keys[m], ROUND_KEY, layout.statement()) for m in outsiders})
+    assert claims.plan_owners(SEED, 1, 0, [Claim(owner, layout, padded)], holds) == ()
+
+
+def test_of_two_claims_over_one_bucket_the_one_more_members_signed_counts(keys):
+    peers = sorted(keys)[:6]
+    whole = layout_of(peers)
+    # Two peers of the group make up a group of their own (both sign: a majority of it) and claim
+    # span 0 for it: their buckets overlap the whole group's, which more members signed. Every
+    # pair of the 6, so that some made-up layouts hash lower than the whole group's.
+    real = claim(whole, keys, 0)
+    lower = 0
+    for pair in itertools.combinations(peers, 2):
+        made_up = GroupLayout(ROUND_KEY, pair, (pair[0],) * SPANS)
+        lower += hashlib.sha256(made_up.statement()).digest() < hashlib.sha256(whole.statement()).digest()
+        for shown in ([claim(made_up, keys, 0), real], [real, claim(made_up, keys, 0)]):
+            assert claims.plan_owners(SEED, 1, 0, shown, holds) == (whole.span_owners[0],)
+    assert 0 < lower < 15, lower
+    # Without the whole group's claim, the made-up group counts: its partial is for the audit of
+    # stage 1 to check (docs/design.md §3, step (3)), not for this rule.
+    assert claims.plan_owners(SEED, 1, 0, [claim(made_up, keys, 0)], holds) == (made_up.members[0],)
+    # A bucket that split into two groups of 3, both fully signed: ties go to the lower sha256 of
+    # the layout, whichever came first.
+    a, b = layout_of(peers[:3]), layout_of(peers[3:])
+    count = 1  # one bucket: both groups cover it
+    first = min((a, b), key=lambda lay: hashlib.sha256(lay.statement()).digest())
+    for shown in ([claim(a, keys, 1), claim(b, keys, 1)], [claim(b, keys, 1), claim(a, keys, 1)]):
+        assert claims.plan_owners(SEED, count, 1, shown, holds) == (first.span_owners[1],)
+    # The same claim shown twice counts once.
+    twice = [claim(whole, keys, 2)] * 2
+    assert claims.plan_owners(SEED, 1, 2, twice, holds) == (whole.span_owners[2],)
+
+
+def test_a_claim_travels_and_reads_back_whole(keys):
+    layout = layout_of(sorted(keys)[:5])
+    shown = claim(layout, keys, 3, signed_by=layout.members[1:4])
+    back = claims.parse_claim(shown.encode(), shown.by, ROUND_KEY, SPANS)
+    assert back == shown
+    assert claims.parse_layout(layout.statement(), ROUND_KEY, SPANS) == layout
+
+
+def test_a_malformed_layout_or_claim_is_a_wire_error(keys):
+    members = sorted(keys)[:3]
+    layout = GroupLayout(ROUND_KEY, tuple(members), (members[0], members[1], members[2], members[0]))
+    raw = layout.statement()
+    with pytest.raises(WireError, match="another round"):
+        claims.parse_layout(raw, b"another key", SPANS)
+    with pytest.raises(WireError, match="spans"):
+        claims.parse_layout(raw, ROUND_KEY, SPANS + 1)
+    with pytest.raises(WireError, match="too many"):
+        claims.parse_layout(raw + b"\0", ROUND_KEY, SPANS)
+    with pytest.raises(WireError, match="cut short"):
+        claims.parse_layout(raw[:-1], ROUND_KEY, SPANS)
+    with pytest.raises(WireError, match="owned by no member"):
+        claims.parse_layout(raw[:-2] + struct.pack(">H", 3), ROUND_KEY, SPANS)
+    twice = GroupLayout(ROUND_KEY, (members[0], members[1], members[0]), (members[0],) * SPANS)
+    with pytest.raises(WireError, match="named twice"):
+        claims.parse_layout(twice.statement(), ROUND_KEY, SPANS)
+    with pytest.raises(WireError, match="not a peer id"):
+        claims.parse_layout(GroupLayout(ROUND_KEY, ("a/b",), ("a/b",) * SPANS).statement(), ROUND_KEY, SPANS)
+    with pytest.raises(WireError, match="not a group layout"):
+        claims.parse_layout(b"nonsense", ROUND_KEY, SPANS)
+    encoded = claim(layout, keys, 0).encode()
+    with pytest.raises(WireError, match="a seal of member"):  # the first seal's index set past the members
+        at = len(claims.CLAIM_TAG) + 4 + len(raw) + 2
+        claims.parse_claim(encoded[:at] + struct.pack(">H", 9) + encoded[at + 2 :], members[0], ROUND_KEY, SPANS)
+    with pytest.raises(WireError, match="cut short"):
+        claims.parse_claim(encoded[:-1], members[0], ROUND_KEY, SPANS)
+    with pytest.raises(WireError, match="not a span claim"):
+        claims.parse_claim(None, members[0], ROUND_KEY, SPANS)
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.binary(max_size=400))
+def test_any_bytes_are_a_claim_or_a_wire_error(raw):
+    for candidate in (raw, claims.CLAIM_TAG + raw, claims.LAYOUT_TAG + raw):
+        try:
+            claims.parse_claim(candidate, "QmPeer", ROUND_KEY, SPANS)
+        except WireError:
+            pass
+        try:
+            claims.parse_layout(candidate, ROUND_KEY, SPANS)
+        except WireError:
+            pass
