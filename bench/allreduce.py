@@ -26,6 +26,11 @@ p2p_diloco/swarm/averaging/allreduce.py reports (the butterfly's only).
     .venv/bin/python bench/allreduce.py --ks 4 --codecs fp32 int8 --rate 20 --numel 5e6 --rtt-ms 0 20 80 \
         --out bench/results/allreduce_rtt    # the same links with round trips of 20 and 80 ms (bench/delaylink.py)
 
+The hosts' TCP runs cubic (`--cc`), most volunteers' default (Linux, Windows and macOS). This
+machine's is bbr, which the labs inherited until session 35: on the connections p2pd keeps between
+all-reduces, an all-reduce after the first took 1.0-1.5 s longer under bbr (docs/benchmarks.md,
+"The lab's congestion control").
+
 Writes bench/results/allreduce.json and allreduce.png. Needs root (namespaces). On a 2-core
 machine the CPUs, not the links, limit all-reduce above a few hundred Mbit/s in total; timings are
 noisy when anything else runs. A codec the config does not know is skipped with a note.
@@ -45,6 +50,7 @@ from pathlib import Path
 
 from p2p_diloco import config
 from p2p_diloco.errors import ConfigError
+from p2p_diloco.protocol import links
 from p2p_diloco.swarm.transport import leftovers
 
 if __package__:  # imported as bench.allreduce (the tests)
@@ -104,6 +110,14 @@ def parse_args() -> argparse.Namespace:
         "--pace",
         type=float,
         help="cap each of a worker's TCP connections at PACE x its upload / (k - 1) (bench/pacing.py)",
+    )
+    p.add_argument(
+        "--cc", default="cubic", help="the hosts' TCP congestion control (bench/netlab.py; this machine's: bbr)"
+    )
+    p.add_argument(
+        "--parts-per-member",
+        type=int,
+        help="the workers' protocol.links.PARTS_PER_MEMBER (how finely a vector under 2 MiB a member is cut)",
     )
     p.add_argument(
         "--averaging-timeout", type=float, help="the workers' swarm.averaging_timeout_s (default: 5x the bound, >= 60)"
@@ -192,7 +206,7 @@ def run_setting(
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
-            env=ENV,
+            env={**ENV, "PARTS_PER_MEMBER": str(args.parts_per_member or "")},
             cwd=ROOT,
             stderr=open(folder / f"{name}-w{i}.log", "w"),
         )
@@ -215,7 +229,14 @@ def run_setting(
         for w in workers:
             lab.end(w, grace_s=20)
     summary = summarize(k, codec, numel, (args.up, args.down), runs)
-    return {**summary, "aggregator": aggregator, "quic": args.quic, "tcp_peers_of_host0": tcp_peers}
+    parts = args.parts_per_member or links.PARTS_PER_MEMBER
+    return {
+        **summary,
+        "aggregator": aggregator,
+        "quic": args.quic,
+        "parts_per_member": parts,
+        "tcp_peers_of_host0": tcp_peers,
+    }
 
 
 def tcp_peers_of(lab: NetLab, host: int) -> list[str]:
@@ -384,15 +405,16 @@ def run_lab(args: argparse.Namespace, rtt_ms: float, codecs: list[str], folder: 
     kmax = max(args.ks)
     # hosts 0..kmax-1: peers at --up/--down; host kmax: the bootstrap node, unlimited (only DHT traffic)
     delays = None if args.no_forwarders and rtt_ms == 0 else [rtt_ms / 4] * kmax + [0.0]
-    with NetLab([(args.up, args.down)] * kmax + [(None, None)], delays_ms=delays) as lab:
+    with NetLab([(args.up, args.down)] * kmax + [(None, None)], delays_ms=delays, cc=args.cc) as lab:
         maddr = bootstrap(lab, kmax, folder)
+        cc = lab.congestion_control()
         for k in args.ks:
             numel = int(args.numel_k8 if k >= 8 else args.numel)
             for codec in codecs:
                 for aggregator in args.aggregators:
                     print(f"k={k} {codec} {aggregator} numel={numel:,} rtt={rtt_ms:g} ms", flush=True)
                     result = run_setting(lab, maddr, k, codec, numel, args, folder, aggregator)
-                    results.append({**result, "rtt_ms": rtt_ms})
+                    results.append({**result, "rtt_ms": rtt_ms, "congestion_control": cc})
                     print(f"  -> {json.dumps(results[-1])}", flush=True)
         prefix = lab.prefix
     assert not namespaces(prefix), f"namespaces left behind: {namespaces(prefix)}"

@@ -22,6 +22,7 @@ import torch
 
 from p2p_diloco import config
 from p2p_diloco.errors import AveragingError
+from p2p_diloco.protocol import links
 from p2p_diloco.swarm import HivemindSwarm
 
 
@@ -58,6 +59,8 @@ def main(
         lockstep.install()
     if os.environ.get("NOSEAL"):  # bench/noseal.py, an experiment
         noseal.install()
+    if parts := os.environ.get("PARTS_PER_MEMBER"):  # bench/allreduce.py --parts-per-member: before the averager forks
+        links.PARTS_PER_MEMBER = int(parts)
     swarm = HivemindSwarm(cfg, run_dir, numel, lambda: ({}, []))
     try:
         print("ready", flush=True)

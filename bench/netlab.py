@@ -64,12 +64,19 @@ class NetLab:
     """N hosts behind one bridge; `links[i]` = (upload, download) of host i in Mbit/s."""
 
     def __init__(
-        self, links: list[tuple[float | None, float | None]], tag: str = "pdl", delays_ms: list[float] | None = None
+        self,
+        links: list[tuple[float | None, float | None]],
+        tag: str = "pdl",
+        delays_ms: list[float] | None = None,
+        cc: str | None = None,
     ):
         """`tag`: the namespaces' prefix before the pid (a lab of another shape has its own);
         `delays_ms[i]`: host i's one-way delay each way (the round trip between hosts i and j
         grows by 2 (delays_ms[i] + delays_ms[j]); given, every host is behind a forwarder, 0 ms
-        included (the same CPU cost at every delay)."""
+        included (the same CPU cost at every delay); `cc`: the hosts' TCP congestion control
+        (None: whatever a new namespace gets from this machine, bbr here; `congestion_control`)."""
+        self.cc = cc
+        self._allowed: str | None = None  # this machine's list of allowed congestion controls, if the lab widened it
         self.prefix = f"{tag}{os.getpid()}-"
         self.bridge_ns = self.prefix + "br"
         self.forwarded = delays_ms is not None  # every host behind bench/delaylink.py, even at 0 ms
@@ -104,6 +111,8 @@ class NetLab:
         for host in self.hosts:
             self._add_netns(host.netns)
             _ip(host.netns, "link", "set", "lo", "up")
+            if self.cc is not None:
+                self._congestion_control(host.netns)
             self._plug(host.netns, f"v{host.index}", f"{host.ip}/24", host.up_mbit, host.down_mbit)
             if self.forwarded:
                 # Every host, 0 ms where none: a veth hands over frames whose checksum it left to
@@ -137,6 +146,25 @@ class NetLab:
     def _add_netns(self, name: str) -> None:
         _run("ip", "netns", "add", name)
         self._made.append(name)
+
+    def _congestion_control(self, netns: str) -> None:
+        """Set the lab's congestion control in `netns`. A namespace may only take one this machine
+        allows: a missing one is allowed for the lab's life (`close` restores the list)."""
+        allowed = _sysctl_value("net.ipv4.tcp_allowed_congestion_control")
+        if self.cc not in allowed.split():
+            self._allowed = self._allowed or allowed
+            _run("sysctl", "-q", "-w", f"net.ipv4.tcp_allowed_congestion_control={allowed} {self.cc}")
+        _run("ip", "netns", "exec", netns, "sysctl", "-q", "-w", f"net.ipv4.tcp_congestion_control={self.cc}")
+
+    def congestion_control(self) -> str:
+        """The congestion control the lab's hosts' TCP runs (host 0's, as every host's)."""
+        out = subprocess.run(
+            ["ip", "netns", "exec", self.hosts[0].netns, "sysctl", "-n", "net.ipv4.tcp_congestion_control"],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        return out.stdout.strip()
 
     def popen(self, host: int, cmd: list[str], **kwargs) -> subprocess.Popen:
         """Start `cmd` inside host `host`'s namespace, in a session of its own (its process group
@@ -194,6 +222,13 @@ class NetLab:
         for name in reversed(self._made):
             subprocess.run(["ip", "netns", "del", name], capture_output=True, timeout=30)
         self._made.clear()
+        if self._allowed is not None:
+            subprocess.run(
+                ["sysctl", "-q", "-w", f"net.ipv4.tcp_allowed_congestion_control={self._allowed}"],
+                capture_output=True,
+                timeout=30,
+            )
+            self._allowed = None
         shutil.rmtree(self.tmp, ignore_errors=True)  # made by this lab, used by its processes only
 
 
@@ -233,6 +268,10 @@ def _limit(netns: str, dev: str, mbit: float | None) -> None:
             "latency",
             QUEUE_LATENCY,
         )
+
+
+def _sysctl_value(key: str) -> str:
+    return subprocess.run(["sysctl", "-n", key], capture_output=True, text=True, timeout=30, check=True).stdout.strip()
 
 
 def _ip(netns: str, *args: str) -> None:

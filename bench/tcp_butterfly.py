@@ -14,8 +14,9 @@ all were told to go; the bound is bench/allreduce.py's: 2 (k - 1) / k x the vect
 
 `--pace 0.97` caps each connection at 0.97 x the rate / (k - 1) (SO_MAX_PACING_RATE: the kernel
 spaces its packets), so that no queue builds at the link and the ACKs of the flows coming the
-other way do not wait behind 100 ms of it; `--cc cubic` sets the connections' congestion control
-(this machine's default, which the lab's namespaces inherit, is bbr; most volunteers' is cubic).
+other way do not wait behind 100 ms of it; `--cc` sets the hosts' and the connections' congestion
+control: cubic by default, most volunteers' (this machine's is bbr, which the lab's namespaces
+inherited until session 35).
 
 `--libp2p` moves the same bytes in the same phases through hivemind's p2pd and raw libp2p streams
 (bench/p2p_streams.py): the stack under our all-reduce, without its protobuf, codec or signatures.
@@ -145,7 +146,9 @@ def main() -> int:
     parser.add_argument(
         "--pace", type=float, default=0.0, help="cap each connection at PACE x the rate / (k - 1) (SO_MAX_PACING_RATE)"
     )
-    parser.add_argument("--cc", help="the connections' congestion control (TCP_CONGESTION; default: the system's)")
+    parser.add_argument(
+        "--cc", default="cubic", help="the hosts' and connections' congestion control (this machine's: bbr)"
+    )
     parser.add_argument(
         "--libp2p",
         action="store_true",
@@ -178,13 +181,12 @@ def main() -> int:
     part = int(args.numel * 4 / args.k)
     bound = 2 * (args.k - 1) * part * 8 / (args.rate * 1e6)
     delays = None if args.no_forwarders else [0.0] * args.k
-    with NetLab([(args.rate, args.rate)] * args.k, tag="tcpb", delays_ms=delays) as lab:
+    with NetLab([(args.rate, args.rate)] * args.k, tag="tcpb", delays_ms=delays, cc=args.cc) as lab:
         times = [one(lab, args.k, part, 20 * bound + 60) for _ in range(args.repeats)]
     result = {"k": args.k, "rate_mbit": args.rate, "numel": args.numel, "bound_s": bound, "times_s": times}
-    system_cc = Path("/proc/sys/net/ipv4/tcp_congestion_control").read_text().strip()
     result |= {
         "pace": args.pace,
-        "cc": args.cc or system_cc,
+        "cc": args.cc,
         "transport": "hivemind-rpc" if args.rpc else "libp2p" if args.libp2p or args.pieces else "tcp",
         "pieces": args.pieces,
     }
