@@ -177,3 +177,11 @@ def plan_owners(seed: str, count: int, span: int, claims: Sequence[Claim], holds
         covered |= buckets
         taken.append((min(buckets), claim.by))
     return tuple(owner for _, owner in sorted(taken))
+
+
+def plan_key(round_key: bytes, span: int, claims: Sequence[Claim]) -> bytes:
+    """Stage 2's key for `span` (stage2.Plan.round_key): the round's key, the span and every claim
+    the assembly showed, in any order. Owners that hold different lists (a leader that told them
+    different things) then hold different keys, and refuse each other's stage-2 messages."""
+    shown = sorted(hashlib.sha256(c.by.encode() + b"\0" + c.encode()).digest() for c in claims)
+    return hashlib.sha256(b"".join([round_key, struct.pack(">I", span), *shown])).digest()

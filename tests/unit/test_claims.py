@@ -166,3 +166,16 @@ def test_any_bytes_are_a_claim_or_a_wire_error(raw):
             claims.parse_layout(candidate, ROUND_KEY, SPANS)
         except WireError:
             pass
+
+
+def test_the_stage_2_key_binds_the_very_list_of_claims_the_assembly_showed(keys):
+    peers = sorted(keys)
+    a, b = layout_of(peers[:4]), layout_of(peers[4:8])
+    shown = [claim(a, keys, 0), claim(b, keys, 0)]
+    key = claims.plan_key(ROUND_KEY, 0, shown)
+    assert claims.plan_key(ROUND_KEY, 0, shown[::-1]) == key  # the leader's order does not matter
+    assert claims.plan_key(ROUND_KEY, 0, shown[:1]) != key  # a leader that left one out for some owners
+    assert claims.plan_key(ROUND_KEY, 1, shown) != key  # another span
+    assert claims.plan_key(b"another round", 0, shown) != key
+    fewer = claim(a, keys, 0, signed_by=a.members[:3])  # the same layout, other seals
+    assert claims.plan_key(ROUND_KEY, 0, [fewer, shown[1]]) != key

@@ -18,3 +18,12 @@ def test_every_averager_rpc_that_yields_is_registered_as_streaming():
     assert expected | {"rpc_download_chunk"} <= set(yielding)
     unary = [name for name in yielding if not handlers[name].stream_output]
     assert not unary, f"registered as unary though they yield (a collections.abc AsyncIterator hint?): {unary}"
+
+
+def test_the_span_owners_assembly_serves_its_join_requests_as_a_stream():
+    from p2p_diloco.swarm.averaging.assembly import AssemblyServicer
+
+    AssemblyServicer._rpc_handlers = None
+    AssemblyServicer._collect_rpc_handlers()
+    handlers = {h.method_name: h for h in AssemblyServicer._rpc_handlers}
+    assert handlers["rpc_join_group"].stream_output  # the leader's answers: ACCEPTED, then BEGIN_ALLREDUCE

@@ -1,0 +1,110 @@
+"""The span owners' assembly of a two-level round (docs/design.md §3, "The round around it", step
+(1)): the owners of span k in every group meet by hivemind's matchmaking under a DHT key of their
+own (the run, the round's key and the span), each bringing its claim (protocol/claims.py) to the
+all-gather. The leader's assembled group gives every owner that joined it the same list of claims,
+from which `claims.plan_owners` makes the same stage-2 owners everywhere, and `claims.plan_key` a
+key that binds stage 2 to that very list: owners whose lists differ (a leader that told them
+different things, or two assemblies where there should be one) do not take each other's messages,
+and fail alike instead of averaging different things.
+
+One `Assembly` per peer serves every span it owns: its handler (`AssemblyServicer.rpc_join_group`)
+hands a join request to the look in progress under the request's key, and refuses one under any
+other key, as hivemind's matchmaking refuses a request for another group.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, AsyncIterator, cast  # typing's, not collections.abc's: see pyproject.toml (UP035)
+
+from hivemind.averaging.key_manager import GroupKeyManager
+from hivemind.averaging.matchmaking import Matchmaking
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, P2PContext, ServicerBase
+from hivemind.proto import averaging_pb2
+from hivemind.utils import get_dht_time
+
+from p2p_diloco.errors import SwarmError
+
+SCHEMA = hashlib.sha256(b"p2p-diloco/span-assembly/v1").digest()  # hivemind's matchmaking compares it
+
+
+@dataclass(frozen=True)
+class _Step:
+    """What hivemind's matchmaking reads of its StepControl (which also holds shared memory and
+    cross-process futures for an averager's own step, none of which a look needs here)."""
+
+    scheduled_time: float
+    deadline: float
+    data_for_gather: bytes
+
+    def get_timeout(self) -> float:
+        return max(0.0, self.deadline - get_dht_time())
+
+
+class AssemblyError(SwarmError):
+    """No assembly of this span's owners formed in time: stage 2 of the span cannot run here."""
+
+
+class AssemblyServicer(ServicerBase):
+    """Answers other owners' join requests for the looks in progress here, by group key."""
+
+    def __init__(self) -> None:
+        self.looking: dict[str, Matchmaking] = {}  # hivemind group key -> the look in progress under it
+
+    async def rpc_join_group(
+        self, request: averaging_pb2.JoinRequest, context: P2PContext
+    ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
+        look = self.looking.get(request.group_key) if isinstance(request.group_key, str) else None
+        if look is None:
+            yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
+            return
+        async for message in look.rpc_join_group(request, context):
+            yield message
+
+
+class Assembly:
+    """One peer's side of the span owners' assemblies: `start` once, then `assemble` per span."""
+
+    def __init__(self, p2p: P2P, dht: DHT, namespace: str, wait_s: float) -> None:
+        """`namespace`: the handler's (the run's, without '.'); `wait_s`: how long a look gathers
+        owners before its leader closes the group with whoever came."""
+        self._p2p, self._dht, self.namespace, self.wait_s = p2p, dht, namespace, wait_s
+        self.servicer = AssemblyServicer()
+
+    async def start(self) -> None:
+        await self.servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
+
+    async def assemble(self, key: str, claim: bytes, groups: int) -> list[tuple[str, bytes]]:
+        """Meet the other owners under `key` (the run, the round and the span; no '.'), at most
+        `groups` of them, showing `claim`: every member's (peer id, claim bytes) as the leader
+        gathered them (untrusted: for claims.parse_claim), or AssemblyError."""
+        look = Matchmaking(
+            self._p2p,
+            SCHEMA,
+            self._dht,
+            servicer_type=AssemblyServicer,
+            prefix=self.namespace,  # where join requests go; the DHT key is the group key manager's
+            target_group_size=groups,
+            min_group_size=2,  # with 1, hivemind closes a group of one at its look's first re-declaration
+            min_matchmaking_time=self.wait_s,
+            request_timeout=self.wait_s / 2,
+            client_mode=False,
+        )
+        look.group_key_manager = GroupKeyManager(self._dht, key, "", groups)
+        group_key = look.group_key_manager.current_key
+        if group_key in self.servicer.looking:
+            raise AssemblyError(f"already assembling under {key}")
+        now = get_dht_time()
+        step = _Step(scheduled_time=now + self.wait_s, deadline=now + 3 * self.wait_s, data_for_gather=claim)
+        self.servicer.looking[group_key] = look
+        try:
+            group = await look.look_for_group(cast(Any, step))
+        except Exception as e:  # hivemind's own errors while looking: no assembly here
+            raise AssemblyError(f"span owners' assembly under {key}: {type(e).__name__} {e}") from None
+        finally:
+            del self.servicer.looking[group_key]
+        if group is None:
+            raise AssemblyError(f"no span owners' assembly under {key} within {3 * self.wait_s:g} s")
+        return [(str(peer), bytes(data)) for peer, data in zip(group.peer_ids, group.gathered)]

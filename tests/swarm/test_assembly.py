@@ -1,0 +1,57 @@
+"""The span owners' assembly (swarm/averaging/assembly.py) between real processes: owners of one span
+in three groups, each a hivemind DHT and p2pd of its own on 127.0.0.1 (tests/swarm/assembly_worker.py),
+meet by hivemind's matchmaking and make the same stage-2 owners of what they were shown, a made-up
+claim among them included."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from tests.swarm.procs import signal_tree
+
+GROUPS = 3
+
+
+def run_owners(tmp_path, forgers: set[int], owners: int, timeout_s: float = 90.0) -> tuple[dict, dict]:
+    """(each owner's result, each owner's peer id), every process ended after."""
+    procs = []
+    try:
+        for i in range(owners):
+            log = open(tmp_path / f"{i}.log", "w")
+            cmd = [sys.executable, "-m", "tests.swarm.assembly_worker", str(i), str(owners), str(GROUPS), str(tmp_path)]
+            cmd += ["forge"] if i in forgers else []
+            procs.append(
+                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ, start_new_session=True)
+            )
+        deadline = time.monotonic() + timeout_s
+        while not all((tmp_path / f"{i}.json").exists() or p.poll() is not None for i, p in enumerate(procs)):
+            assert time.monotonic() < deadline, "owners did not finish: " + (tmp_path / "0.log").read_text()[-2000:]
+            time.sleep(0.1)  # a poll interval, bounded by the deadline above
+        (tmp_path / "done").touch()
+        for p in procs:
+            p.wait(timeout=max(1.0, deadline - time.monotonic()))
+    finally:
+        for p in procs:
+            signal_tree(p.pid, signal.SIGKILL)
+    results = {i: json.loads((tmp_path / f"{i}.json").read_text()) for i in range(owners)}
+    peers = {i: (tmp_path / f"{i}.peer").read_text() for i in range(owners)}
+    return results, peers
+
+
+@pytest.mark.timeout(150)
+def test_span_owners_of_three_groups_assemble_and_agree_on_the_owners_a_made_up_claim_left_out(tmp_path):
+    # Owners 0, 1 and 2 own span 0 of the groups of buckets 0, 1 and 2, each sealed by its three
+    # members; owner 3 hashes into bucket 0 too and shows a group it made up of itself and one
+    # member of its own (both seal it: a majority of 2). Whoever leads, every owner gets the same
+    # four claims, and the made-up one, over bucket 0 with fewer seals than group 0's, does not count.
+    results, peers = run_owners(tmp_path, forgers={3}, owners=4)
+    assert all("error" not in r for r in results.values()), results
+    assert all(r["members"] == sorted(peers.values()) for r in results.values()), results
+    expected = [peers[0], peers[1], peers[2]]  # by hand: the groups in bucket order
+    assert all(r["owners"] == expected for r in results.values()), (results, peers)
+    assert len({r["plan_key"] for r in results.values()}) == 1
