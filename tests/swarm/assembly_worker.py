@@ -9,12 +9,16 @@ drawn until they hash into bucket INDEX mod GROUPS of the round (twolevel.bucket
 members of a group made from that bucket would. Its members seal the group's layout; with `forge`,
 the owner makes up a group of itself and one member of its own (both seal, a majority of it).
 Owner 0 is the DHT's first node and writes FOLDER/0.addr; every owner writes FOLDER/INDEX.ready
-once its DHT is up and waits for every owner's, assembles under the span's key, and writes
-FOLDER/INDEX.json: the assembly's members, the owners `claims.plan_owners` made of it and
-`claims.plan_key`; or the error. It then waits for FOLDER/done (so that no leader leaves early).
+once its DHT and handlers are up and waits for every owner's, assembles under the span's key, and,
+where the owners `claims.plan_owners` made of the assembly include it, runs stage 2 of span 0 with
+`claims.plan_key` as its key and its group's partial (tests/swarm/stage2_worker.py's `partial_of`
+of its group index in the plan). It writes FOLDER/INDEX.json: the assembly's members, the owners,
+the key, and each sub-span's decided statement's sha256, the groups it names and the average; or
+the error. It then serves until FOLDER/done.
 """
 
 import asyncio
+import hashlib
 import json
 import sys
 import tempfile
@@ -22,18 +26,22 @@ import time
 from pathlib import Path
 
 import hivemind
+from hivemind.p2p import PeerID
 
 from p2p_diloco.protocol import claims, twolevel
 from p2p_diloco.protocol.claims import Claim, GroupLayout
 from p2p_diloco.swarm.averaging import stage2
 from p2p_diloco.swarm.averaging.assembly import Assembly, AssemblyError
+from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2, Stage2Error, Stage2Servicer
 from p2p_diloco.swarm.transport import identity
 from p2p_diloco.trust.wire import WireError
+from tests.swarm.stage2_worker import partial_of
 
 NO_NAT = {"auto_nat": False, "nat_port_map": False, "use_relay": False, "use_auto_relay": False}
 ROUND_KEY = b"round 7 digest"
 SEED = ROUND_KEY.hex()
 SPANS = 4
+NUMEL = 10  # span 0's values: sub-spans of 3, 3 and 4 among 3 groups
 WAIT_S = 2.0
 BARRIER_S = 60.0
 
@@ -67,13 +75,9 @@ def holds(member: str, statement: bytes, seal: bytes) -> bool:
     return stage2.sealed_by(member, ROUND_KEY, statement, seal)
 
 
-async def assemble(dht: hivemind.DHT, claim: bytes, owners: int, groups: int) -> dict:
-    assembly = Assembly(await dht.replicate_p2p(), dht, "assembly-test", WAIT_S)
-    await assembly.start()
-    try:
-        gathered = await assembly.assemble(f"run-r7-span0of{SPANS}", claim, owners)
-    except AssemblyError as e:
-        return {"error": str(e)}
+async def assemble(assembly: Assembly, claim: bytes, owners: int, groups: int) -> tuple[list, list[str], bytes]:
+    """(the members' peer ids, the stage-2 owners made of what they showed, the stage-2 key)."""
+    gathered = await assembly.assemble(f"run-r7-span0of{SPANS}", claim, owners)
     shown = []
     for by, raw in gathered:
         try:
@@ -81,11 +85,42 @@ async def assemble(dht: hivemind.DHT, claim: bytes, owners: int, groups: int) ->
         except WireError:
             pass
     plan = claims.plan_owners(SEED, groups, 0, shown, holds)
-    return {
-        "members": sorted(by for by, _ in gathered),
-        "owners": list(plan),
-        "plan_key": claims.plan_key(ROUND_KEY, 0, shown).hex(),
-    }
+    return sorted(by for by, _ in gathered), list(plan), claims.plan_key(ROUND_KEY, 0, shown)
+
+
+async def wait_for(paths: list[Path]) -> None:
+    await asyncio.get_running_loop().run_in_executor(None, wait_for_files, paths)
+
+
+async def run(
+    dht: hivemind.DHT, me: tuple[Path, str], claim: bytes, index: int, sizes: tuple[int, int], folder: Path
+) -> None:
+    """Assemble with the other owners (`sizes`: how many, and the round's groups), then run stage 2
+    of span 0 as the plan made of the assembly says (an owner the plan leaves out runs none), and
+    write the result."""
+    owners, groups = sizes
+    p2p = await dht.replicate_p2p()
+    assembly = Assembly(p2p, dht, "assembly-test", WAIT_S)
+    await assembly.start()
+    signer = identity.load_identity(me[0])
+    desk = Stage2(me[1], signer, lambda peer: Stage2Servicer.get_stub(p2p, PeerID.from_base58(peer)), WAIT_S)
+    await Stage2Servicer(desk).add_p2p_handlers(p2p)
+    (folder / f"{index}.ready").touch()
+    await wait_for([folder / f"{i}.ready" for i in range(owners)])
+    result: dict = {}
+    try:
+        result["members"], result["owners"], key = await assemble(assembly, claim, owners, groups)
+        result["plan_key"] = key.hex()
+        if me[1] in result["owners"]:
+            plan = Plan(key, 0, SPANS, tuple(result["owners"]), NUMEL)
+            outputs = await desk.run(plan, partial_of(result["owners"].index(me[1]), NUMEL))
+            result["subs"] = [hashlib.sha256(o.statement()).hexdigest() for o in outputs]
+            result["groups"] = [list(o.groups) for o in outputs]
+            result["average"] = twolevel.final(outputs).tolist()
+    except (AssemblyError, Stage2Error) as e:
+        result["error"] = str(e)
+    (folder / f"{index}.json").write_text(json.dumps(result))
+    await wait_for([folder / "done"])  # serve the others' stage-2 fetches until every owner is done
 
 
 def main(index: int, owners: int, groups: int, folder: Path, forge: bool) -> None:
@@ -109,11 +144,7 @@ def main(index: int, owners: int, groups: int, folder: Path, forge: bool) -> Non
         if index == 0:
             (folder / "0.addr").write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
         (folder / f"{index}.peer").write_text(me[1])
-        (folder / f"{index}.ready").touch()
-        wait_for_files([folder / f"{i}.ready" for i in range(owners)])
-        result = asyncio.run(assemble(dht, claim, owners, groups))
-        (folder / f"{index}.json").write_text(json.dumps(result))
-        wait_for_files([folder / "done"])
+        asyncio.run(run(dht, me, claim, index, (owners, groups), folder))
     finally:
         dht.shutdown()
 

@@ -1,7 +1,8 @@
 """The span owners' assembly (swarm/averaging/assembly.py) between real processes: owners of one span
 in three groups, each a hivemind DHT and p2pd of its own on 127.0.0.1 (tests/swarm/assembly_worker.py),
-meet by hivemind's matchmaking and make the same stage-2 owners of what they were shown, a made-up
-claim among them included."""
+meet by hivemind's matchmaking, make the same stage-2 owners of what they were shown (a made-up
+claim among them), and run stage 2 of their span with them: owners that knew nothing of each other
+but the DHT end with the same average."""
 
 import json
 import os
@@ -13,6 +14,7 @@ import time
 import pytest
 
 from tests.swarm.procs import signal_tree
+from tests.swarm.test_stage2 import reference
 
 GROUPS = 3
 
@@ -44,7 +46,7 @@ def run_owners(tmp_path, forgers: set[int], owners: int, timeout_s: float = 90.0
 
 
 @pytest.mark.timeout(150)
-def test_span_owners_of_three_groups_assemble_and_agree_on_the_owners_a_made_up_claim_left_out(tmp_path):
+def test_span_owners_of_three_groups_assemble_agree_on_the_owners_and_average_a_made_up_claim_left_out(tmp_path):
     # Owners 0, 1 and 2 own span 0 of the groups of buckets 0, 1 and 2, each sealed by its three
     # members; owner 3 hashes into bucket 0 too and shows a group it made up of itself and one
     # member of its own (both seal it: a majority of 2). Whoever leads, every owner gets the same
@@ -55,3 +57,11 @@ def test_span_owners_of_three_groups_assemble_and_agree_on_the_owners_a_made_up_
     expected = [peers[0], peers[1], peers[2]]  # by hand: the groups in bucket order
     assert all(r["owners"] == expected for r in results.values()), (results, peers)
     assert len({r["plan_key"] for r in results.values()}) == 1
+    # Stage 2 with that plan: the three owners hold the same decided bytes of every sub-span, each
+    # naming all three groups, and the average is the fixed-order one by hand; the forger, whom
+    # the plan leaves out, ran none.
+    real = [results[i] for i in range(GROUPS)]
+    assert len({json.dumps(r["subs"]) for r in real}) == 1 and len(real[0]["subs"]) == GROUPS
+    assert all(g == [0, 1, 2] for g in real[0]["groups"])
+    assert real[0]["average"] == reference([0, 1, 2])
+    assert "subs" not in results[3]
