@@ -2,7 +2,8 @@
 in three groups, each a hivemind DHT and p2pd of its own on 127.0.0.1 (tests/swarm/assembly_worker.py),
 meet by hivemind's matchmaking, make the same stage-2 owners of what they were shown (a made-up
 claim among them), and run stage 2 of their span with them: owners that knew nothing of each other
-but the DHT end with the same average."""
+but the DHT end with the same average; owners that hold different lists (a leader that told them
+different things) fail alike."""
 
 import json
 import os
@@ -19,7 +20,9 @@ from tests.swarm.test_stage2 import reference
 GROUPS = 3
 
 
-def run_owners(tmp_path, forgers: set[int], owners: int, timeout_s: float = 90.0) -> tuple[dict, dict]:
+def run_owners(
+    tmp_path, forgers: set[int], owners: int, told_less: set[int] = frozenset(), timeout_s: float = 90.0
+) -> tuple[dict, dict]:
     """(each owner's result, each owner's peer id), every process ended after."""
     procs = []
     try:
@@ -28,7 +31,13 @@ def run_owners(tmp_path, forgers: set[int], owners: int, timeout_s: float = 90.0
             cmd = [sys.executable, "-m", "tests.swarm.assembly_worker", str(i), str(owners), str(GROUPS), str(tmp_path)]
             cmd += ["forge"] if i in forgers else []
             procs.append(
-                subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ, start_new_session=True)
+                subprocess.Popen(
+                    cmd,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    env={**os.environ, "TOLD_LESS": "1" if i in told_less else ""},
+                    start_new_session=True,
+                )
             )
         deadline = time.monotonic() + timeout_s
         while not all((tmp_path / f"{i}.json").exists() or p.poll() is not None for i, p in enumerate(procs)):
@@ -65,3 +74,15 @@ def test_span_owners_of_three_groups_assemble_agree_on_the_owners_and_average_a_
     assert all(g == [0, 1, 2] for g in real[0]["groups"])
     assert real[0]["average"] == reference([0, 1, 2])
     assert "subs" not in results[3]
+
+
+@pytest.mark.timeout(150)
+def test_owners_a_leader_told_different_things_fail_alike_instead_of_averaging_different_things(tmp_path):
+    # Owner 2 makes the same owners of what it holds, but holds one claim fewer (the made-up one,
+    # which counts for nothing): its stage-2 key differs, the others refuse its messages and it
+    # theirs, and no owner ends with an average (I1: nobody applies a different one; I2).
+    results, peers = run_owners(tmp_path, forgers={3}, owners=4, told_less={2})
+    real = [results[i] for i in range(GROUPS)]
+    assert all(r["owners"] == [peers[0], peers[1], peers[2]] for r in real), results
+    assert real[2]["plan_key"] != real[0]["plan_key"] == real[1]["plan_key"]
+    assert all("subs" not in r and "nothing applied" in r["error"] for r in real), real
