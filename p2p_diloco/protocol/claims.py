@@ -185,3 +185,49 @@ def plan_key(round_key: bytes, span: int, claims: Sequence[Claim]) -> bytes:
     different things) then hold different keys, and refuse each other's stage-2 messages."""
     shown = sorted(hashlib.sha256(c.by.encode() + b"\0" + c.encode()).digest() for c in claims)
     return hashlib.sha256(b"".join([round_key, struct.pack(">I", span), *shown])).digest()
+
+
+MAX_SHOWN = 1024  # claims in one assembly: one per group of a round
+MAX_CLAIM = MAX_MEMBERS * (2 + MAX_ID + 4 + MAX_SEAL) + 64 * 1024  # a claim's bytes: the layout and a seal per member
+
+
+def pack_shown(shown: Sequence[tuple[str, bytes]]) -> bytes:
+    """What an assembly showed, (peer, claim bytes) in its order, as an owner passes it on to its
+    group's members (`unpack_shown`)."""
+    out = [struct.pack(">H", len(shown))]
+    for by, raw in shown:
+        name = by.encode()
+        out += [struct.pack(">B", len(name)), name, struct.pack(">I", len(raw)), raw]
+    return b"".join(out)
+
+
+def unpack_shown(raw: object) -> list[tuple[str, bytes]]:
+    """A `pack_shown` from another node (untrusted): the list, or WireError. Valid: at most
+    MAX_SHOWN entries, each a peer id and a claim of at most MAX_CLAIM bytes (whose own checks are
+    `parse_claim`'s), and nothing more."""
+    if not isinstance(raw, bytes):
+        raise WireError("not an assembly's claims")
+    read = _Reader(raw, "assembly's claims")
+    (count,) = read.unpack(">H")
+    if count > MAX_SHOWN:
+        raise WireError(f"assembly's claims: {count} of them")
+    shown = []
+    for _ in range(count):
+        by = _peer_id(read.take(read.unpack(">B")[0]))
+        (size,) = read.unpack(">I")
+        if size > MAX_CLAIM:
+            raise WireError(f"assembly's claims: one of {size} bytes")
+        shown.append((by, read.take(size)))
+    read.end()
+    return shown
+
+
+def plan_for_member(
+    shown: Sequence[Claim], owner: str, sealed: GroupLayout, seed: str, count: int, span: int, holds: Holds
+) -> tuple[tuple[str, ...], bytes]:
+    """Stage 3, for a member that owns nothing of `span`: (the span's owners, stage 2's key) from
+    what its group's owner passed on of the assembly, or WireError where the owner showed no claim
+    of the layout this member sealed (`sealed`), which it cannot have been honest about."""
+    if not any(c.by == owner and c.layout == sealed for c in shown):
+        raise WireError(f"{owner} showed the assembly no claim of the layout this member sealed")
+    return plan_owners(seed, count, span, shown, holds), plan_key(sealed.round_key, span, shown)

@@ -30,6 +30,7 @@ from pathlib import Path
 
 import hivemind
 from hivemind.p2p import PeerID
+from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco.protocol import claims, twolevel
 from p2p_diloco.protocol.claims import Claim, GroupLayout
@@ -45,6 +46,7 @@ ROUND_KEY = b"round 7 digest"
 SEED = ROUND_KEY.hex()
 SPANS = 4
 NUMEL = 10  # span 0's values: sub-spans of 3, 3 and 4 among 3 groups
+KEY = f"run-r7-span0of{SPANS}"  # the assembly's DHT key: the run, the round and the span
 WAIT_S = 2.0
 BARRIER_S = 60.0
 
@@ -67,11 +69,14 @@ def key_in_bucket(folder: Path, name: str, bucket: int, groups: int) -> tuple[Pa
     raise SystemExit(f"no key in bucket {bucket} in 200 tries")
 
 
-def make_claim(folder: Path, me: tuple[Path, str], bucket: int, groups: int, forge: bool) -> bytes:
+def make_claim(folder: Path, me: tuple[Path, str], bucket: int, groups: int, forge: bool) -> Claim:
     members = [me] + [key_in_bucket(folder, f"member{i}", bucket, groups) for i in range(1 if forge else 2)]
+    if bucket == 0 and not forge and os.environ.get("WITH_MEMBER"):  # the member process, in group 0
+        wait_for_files([folder.parent / "member.key", folder.parent / "member.peer"])
+        members[-1] = (Path((folder.parent / "member.key").read_text()), (folder.parent / "member.peer").read_text())
     layout = GroupLayout(ROUND_KEY, tuple(p for _, p in members), (me[1],) * SPANS)
     seals = {peer: stage2.seal(identity.load_identity(path), ROUND_KEY, layout.statement()) for path, peer in members}
-    return Claim(me[1], layout, seals).encode()
+    return Claim(me[1], layout, seals)
 
 
 def holds(member: str, statement: bytes, seal: bytes) -> bool:
@@ -80,7 +85,7 @@ def holds(member: str, statement: bytes, seal: bytes) -> bool:
 
 async def assemble(assembly: Assembly, claim: bytes, owners: int, groups: int) -> tuple[list, list[str], bytes]:
     """(the members' peer ids, the stage-2 owners made of what they showed, the stage-2 key)."""
-    gathered = await assembly.assemble(f"run-r7-span0of{SPANS}", claim, owners)
+    gathered = await assembly.assemble(KEY, claim, owners)
     shown = []
     for by, raw in gathered:
         try:
@@ -128,16 +133,42 @@ async def run(
     await wait_for([folder / "done"])  # serve the others' stage-2 fetches until every owner is done
 
 
-def main(index: int, owners: int, groups: int, folder: Path, forge: bool) -> None:
-    keys = Path(tempfile.mkdtemp(prefix=f"owner{index}-", dir=folder))
-    bucket = index % groups
-    me = key_in_bucket(keys, "identity", bucket, groups)
-    claim = make_claim(keys, me, bucket, groups, forge)
+async def run_member(dht: hivemind.DHT, me: tuple[Path, str], owners: int, groups: int, folder: Path) -> None:
+    """A member of group 0 that owns nothing of span 0: once its owner ended stage 2, it asks it
+    what the assembly showed, checks its group's claim is the layout it sealed, makes the plan
+    itself and fetches every sub-span from its replicas (stage 3)."""
+    p2p = await dht.replicate_p2p()
+    for i in range(owners):  # dialled by address, as a member knows its group's owner and finds the replicas
+        shown = json.loads((folder / f"{i}.maddrs").read_text())
+        await p2p._client.connect(PeerID.from_base58(shown["id"]), [Multiaddr(a) for a in shown["addrs"]])
+    signer = identity.load_identity(me[0])
+    desk = Stage2(me[1], signer, lambda peer: Stage2Servicer.get_stub(p2p, PeerID.from_base58(peer)), WAIT_S)
+    owner = (folder / "0.peer").read_text()
+    sealed = claims.parse_layout(bytes.fromhex((folder / "0.layout").read_text()), ROUND_KEY, SPANS)
+    result: dict = {}
+    try:
+        shown = []
+        for by, raw in await Assembly(p2p, dht, "assembly-test", WAIT_S).shown_by(owner, KEY):
+            try:
+                shown.append(claims.parse_claim(raw, by, ROUND_KEY, SPANS))
+            except WireError:
+                pass
+        owners_, key = claims.plan_for_member(shown, owner, sealed, SEED, groups, 0, holds)
+        result["owners"], result["plan_key"] = list(owners_), key.hex()
+        outputs = await desk.fetch_decided(Plan(key, 0, SPANS, tuple(result["owners"]), NUMEL))
+        result["subs"] = [hashlib.sha256(o.statement()).hexdigest() for o in outputs]
+        result["average"] = twolevel.final(outputs).tolist()
+    except (AssemblyError, Stage2Error, WireError) as e:
+        result["error"] = str(e)
+    (folder / "member.json").write_text(json.dumps(result))
+
+
+def start_dht(me: tuple[Path, str], folder: Path, first: bool) -> hivemind.DHT:
     initial: list[str] = []
-    if index > 0:
+    if not first:
         wait_for_files([folder / "0.addr"])
         initial = json.loads((folder / "0.addr").read_text())
-    dht = hivemind.DHT(
+    return hivemind.DHT(
         start=True,
         initial_peers=initial,
         host_maddrs=["/ip4/127.0.0.1/tcp/0"],
@@ -145,6 +176,31 @@ def main(index: int, owners: int, groups: int, folder: Path, forge: bool) -> Non
         check_if_identity_free=False,
         **NO_NAT,
     )
+
+
+def member(owners: int, groups: int, folder: Path) -> None:
+    keys = Path(tempfile.mkdtemp(prefix="member-", dir=folder))
+    me = key_in_bucket(keys, "identity", 0, groups)
+    (folder / "member.key").write_text(str(me[0]))
+    (folder / "member.peer").write_text(me[1])
+    wait_for_files([folder / "0.json"])  # its owner has ended stage 2 (and wrote its layout before)
+    dht = start_dht(me, folder, first=False)
+    try:
+        asyncio.run(run_member(dht, me, owners, groups, folder))
+    finally:
+        dht.shutdown()
+
+
+def main(index: int, owners: int, groups: int, folder: Path, forge: bool) -> None:
+    keys = Path(tempfile.mkdtemp(prefix=f"owner{index}-", dir=folder))
+    bucket = index % groups
+    me = key_in_bucket(keys, "identity", bucket, groups)
+    made = make_claim(keys, me, bucket, groups, forge)
+    claim = made.encode()
+    (folder / f"{index}.layout").write_text(made.layout.statement().hex())
+    dht = start_dht(me, folder, first=index == 0)
+    addrs = [str(a).split("/p2p/")[0] for a in dht.get_visible_maddrs()]
+    (folder / f"{index}.maddrs").write_text(json.dumps({"id": me[1], "addrs": addrs}))
     try:
         if index == 0:
             (folder / "0.addr").write_text(json.dumps([str(a) for a in dht.get_visible_maddrs()]))
@@ -155,4 +211,7 @@ def main(index: int, owners: int, groups: int, folder: Path, forge: bool) -> Non
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5:] == ["forge"])
+    if sys.argv[1] == "member":
+        member(int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]))
+    else:
+        main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), Path(sys.argv[4]), sys.argv[5:] == ["forge"])

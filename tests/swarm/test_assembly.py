@@ -21,26 +21,25 @@ GROUPS = 3
 
 
 def run_owners(
-    tmp_path, forgers: set[int], owners: int, told_less: set[int] = frozenset(), timeout_s: float = 90.0
+    tmp_path, forgers: set[int], owners: int, told_less: set[int] = frozenset(), member: bool = False
 ) -> tuple[dict, dict]:
-    """(each owner's result, each owner's peer id), every process ended after."""
+    """(each owner's result, each owner's peer id), every process ended after; with `member`, also a
+    member of group 0 that owns nothing of the span (tests/swarm/assembly_worker.py's `member`),
+    whose result is under "member"."""
     procs = []
+    names = [str(i) for i in range(owners)] + (["member"] if member else [])
     try:
-        for i in range(owners):
-            log = open(tmp_path / f"{i}.log", "w")
-            cmd = [sys.executable, "-m", "tests.swarm.assembly_worker", str(i), str(owners), str(GROUPS), str(tmp_path)]
-            cmd += ["forge"] if i in forgers else []
-            procs.append(
-                subprocess.Popen(
-                    cmd,
-                    stdout=log,
-                    stderr=subprocess.STDOUT,
-                    env={**os.environ, "TOLD_LESS": "1" if i in told_less else ""},
-                    start_new_session=True,
-                )
-            )
-        deadline = time.monotonic() + timeout_s
-        while not all((tmp_path / f"{i}.json").exists() or p.poll() is not None for i, p in enumerate(procs)):
+        for name in names:
+            log = open(tmp_path / f"{name}.log", "w")
+            args = [str(owners), str(GROUPS), str(tmp_path)]
+            owner = name != "member"
+            cmd = [sys.executable, "-m", "tests.swarm.assembly_worker", name, *args]
+            cmd += ["forge"] if owner and int(name) in forgers else []
+            told = owner and int(name) in told_less
+            env = {**os.environ, "TOLD_LESS": "1" if told else "", "WITH_MEMBER": "1" if member else ""}
+            procs.append(subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True))
+        deadline = time.monotonic() + 90.0
+        while not all((tmp_path / f"{n}.json").exists() or p.poll() is not None for n, p in zip(names, procs)):
             assert time.monotonic() < deadline, "owners did not finish: " + (tmp_path / "0.log").read_text()[-2000:]
             time.sleep(0.1)  # a poll interval, bounded by the deadline above
         (tmp_path / "done").touch()
@@ -49,7 +48,7 @@ def run_owners(
     finally:
         for p in procs:
             signal_tree(p.pid, signal.SIGKILL)
-    results = {i: json.loads((tmp_path / f"{i}.json").read_text()) for i in range(owners)}
+    results = {int(n) if n != "member" else n: json.loads((tmp_path / f"{n}.json").read_text()) for n in names}
     peers = {i: (tmp_path / f"{i}.peer").read_text() for i in range(owners)}
     return results, peers
 
@@ -60,9 +59,9 @@ def test_span_owners_of_three_groups_assemble_agree_on_the_owners_and_average_a_
     # members; owner 3 hashes into bucket 0 too and shows a group it made up of itself and one
     # member of its own (both seal it: a majority of 2). Whoever leads, every owner gets the same
     # four claims, and the made-up one, over bucket 0 with fewer seals than group 0's, does not count.
-    results, peers = run_owners(tmp_path, forgers={3}, owners=4)
+    results, peers = run_owners(tmp_path, forgers={3}, owners=4, member=True)
     assert all("error" not in r for r in results.values()), results
-    assert all(r["members"] == sorted(peers.values()) for r in results.values()), results
+    assert all(results[i]["members"] == sorted(peers.values()) for i in range(4)), results
     expected = [peers[0], peers[1], peers[2]]  # by hand: the groups in bucket order
     assert all(r["owners"] == expected for r in results.values()), (results, peers)
     assert len({r["plan_key"] for r in results.values()}) == 1
@@ -74,6 +73,10 @@ def test_span_owners_of_three_groups_assemble_agree_on_the_owners_and_average_a_
     assert all(g == [0, 1, 2] for g in real[0]["groups"])
     assert real[0]["average"] == reference([0, 1, 2])
     assert "subs" not in results[3]
+    # Stage 3: a member of group 0 that owns nothing of the span gets what the assembly showed from
+    # its owner, finds the layout it sealed in it, makes the same plan itself, and fetches every
+    # sub-span from its replicas: the same bytes as the owners hold.
+    assert results["member"]["subs"] == real[0]["subs"] and results["member"]["average"] == real[0]["average"]
 
 
 @pytest.mark.timeout(150)

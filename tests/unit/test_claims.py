@@ -179,3 +179,19 @@ def test_the_stage_2_key_binds_the_very_list_of_claims_the_assembly_showed(keys)
     assert claims.plan_key(b"another round", 0, shown) != key
     fewer = claim(a, keys, 0, signed_by=a.members[:3])  # the same layout, other seals
     assert claims.plan_key(ROUND_KEY, 0, [fewer, shown[1]]) != key
+
+
+def test_a_member_makes_the_owners_plan_only_from_a_list_that_holds_the_layout_it_sealed(keys):
+    peers = sorted(keys)
+    a, b = layout_of(peers[:4]), layout_of(peers[4:8])
+    shown = [claim(a, keys, 0), claim(b, keys, 0)]
+    count = 1  # one bucket: the larger claim counts (a tie here: the lower layout hash)
+    owners, key = claims.plan_for_member(shown, a.span_owners[0], a, SEED, count, 0, holds)
+    assert (owners, key) == (claims.plan_owners(SEED, count, 0, shown, holds), claims.plan_key(ROUND_KEY, 0, shown))
+    # Its owner passed on a list without its group's layout, or with another layout of its group
+    # (a member left out): the member makes no plan of it.
+    with pytest.raises(WireError, match="no claim of the layout this member sealed"):
+        claims.plan_for_member(shown[1:], a.span_owners[0], a, SEED, count, 0, holds)
+    fewer = GroupLayout(ROUND_KEY, a.members[:3], tuple(a.members[0] for _ in range(SPANS)))
+    with pytest.raises(WireError, match="no claim of the layout this member sealed"):
+        claims.plan_for_member([claim(fewer, keys, 0), shown[1]], fewer.span_owners[0], a, SEED, count, 0, holds)

@@ -14,20 +14,25 @@ other key, as hivemind's matchmaking refuses a request for another group.
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, cast  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
 from hivemind.averaging.key_manager import GroupKeyManager
 from hivemind.averaging.matchmaking import Matchmaking
 from hivemind.dht import DHT
-from hivemind.p2p import P2P, P2PContext, ServicerBase
-from hivemind.proto import averaging_pb2
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils import get_dht_time
 
 from p2p_diloco.errors import SwarmError
+from p2p_diloco.protocol import claims
+from p2p_diloco.trust.wire import WireError
 
 SCHEMA = hashlib.sha256(b"p2p-diloco/span-assembly/v1").digest()  # hivemind's matchmaking compares it
+KEEP_SHOWN = 8  # assemblies whose claims an owner keeps for its group's members
 
 
 @dataclass(frozen=True)
@@ -48,10 +53,20 @@ class AssemblyError(SwarmError):
 
 
 class AssemblyServicer(ServicerBase):
-    """Answers other owners' join requests for the looks in progress here, by group key."""
+    """Answers other owners' join requests for the looks in progress here, by group key, and the
+    group's members' requests for what an assembly showed (stage 3: they make the plan themselves)."""
 
     def __init__(self) -> None:
         self.looking: dict[str, Matchmaking] = {}  # hivemind group key -> the look in progress under it
+        self.shown: OrderedDict[str, bytes] = OrderedDict()  # assembly key -> claims.pack_shown of what it showed
+
+    async def rpc_assembled(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        """What the assembly under the key in `group_id` showed (empty where there was none here)."""
+        key = request.group_id.decode(errors="replace")
+        shown = runtime_pb2.Tensor(buffer=self.shown.get(key, b""))
+        return averaging_pb2.AveragingData(group_id=request.group_id, tensor_part=shown)
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -107,4 +122,22 @@ class Assembly:
             del self.servicer.looking[group_key]
         if group is None:
             raise AssemblyError(f"no span owners' assembly under {key} within {3 * self.wait_s:g} s")
-        return [(str(peer), bytes(data)) for peer, data in zip(group.peer_ids, group.gathered)]
+        shown = [(str(peer), bytes(data)) for peer, data in zip(group.peer_ids, group.gathered)]
+        self.servicer.shown[key] = claims.pack_shown(shown)
+        while len(self.servicer.shown) > KEEP_SHOWN:
+            self.servicer.shown.popitem(last=False)
+        return shown
+
+    async def shown_by(self, owner: str, key: str) -> list[tuple[str, bytes]]:
+        """What the assembly under `key` showed, as `owner` (this member's group's owner of the span)
+        passes it on, or AssemblyError; each claim is still for claims.parse_claim."""
+        try:
+            stub = AssemblyServicer.get_stub(self._p2p, PeerID.from_base58(owner), namespace=self.namespace)
+            answer = await asyncio.wait_for(
+                stub.rpc_assembled(averaging_pb2.AveragingData(group_id=key.encode())), 3 * self.wait_s
+            )
+            return claims.unpack_shown(answer.tensor_part.buffer)
+        except WireError as e:
+            raise AssemblyError(f"{owner}'s assembly under {key}: {e}") from None
+        except Exception as e:  # noqa: BLE001 - a dead or silent owner: this member has no plan
+            raise AssemblyError(f"{owner}'s assembly under {key}: {type(e).__name__} {e}") from None

@@ -180,6 +180,14 @@ class Stage2:
         sends = [self._send_partial(r, plan, group, sub, partial) for sub in range(plan.groups)]
         roles = [self._as_primary(r, plan, group, started), self._as_secondary(r, plan, group - 1, started)]
         await asyncio.gather(*sends, *roles)
+        return await self._fetch_all(r, plan, started)
+
+    async def fetch_decided(self, plan: Plan) -> list[Output]:
+        """Stage 3, for a member that owns nothing of the span: every sub-span as its decider decided
+        it, from its replicas (with both replicas' signatures from the primary), or Stage2Error."""
+        return await self._fetch_all(_Round(plan=plan), plan, time.monotonic())
+
+    async def _fetch_all(self, r: _Round, plan: Plan, started: float) -> list[Output]:
         outputs = await asyncio.gather(*(self._fetch(r, plan, sub, started) for sub in range(plan.groups)))
         missing = [sub for sub, output in enumerate(outputs) if output is None]
         if missing:
