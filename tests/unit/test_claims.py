@@ -195,3 +195,31 @@ def test_a_member_makes_the_owners_plan_only_from_a_list_that_holds_the_layout_i
     fewer = GroupLayout(ROUND_KEY, a.members[:3], tuple(a.members[0] for _ in range(SPANS)))
     with pytest.raises(WireError, match="no claim of the layout this member sealed"):
         claims.plan_for_member([claim(fewer, keys, 0), shown[1]], fewer.span_owners[0], a, SEED, count, 0, holds)
+
+
+def test_what_an_assembly_showed_travels_to_the_members_whole_and_nothing_else_reads_as_it(keys):
+    layout = layout_of(sorted(keys)[:4])
+    shown = [(layout.span_owners[0], claim(layout, keys, 0).encode()), ("QmOther", b"anything a peer showed")]
+    raw = claims.pack_shown(shown)
+    assert claims.unpack_shown(raw) == shown
+    assert claims.unpack_shown(claims.pack_shown([])) == []
+    with pytest.raises(WireError, match="too many"):
+        claims.unpack_shown(raw + b"\0")
+    with pytest.raises(WireError, match="cut short"):
+        claims.unpack_shown(raw[:-1])
+    with pytest.raises(WireError, match="of them"):
+        claims.unpack_shown(struct.pack(">H", claims.MAX_SHOWN + 1))
+    with pytest.raises(WireError, match="bytes"):
+        claims.unpack_shown(struct.pack(">HB", 1, 2) + b"Qm" + struct.pack(">I", claims.MAX_CLAIM + 1))
+    with pytest.raises(WireError, match="not a peer id"):
+        claims.unpack_shown(claims.pack_shown([("a b", b"")]))
+
+
+@settings(max_examples=300, deadline=None, derandomize=True)
+@given(st.binary(max_size=300))
+def test_any_bytes_are_an_assemblys_list_or_a_wire_error(raw):
+    try:
+        shown = claims.unpack_shown(raw)
+    except WireError:
+        return
+    assert all(isinstance(by, str) and isinstance(c, bytes) for by, c in shown)
