@@ -25,7 +25,6 @@ import json
 import os
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import hivemind
@@ -39,7 +38,7 @@ from p2p_diloco.swarm.averaging.assembly import Assembly, AssemblyError
 from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2, Stage2Error, Stage2Servicer
 from p2p_diloco.swarm.transport import identity
 from p2p_diloco.trust.wire import WireError
-from tests.swarm.stage2_worker import partial_of
+from tests.swarm.stage2_worker import partial_of, wait_for_files
 
 NO_NAT = {"auto_nat": False, "nat_port_map": False, "use_relay": False, "use_auto_relay": False}
 ROUND_KEY = b"round 7 digest"
@@ -48,15 +47,6 @@ SPANS = 4
 NUMEL = 10  # span 0's values: sub-spans of 3, 3 and 4 among 3 groups
 KEY = f"run-r7-span0of{SPANS}"  # the assembly's DHT key: the run, the round and the span
 WAIT_S = 2.0
-BARRIER_S = 60.0
-
-
-def wait_for_files(paths: list[Path]) -> None:
-    deadline = time.monotonic() + BARRIER_S
-    while not all(p.exists() for p in paths):
-        if time.monotonic() > deadline:
-            raise SystemExit(f"timed out waiting for {[str(p) for p in paths if not p.exists()]}")
-        time.sleep(0.05)  # a poll interval, bounded by the deadline above
 
 
 def key_in_bucket(folder: Path, name: str, bucket: int, groups: int) -> tuple[Path, str]:
