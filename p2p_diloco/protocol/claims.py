@@ -191,6 +191,19 @@ MAX_SHOWN = 1024  # claims in one assembly: one per group of a round
 MAX_CLAIM = MAX_MEMBERS * (2 + MAX_ID + 4 + MAX_SEAL) + 64 * 1024  # a claim's bytes: the layout and a seal per member
 
 
+def unfit(shown: Sequence[tuple[str, bytes]], most: int) -> str | None:
+    """Why an assembly's list (from its leader, untrusted) is none of an assembly of at most `most`
+    owners: more entries (or MAX_SHOWN), a claim of more than MAX_CLAIM bytes, or a peer named
+    twice; None if it may be one (its claims are still each for `parse_claim`)."""
+    if len(shown) > min(most, MAX_SHOWN):
+        return f"{len(shown)} claims, at most {most} asked for"
+    if any(len(raw) > MAX_CLAIM for _, raw in shown):
+        return f"a claim over {MAX_CLAIM} bytes"
+    if len({by for by, _ in shown}) != len(shown):
+        return "a peer twice"
+    return None
+
+
 def pack_shown(shown: Sequence[tuple[str, bytes]]) -> bytes:
     """What an assembly showed, (peer, claim bytes) in its order, as an owner passes it on to its
     group's members (`unpack_shown`)."""

@@ -223,3 +223,12 @@ def test_any_bytes_are_an_assemblys_list_or_a_wire_error(raw):
     except WireError:
         return
     assert all(isinstance(by, str) and isinstance(c, bytes) for by, c in shown)
+
+
+def test_an_assembly_list_no_round_could_hold_is_refused_before_it_is_kept():
+    # A leader's list, which hivemind's followers take as sent: at most the assembly's size, none
+    # larger than a group of MAX_MEMBERS could seal, each peer once.
+    assert claims.unfit([("QmA", b"x"), ("QmB", b"y")], most=2) is None
+    assert claims.unfit([("QmA", b"x"), ("QmB", b"y"), ("QmC", b"z")], most=2) == "3 claims, at most 2 asked for"
+    assert "bytes" in claims.unfit([("QmA", b"\0" * (claims.MAX_CLAIM + 1))], most=2)
+    assert claims.unfit([("QmA", b"x"), ("QmA", b"y")], most=3) == "a peer twice"

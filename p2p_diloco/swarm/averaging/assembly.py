@@ -91,23 +91,24 @@ class Assembly:
     async def start(self) -> None:
         await self.servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
 
-    async def assemble(self, key: str, claim: bytes, groups: int) -> list[tuple[str, bytes]]:
+    async def assemble(self, key: str, claim: bytes, most: int) -> list[tuple[str, bytes]]:
         """Meet the other owners under `key` (the run, the round and the span; no '.'), at most
-        `groups` of them, showing `claim`: every member's (peer id, claim bytes) as the leader
-        gathered them (untrusted: for claims.parse_claim), or AssemblyError."""
+        `most` of them (the round's groups and room for claims that will not count: the leader
+        closes the assembly once it holds that many), showing `claim`: every member's (peer id,
+        claim bytes) as the leader gathered them (untrusted: for claims.parse_claim), or AssemblyError."""
         look = Matchmaking(
             self._p2p,
             SCHEMA,
             self._dht,
             servicer_type=AssemblyServicer,
             prefix=self.namespace,  # where join requests go; the DHT key is the group key manager's
-            target_group_size=groups,
+            target_group_size=most,
             min_group_size=2,  # with 1, hivemind closes a group of one at its look's first re-declaration
             min_matchmaking_time=self.wait_s,
             request_timeout=self.wait_s / 2,
             client_mode=False,
         )
-        look.group_key_manager = GroupKeyManager(self._dht, key, "", groups)
+        look.group_key_manager = GroupKeyManager(self._dht, key, "", most)
         group_key = look.group_key_manager.current_key
         if group_key in self.servicer.looking:
             raise AssemblyError(f"already assembling under {key}")
@@ -123,6 +124,8 @@ class Assembly:
         if group is None:
             raise AssemblyError(f"no span owners' assembly under {key} within {3 * self.wait_s:g} s")
         shown = [(str(peer), bytes(data)) for peer, data in zip(group.peer_ids, group.gathered)]
+        if (why := claims.unfit(shown, most)) is not None:  # the leader's list, which a follower takes as sent
+            raise AssemblyError(f"the span owners' assembly under {key}: its leader showed {why}; nothing kept")
         self.servicer.shown[key] = claims.pack_shown(shown)
         while len(self.servicer.shown) > KEEP_SHOWN:
             self.servicer.shown.popitem(last=False)
