@@ -136,9 +136,14 @@ async def run_member(dht: hivemind.DHT, me: tuple[Path, str], owners: int, group
     owner = (folder / "0.peer").read_text()
     sealed = claims.parse_layout(bytes.fromhex((folder / "0.layout").read_text()), ROUND_KEY, SPANS)
     result: dict = {}
+    assembly = Assembly(p2p, dht, "assembly-test", WAIT_S)
+    try:
+        await assembly.shown_by(owner, f"run-r7-span3of{SPANS}")  # no assembly of span 3 was held
+    except AssemblyError as e:
+        result["unheld"] = str(e)
     try:
         shown = []
-        for by, raw in await Assembly(p2p, dht, "assembly-test", WAIT_S).shown_by(owner, KEY):
+        for by, raw in await assembly.shown_by(owner, KEY):
             try:
                 shown.append(claims.parse_claim(raw, by, ROUND_KEY, SPANS))
             except WireError:

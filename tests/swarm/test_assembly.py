@@ -77,6 +77,7 @@ def test_span_owners_of_three_groups_assemble_agree_on_the_owners_and_average_a_
     # its owner, finds the layout it sealed in it, makes the same plan itself, and fetches every
     # sub-span from its replicas: the same bytes as the owners hold.
     assert results["member"]["subs"] == real[0]["subs"] and results["member"]["average"] == real[0]["average"]
+    assert results["member"]["unheld"] == f"{peers[0]} holds no assembly under run-r7-span3of4"
 
 
 @pytest.mark.timeout(150)

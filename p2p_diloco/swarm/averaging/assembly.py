@@ -139,7 +139,11 @@ class Assembly:
             answer = await asyncio.wait_for(
                 stub.rpc_assembled(averaging_pb2.AveragingData(group_id=key.encode())), 3 * self.wait_s
             )
+            if not answer.tensor_part.buffer:
+                raise AssemblyError(f"{owner} holds no assembly under {key}")
             return claims.unpack_shown(answer.tensor_part.buffer)
+        except AssemblyError:
+            raise
         except WireError as e:
             raise AssemblyError(f"{owner}'s assembly under {key}: {e}") from None
         except Exception as e:  # noqa: BLE001 - a dead or silent owner: this member has no plan
