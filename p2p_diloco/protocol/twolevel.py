@@ -27,6 +27,35 @@ OUTPUT_TAG = b"p2p-diloco/sub-span/v1"
 PARTIAL_TAG = b"p2p-diloco/partial-sub-span/v1"
 
 
+@dataclass(frozen=True)
+class Levels:
+    """A two-level round as a member takes part in it: the round, its key (the agreed digest of
+    θ(r), which nobody chooses), its bucket count G and its span count s."""
+
+    round: int
+    round_key: bytes
+    groups: int
+    spans: int = GROUP_SIZE
+
+    @property
+    def seed(self) -> str:
+        return self.round_key.hex()
+
+    def assembly_key(self, prefix: str, span: int) -> str:
+        """The DHT key under which the owners of `span` in every group meet (no '.': hivemind's)."""
+        return f"{prefix.replace('.', '_')}_r{self.round}_span{span}of{self.spans}_{self.round_key.hex()[:16]}"
+
+
+def group_weight(weights: Sequence[float], how: robust.Aggregator, cap: float) -> float:
+    """A group's weight in stage 2 (its partial's Σ wᵢ), from its members' weights: as its reducers
+    weigh them (robust.combine): all of them under `mean`, each capped at `cap` × the lower median
+    under the clipping aggregators, at most the lower median under `trimmed-mean`. A part that
+    aligned-clip dropped still counts its sender's weight: the group's estimate stands for all of it."""
+    if how == "mean":
+        return math.fsum(max(0.0, float(w)) for w in weights)
+    return math.fsum(robust.cap_weights(weights, 1.0 if how == "trimmed-mean" else cap))
+
+
 def _rank(seed: str, peer: str) -> int:
     return int.from_bytes(hashlib.sha256(f"twolevel/{seed}/{peer}".encode()).digest()[:8], "big")
 

@@ -41,6 +41,7 @@ from p2p_diloco.protocol.network import (
     history_after,
     published_loss,
 )
+from p2p_diloco.protocol.twolevel import Levels
 from p2p_diloco.swarm.averaging.allreduce import WireCodec
 from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 from p2p_diloco.swarm.averaging.step import AveragingStep
@@ -58,6 +59,7 @@ from p2p_diloco.swarm.trust.run_dht import RunDHT
 logger = logging.getLogger(__name__)
 
 PART_SIZE_BYTES = 2 * 1024 * 1024  # faster than hivemind's 512 KiB default (docs/design.md §7)
+STAGE2_WAITS = 12  # a two-level round's stage-2 wait: this part of the all-reduce's deadline (about 8 at worst)
 
 
 class HivemindSwarm:
@@ -147,6 +149,7 @@ class HivemindSwarm:
             min_matchmaking_time=sc.matchmaking_time_s,
             request_timeout=min(3.0, sc.matchmaking_time_s / 2),
             allreduce_timeout=sc.averaging_timeout_s,
+            stage2_wait_s=sc.averaging_timeout_s / STAGE2_WAITS,
             next_chunk_timeout=sc.averaging_timeout_s / 4,
             compression=WireCodec(sc.compression),
             part_size_bytes=PART_SIZE_BYTES,
@@ -293,6 +296,7 @@ class HivemindSwarm:
         retry: bool = False,
         expected_group: int = 0,
         exact: torch.Tensor | None = None,
+        levels: Levels | None = None,
     ) -> AllReduced | None:
         """All-reduce this round's pseudo-gradient with the peers that reached the same round.
 
@@ -301,6 +305,8 @@ class HivemindSwarm:
 
         `retry`: this round's all-reduce failed before; wait long enough for the other survivors.
         `expected_group`: how many peers are at the round; a group that size starts at once.
+        `levels`: a two-level round (docs/design.md §3, "Past one group"): this peer averages with its
+        bucket's group, then across groups (swarm/averaging/across.py); None: one group.
         Returns None when no other peer showed up within the matchmaking window (the peer then
         averages alone). Raises AveragingError if a group formed but its all-reduce failed, or if
         the swarm finished the round while this peer still looked for a group: the caller's
@@ -313,9 +319,8 @@ class HivemindSwarm:
             public = {p for p, r in self.peers().items() if r.serves and p != self.peer_id} - self.stale_peers()
             self.averager.set_leading(not public)
         try:
-            return self.step.run(
-                delta, weight, round_, retry, expected_group, exact, partial(self.wait_for_round, round_ + 1, 0.0)
-            )
+            overtaken = partial(self.wait_for_round, round_ + 1, 0.0)
+            return self.step.run(delta, weight, round_, retry, expected_group, exact, overtaken, levels)
         except AveragingError:
             # This peer may have convicted a reducer (swarm/averaging/auditor.py), or met a bad signature:
             # before anything else reads the swarm's records, theirs count no more.

@@ -23,6 +23,10 @@ checker that lies for a reducer.
 
 With `kill-averager` the peer SIGKILLs its own averager process right after handing it the step:
 the averaging process dying under a peer that is waiting for its result.
+
+With `two-level` the peer prints "ready PEER_ID" and waits for "go ROUND_KEY_HEX GROUPS SPANS
+GROUP_SIZE": it then averages in a two-level round of those levels (docs/design.md §3, "Past one
+group"), in the group of its bucket, expecting GROUP_SIZE members there.
 """
 
 import hashlib
@@ -38,6 +42,7 @@ import torch
 from p2p_diloco import config
 from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.protocol import codecs
+from p2p_diloco.protocol.twolevel import Levels
 from p2p_diloco.swarm import HivemindSwarm
 from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
@@ -137,11 +142,18 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
     Path(run_dir).mkdir(parents=True)
     swarm = HivemindSwarm(cfg, Path(run_dir), numel, lambda: ({}, []), exact_numel=EXACT)
     try:
-        print("ready", flush=True)
-        assert sys.stdin.readline().strip() == "go"
+        two_level = "two-level" in sys.argv
+        print(f"ready {swarm.peer_id}" if two_level else "ready", flush=True)
+        go = sys.stdin.readline().split()
+        assert go[0] == "go"
+        levels, expected = None, 0
+        if two_level:
+            levels, expected = Levels(0, bytes.fromhex(go[1]), int(go[2]), int(go[3])), int(go[4])
         delta = known_delta(index, numel)
         try:
-            result = swarm.average(delta, weight, round_=0, exact=known_exact(index))
+            result = swarm.average(
+                delta, weight, round_=0, exact=known_exact(index), expected_group=expected, levels=levels
+            )
         except (AveragingError, SwarmError) as e:
             print(
                 json.dumps(

@@ -33,6 +33,7 @@ from p2p_diloco.trust.wire import WireError
 
 SCHEMA = hashlib.sha256(b"p2p-diloco/span-assembly/v1").digest()  # hivemind's matchmaking compares it
 KEEP_SHOWN = 8  # assemblies whose claims an owner keeps for its group's members
+ASSEMBLED_WAIT = 4  # waits a member's request for an assembly's claims may wait for it to end (it ends within 3)
 
 
 @dataclass(frozen=True)
@@ -56,16 +57,38 @@ class AssemblyServicer(ServicerBase):
     """Answers other owners' join requests for the looks in progress here, by group key, and the
     group's members' requests for what an assembly showed (stage 3: they make the plan themselves)."""
 
-    def __init__(self) -> None:
+    def __init__(self, wait_s: float = 0.0) -> None:
+        """`wait_s`: how long a member's request waits for an assembly that has not ended here yet."""
         self.looking: dict[str, Matchmaking] = {}  # hivemind group key -> the look in progress under it
         self.shown: OrderedDict[str, bytes] = OrderedDict()  # assembly key -> claims.pack_shown of what it showed
+        self.wait_s = wait_s
+        self._kept: asyncio.Condition | None = None  # made in the serving loop, at the first use
+
+    @property
+    def kept(self) -> asyncio.Condition:
+        if self._kept is None:
+            self._kept = asyncio.Condition()
+        return self._kept
+
+    async def keep(self, key: str, shown: bytes) -> None:
+        async with self.kept:
+            self.shown[key] = shown
+            while len(self.shown) > KEEP_SHOWN:
+                self.shown.popitem(last=False)
+            self.kept.notify_all()
 
     async def rpc_assembled(
         self, request: averaging_pb2.AveragingData, context: P2PContext
     ) -> averaging_pb2.AveragingData:
-        """What the assembly under the key in `group_id` showed (empty where there was none here)."""
+        """What the assembly under the key in `group_id` showed, once it ended here (within the
+        wait); empty where there was none."""
         key = request.group_id.decode(errors="replace")
-        shown = runtime_pb2.Tensor(buffer=self.shown.get(key, b""))
+        async with self.kept:
+            try:
+                await asyncio.wait_for(self.kept.wait_for(lambda: key in self.shown), self.wait_s)
+            except asyncio.TimeoutError:
+                pass
+            shown = runtime_pb2.Tensor(buffer=self.shown.get(key, b""))
         return averaging_pb2.AveragingData(group_id=request.group_id, tensor_part=shown)
 
     async def rpc_join_group(
@@ -86,7 +109,7 @@ class Assembly:
         """`namespace`: the handler's (the run's, without '.'); `wait_s`: how long a look gathers
         owners before its leader closes the group with whoever came."""
         self._p2p, self._dht, self.namespace, self.wait_s = p2p, dht, namespace, wait_s
-        self.servicer = AssemblyServicer()
+        self.servicer = AssemblyServicer(ASSEMBLED_WAIT * wait_s)
 
     async def start(self) -> None:
         await self.servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
@@ -126,9 +149,7 @@ class Assembly:
         shown = [(str(peer), bytes(data)) for peer, data in zip(group.peer_ids, group.gathered)]
         if (why := claims.unfit(shown, most)) is not None:  # the leader's list, which a follower takes as sent
             raise AssemblyError(f"the span owners' assembly under {key}: its leader showed {why}; nothing kept")
-        self.servicer.shown[key] = claims.pack_shown(shown)
-        while len(self.servicer.shown) > KEEP_SHOWN:
-            self.servicer.shown.popitem(last=False)
+        await self.servicer.keep(key, claims.pack_shown(shown))
         return shown
 
     async def shown_by(self, owner: str, key: str) -> list[tuple[str, bytes]]:
@@ -137,7 +158,8 @@ class Assembly:
         try:
             stub = AssemblyServicer.get_stub(self._p2p, PeerID.from_base58(owner), namespace=self.namespace)
             answer = await asyncio.wait_for(
-                stub.rpc_assembled(averaging_pb2.AveragingData(group_id=key.encode())), 3 * self.wait_s
+                stub.rpc_assembled(averaging_pb2.AveragingData(group_id=key.encode())),
+                (ASSEMBLED_WAIT + 1) * self.wait_s,
             )
             if not answer.tensor_part.buffer:
                 raise AssemblyError(f"{owner} holds no assembly under {key}")

@@ -46,6 +46,8 @@ from p2p_diloco import faults
 from p2p_diloco.protocol import chunks, links
 from p2p_diloco.protocol.deadlines import state_bytes
 from p2p_diloco.protocol.network import Assembled
+from p2p_diloco.protocol.twolevel import Levels
+from p2p_diloco.swarm.averaging.across import Across, AcrossError, Group
 from p2p_diloco.swarm.averaging.allreduce import LOSSY_TENSOR, AllreduceStats, ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.auditor import Auditor
 from p2p_diloco.swarm.averaging.chunked import ChunkFetcher, ChunkServer
@@ -182,6 +184,10 @@ class BoundedAverager(DecentralizedAverager):
             if not future.done():
                 future.set_exception(e)
 
+    def set_levels(self, levels: Levels | None) -> None:
+        """The next step's two-level round (None: flat), before the step (across.py)."""
+        self._outer_pipe.send(("_set_levels", [], dict(levels=levels)))
+
     def set_target_group_size(self, size: int) -> None:
         """A group of `size` starts its all-reduce as soon as it is complete, without waiting out the
         matchmaking window; the swarm's progress tells each peer how many peers are at the round."""
@@ -273,6 +279,7 @@ class DiLoCoAverager(BoundedAverager):
         aggregation: tuple[robust.Aggregator, float, float] = ("mean", 1.0, 2.0),
         max_reduce_share: float = 1.0,
         leads_only_direct: bool = False,
+        stage2_wait_s: float = 5.0,
         **kwargs: Any,
     ):
         """`start`: as hivemind's, once the parts below exist (the averager process forks with them).
@@ -283,7 +290,8 @@ class DiLoCoAverager(BoundedAverager):
         `signer`: this peer's identity key; it signs every part and average (ledger.py).
         `leads_only_direct`: as a leader, admit only peers this one holds a direct connection to (a
         private peer under hole punching: swarm/punching.py; nobody else could send it parts), and
-        none while `set_leading(False)` (a public peer is live: it leads)."""
+        none while `set_leading(False)` (a public peer is live: it leads).
+        `stage2_wait_s`: the wait of a two-level round's stage 2 and assembly (across.py)."""
         self._state_provider, self._leads_only_direct = state_provider, leads_only_direct
         self._leading = True
         self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
@@ -296,11 +304,21 @@ class DiLoCoAverager(BoundedAverager):
         self.gathering = Gathering(
             self.serializer.loads, self.peer_id, self._doors, self.auditor.left_out, self.auditor.bench, self._leader_of
         )
+        self.across = Across(str(self.peer_id), signer, self.prefix, stage2_wait_s)
         self.reduction = Reduction(
             self.serializer, self.gathering, self.auditor, signer, aggregation, max_reduce_share, residual
         )
+        self.reduction.across = self.across
         if start:
             self.run_in_background(await_ready=True)
+
+    async def add_p2p_handlers(self, p2p: Any, *args: Any, **kwargs: Any) -> None:
+        """hivemind's handlers, then a two-level round's (across.py), in the averager process."""
+        await super().add_p2p_handlers(p2p, *args, **kwargs)
+        await self.across.start(p2p, self.dht, serves=True)
+
+    async def _set_levels(self, levels: Levels | None) -> None:
+        self.across.levels = levels
 
     def get_current_state(self) -> tuple[Any, Sequence[torch.Tensor], Any]:
         metadata, tensors = self._state_provider()
@@ -350,6 +368,8 @@ class DiLoCoAverager(BoundedAverager):
 
     async def _step(self, **kwargs: Any) -> None:
         self._adopt_matchmaking()
+        if self.across.assembly is None:  # a client: hivemind added no handlers, it only fetches
+            await self.across.start(self._p2p, self.dht, serves=False)
         await super()._step(**kwargs)
 
     def _leader_of(self, group_id: bytes) -> PeerID | None:
@@ -518,7 +538,7 @@ class DiLoCoAverager(BoundedAverager):
         self._running_groups[group_id].set_result(runner)
         if runner.modes[group_info.peer_ids.index(self.peer_id)] == AveragingMode.AUX:
             raise AllreduceException("auxiliary peers are not used by p2p-diloco")
-        stats = await self.reduction.apply(runner, tensors)
+        stats = await self.reduction.apply(runner, tensors, group_info)
         self.last_updated = time.time()
         self._state_updated.set()
         faults.reached(faults.FaultPoint.ALLREDUCE_DONE)
@@ -546,6 +566,7 @@ class Reduction:
         self._aggregation = aggregation  # (robust.Aggregator, clip, weight cap): how this peer reduces
         self._max_share = max_share  # no member reduces more of the vector than this
         self._residual = residual
+        self.across: Across | None = None  # a two-level round's stages 2 and 3, where its levels are set
 
     def admitted(self, group_info: GroupInfo) -> GroupInfo:
         """The group, every member's bandwidth claim counted only as far as the others vouched for
@@ -579,14 +600,27 @@ class Reduction:
         self._auditor.keep(runner)
         return runner
 
+    def _group(self, group_info: GroupInfo) -> Group:
+        """The group as stage 2 needs it (across.py), from its all-gather; AcrossError where a
+        member showed no weight (a peer from before two-level rounds)."""
+        entries = self._gathering.entries(group_info)
+        members = tuple(str(p) for p in group_info.peer_ids)
+        if any(e.weight is None for e in entries):
+            raise AcrossError("a group member showed no weight in the all-gather; nothing applied")
+        dialable = frozenset(m for m, e in zip(members, entries) if e.serves and e.mode != AveragingMode.CLIENT)
+        return Group(members, dialable, tuple(float(e.weight or 0.0) for e in entries))
+
     def _ledger(self, group_info: GroupInfo, group_id: bytes, entries: list[Entry]) -> Ledger:
         """The all-reduce's ledger, with every member's identity key from the all-gather."""
         peers = [str(p) for p in group_info.peer_ids]
         senders = [p for p, e in zip(peers, entries) if e.mode != AveragingMode.AUX]
         return Ledger(group_id, peers, senders, self._signer, self._gathering.member_keys(group_info, entries))
 
-    async def apply(self, runner: ConsistentAllReduceRunner, tensors: Sequence[torch.Tensor]) -> AllreduceStats:
-        """Run the all-reduce and copy (not add) its averages into `tensors`; what it counted."""
+    async def apply(
+        self, runner: ConsistentAllReduceRunner, tensors: Sequence[torch.Tensor], group_info: GroupInfo
+    ) -> AllreduceStats:
+        """Run the all-reduce and copy (not add) its averages into `tensors`, or in a two-level round
+        what stages 2 and 3 made of them (across.py); what it counted."""
         # Collect the whole result first: the shared buffers change only after every part arrived,
         # so a failure leaves the caller's pseudo-gradient untouched (I2).
         if self._residual is not None:
@@ -603,6 +637,9 @@ class Reduction:
             if fates := runner.fates():  # clipping is routine for a robust aggregator; a dropped part is news
                 level = logging.INFO if " dropped" in fates else logging.DEBUG
                 logger.log(level, "parts of this peer's span: %s", fates)
+        if self.across is not None and self.across.levels is not None and self.across.levels.groups > 1:
+            how, _, cap = self._aggregation
+            results = await self.across.finish(self._group(group_info), results, how, cap)
         for tensor, averaged in zip(tensors, results):
             tensor.copy_(averaged)
         if self._residual is not None:

@@ -49,6 +49,7 @@ class Entry:
     cert: str | None  # its certificate, in certified runs
     serves: bool = True  # others can dial it (a peer from before this field: a reducer was public)
     direct: frozenset[str] = frozenset()  # the peers it holds a direct connection to (hole punching)
+    weight: float | None = None  # the weight it averages with (a two-level round's group weight); None: not shown
 
 
 def parse_entry(data: object, loads: Callable[[bytes], Any]) -> Entry:
@@ -63,7 +64,8 @@ def parse_entry(data: object, loads: Callable[[bytes], Any]) -> Entry:
     key = wire.field(user, "key", _bytes)
     cert = wire.field(user, "cert", lambda v: wire.text(v, MAX_CERT), None)
     serves, direct = wire.field(user, "serves", wire.flag, True), wire.field(user, "direct", _peers, frozenset())
-    return Entry(bandwidth, mode, wire.field(user, "round", wire.integer), seen, key, cert, serves, direct)
+    weight = wire.field(user, "weight", lambda v: wire.real(v, 0.0), None)
+    return Entry(bandwidth, mode, wire.field(user, "round", wire.integer), seen, key, cert, serves, direct, weight)
 
 
 def _unpacked(data: object, loads: Callable[[bytes], Any]) -> Any:

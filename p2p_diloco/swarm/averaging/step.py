@@ -21,8 +21,9 @@ from hivemind.p2p import P2PDaemonError, P2PHandlerError
 
 from p2p_diloco.config import SwarmSection
 from p2p_diloco.errors import AveragingError, SwarmError, SwarmMovedOn
-from p2p_diloco.protocol import deadlines, links
+from p2p_diloco.protocol import deadlines, links, twolevel
 from p2p_diloco.protocol.network import AllReduced
+from p2p_diloco.protocol.twolevel import Levels
 from p2p_diloco.swarm.averaging.averager import Averaged, DiLoCoAverager
 from p2p_diloco.swarm.trust import records
 
@@ -89,11 +90,12 @@ class AveragingStep:
         expected_group: int,
         exact: torch.Tensor | None,
         overtaken: Callable[[], bool] = lambda: False,
+        levels: Levels | None = None,
     ) -> AllReduced | None:
         """See `Swarm.average`. `overtaken()`: whether the swarm finished the round meanwhile; while
         no all-reduce has begun, the step then ends at once (SwarmMovedOn), checked every second."""
         self.check_averager()
-        self._load(delta, exact, round_, expected_group)
+        self._load(delta, exact, round_, expected_group, levels)
         timeout = self._matchmaking_timeout(retry)
         # The whole step, matchmaking and all-reduce, is bounded (I3); hivemind's own step() would
         # wait forever on an averager process that died or hung.
@@ -104,7 +106,7 @@ class AveragingStep:
             control = self.averager.start_step(
                 float(weight),
                 timeout,
-                {"round": round_, "seen": seen, **self._credentials, **self._reach()},
+                {"round": round_, "seen": seen, "weight": float(weight), **self._credentials, **self._reach()},
                 init_timeout=STEP_MARGIN_S,
             )
         except TimeoutError as e:
@@ -113,20 +115,27 @@ class AveragingStep:
         result = self._outcome(control, round_, timeout, deadline, overtaken)
         return None if result is None else self._collect(result, round_, link_bps)
 
-    def _load(self, delta: torch.Tensor, exact: torch.Tensor | None, round_: int, expected_group: int) -> None:
+    def _load(
+        self, delta: torch.Tensor, exact: torch.Tensor | None, round_: int, expected_group: int, levels: Levels | None
+    ) -> None:
         """This round's Δ (plus what the codec lost of the last one: error feedback) into the
-        averager's shared buffers, and the round's matchmaking key."""
+        averager's shared buffers, the round's matchmaking key (its bucket's, in a two-level round)
+        and its levels."""
         with self.averager.get_tensors() as buffers:
             buffers[0].copy_(delta if self.residual is None else delta + self.residual)
             if exact is not None:
                 buffers[1].copy_(exact)
         try:  # after the last step's look for a group ended (bounded: that look's own deadline)
-            self.averager.set_round_key(records.round_bits(round_), self._matchmaking_timeout(True) + STEP_MARGIN_S)
+            bits = records.round_bits(round_)
+            if levels is not None and levels.groups > 1:
+                bits += records.bucket_bits(twolevel.bucket_of(levels.seed, self.peer_id, levels.groups), levels.groups)
+            self.averager.set_round_key(bits, self._matchmaking_timeout(True) + STEP_MARGIN_S)
         except FuturesTimeout:
             self.check_averager()
             raise AveragingError(
                 f"round {round_}: the last step's look for a group did not end; nothing averaged"
             ) from None
+        self.averager.set_levels(levels)
         if expected_group >= 2:
             self.averager.set_target_group_size(expected_group)
 

@@ -67,6 +67,12 @@ def round_bits(round_: int) -> str:
     return format(round_, "032b")
 
 
+def bucket_bits(bucket: int, groups: int) -> str:
+    """What a two-level round's bucket adds to its round's group bits: G and the bucket, so that each
+    bucket of each G meets under a key of its own (hivemind's group bits are 0s and 1s)."""
+    return format(groups, "016b") + format(bucket, "016b")
+
+
 def parse_progress(value: Any) -> ProgressReport | None:
     """A progress report from the DHT, or None if it is malformed (untrusted, like every record)."""
     return wire.parse_or_none(read_progress_report, value, "progress report")

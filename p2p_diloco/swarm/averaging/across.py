@@ -1,0 +1,231 @@
+"""A two-level round's stages 2 and 3 for one member, after its group's all-reduce (docs/design.md
+§3, "Past one group", step (2)).
+
+Stage 1 is the group's consistent, audited all-reduce, unchanged: every member then holds its
+group's average of the whole vector. Then, before anything is applied:
+
+1. *The layout.* Every member computes its group's layout alike from the all-gather: the members
+   in group order and the owner of each of the round's s fixed spans (twolevel.owners, among the
+   members others can dial), and seals it; `AcrossServicer.rpc_layout_seal` serves that seal.
+2. *Stage 2.* The owner of span k collects its members' seals (its claim, protocol/claims.py),
+   meets the span-k owners of the other groups (assembly.py) and runs stage 2 of span k
+   (stage2.py) with its group's partial: the group's average of span k times the group's weight
+   (twolevel.group_weight, from the weights the members showed in the all-gather).
+3. *Stage 3.* Every member takes every span's decided sub-spans: an owner from its own stage 2, any
+   other member from the span's replicas (`Stage2.fetch_decided`), with the plan it makes itself
+   from what its group's owner shows of the assembly (claims.plan_for_member: only a list holding
+   the layout this member sealed).
+
+The result, every sub-span divided by the weight it names (twolevel.final), replaces the group's
+average. Any failure fails the step (AcrossError), before anything is applied (I2).
+
+The group's own all-gather of averages stays: every member holds its group's audited average, so
+the partial an owner signs in stage 2 is one its members can recompute (step (3) of the design's
+list: checking it). It costs each member one more download of (s - 1)/s of Δ than the design's
+cost, where members fetch only stage 3.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+from hivemind.dht import DHT
+from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
+from hivemind.proto import averaging_pb2, runtime_pb2
+from hivemind.utils.crypto import RSAPrivateKey
+
+from p2p_diloco.errors import SwarmError
+from p2p_diloco.protocol import claims, twolevel
+from p2p_diloco.protocol.claims import Claim, GroupLayout
+from p2p_diloco.protocol.twolevel import Levels, Output, Partial
+from p2p_diloco.swarm.averaging import stage2
+from p2p_diloco.swarm.averaging.assembly import Assembly, AssemblyError
+from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2, Stage2Error, Stage2Servicer
+from p2p_diloco.trust import robust
+from p2p_diloco.trust.wire import WireError
+
+logger = logging.getLogger(__name__)
+KEEP_SEALED = 4  # rounds whose layout seal a member keeps for its group's owners
+MAX_ROUND_KEY = 64  # bytes of a round key in a request
+
+
+class AcrossError(SwarmError):
+    """This member ends a two-level round without every span's decided result: nothing applied."""
+
+
+@dataclass(frozen=True)
+class Group:
+    """What stage 2 needs of a stage-1 group, from its all-gather: its members in group order, those
+    others can dial (they may own spans) and each member's weight."""
+
+    members: tuple[str, ...]
+    dialable: frozenset[str]
+    weights: tuple[float, ...]
+
+
+class AcrossServicer(ServicerBase):
+    """Serves this member's seal over its group's layout of a round to the group's span owners."""
+
+    def __init__(self, wait_s: float) -> None:
+        self.wait_s = wait_s
+        self.sealed: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()  # round key -> (statement, seal)
+        self._offered: asyncio.Condition | None = None  # made in the averager's loop, at the first use
+
+    @property
+    def offered(self) -> asyncio.Condition:
+        if self._offered is None:
+            self._offered = asyncio.Condition()
+        return self._offered
+
+    async def offer(self, round_key: bytes, statement: bytes, seal: bytes) -> None:
+        async with self.offered:
+            self.sealed[round_key] = (statement, seal)
+            while len(self.sealed) > KEEP_SEALED:
+                self.sealed.popitem(last=False)
+            self.offered.notify_all()
+
+    async def rpc_layout_seal(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        """This member's layout of the round named in `group_id` and its seal over it, once it has
+        one (within the wait); empty where it has none."""
+        key = request.group_id
+        if len(key) > MAX_ROUND_KEY:
+            return averaging_pb2.AveragingData()
+        async with self.offered:
+            try:
+                await asyncio.wait_for(self.offered.wait_for(lambda: key in self.sealed), self.wait_s)
+            except asyncio.TimeoutError:
+                return averaging_pb2.AveragingData(group_id=key)
+            statement, seal = self.sealed[key]
+        return averaging_pb2.AveragingData(group_id=key, tensor_part=runtime_pb2.Tensor(buffer=statement), peer_id=seal)
+
+
+class Across:
+    """One member's side of a two-level round: `start` in the averager process once its p2p is up,
+    `levels` set before each step (None: a flat round), then `finish` after each group all-reduce."""
+
+    def __init__(self, me: str, signer: RSAPrivateKey, namespace: str, wait_s: float) -> None:
+        """`namespace`: the run's, for the handlers; `wait_s`: stage 2's and the assembly's wait."""
+        self.me, self._signer, self.namespace, self.wait_s = me, signer, namespace.replace(".", "_"), wait_s
+        self.levels: Levels | None = None
+        self.servicer = AcrossServicer(wait_s)
+        self._p2p: P2P | None = None
+        self.stage2 = Stage2(me, signer, self._stage2_stub, wait_s)
+        self.assembly: Assembly | None = None
+
+    async def start(self, p2p: P2P, dht: DHT, serves: bool) -> None:
+        """The handlers, where others can dial this peer; a client only fetches."""
+        self._p2p, self.assembly = p2p, Assembly(p2p, dht, self.namespace, self.wait_s)
+        if serves:
+            await self.assembly.start()
+            await Stage2Servicer(self.stage2).add_p2p_handlers(p2p, namespace=self.namespace)
+            await self.servicer.add_p2p_handlers(p2p, namespace=self.namespace)
+
+    def _stage2_stub(self, peer: str) -> object:
+        assert self._p2p is not None, "started"
+        return Stage2Servicer.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.namespace)
+
+    def _holds(self, round_key: bytes) -> claims.Holds:
+        return lambda member, statement, seal: stage2.sealed_by(member, round_key, statement, seal)
+
+    async def finish(
+        self, group: Group, results: Sequence[torch.Tensor], how: robust.Aggregator, cap: float
+    ) -> list[torch.Tensor]:
+        """The round's result in place of `results` (the group's averages, in the averaged tensors'
+        shapes), or AcrossError."""
+        levels = self.levels
+        assert levels is not None and self.assembly is not None, "a two-level round, started"
+        flat = torch.cat([r.reshape(-1).float() for r in results])
+        owners = twolevel.owners(levels.seed, group.members, levels.spans, group.dialable.__contains__)
+        layout = GroupLayout(levels.round_key, group.members, tuple(owners))
+        statement = layout.statement()
+        await self.servicer.offer(levels.round_key, statement, stage2.seal(self._signer, levels.round_key, statement))
+        weight = twolevel.group_weight(group.weights, how, cap)
+        mine = self.me in owners
+        seals = await self._seals(levels.round_key, layout) if mine else {}
+        work = []
+        for span, ((start, end), owner) in enumerate(zip(twolevel.spans(flat.numel(), levels.spans), owners)):
+            if owner == self.me:
+                work.append(self._own(levels, span, Claim(self.me, layout, seals), flat[start:end], weight))
+            else:
+                work.append(self._fetched(levels, span, layout, end - start))
+        done = await asyncio.gather(*work, return_exceptions=True)
+        failed = [e for e in done if isinstance(e, BaseException)]
+        if failed:
+            known = (AcrossError, AssemblyError, Stage2Error, WireError)
+            if not all(isinstance(e, known) for e in failed):
+                raise next(e for e in failed if not isinstance(e, known))
+            raise AcrossError(f"two-level round {levels.round}: {failed[0]}; nothing applied")
+        averaged = twolevel.final([o for outputs in done for o in outputs])  # type: ignore[union-attr]
+        return _shaped(averaged, results)
+
+    async def _seals(self, round_key: bytes, layout: GroupLayout) -> dict[str, bytes]:
+        """The seals of the members whose own layout is this one (this member's own among them)."""
+        statement = layout.statement()
+        seals = {self.me: stage2.seal(self._signer, round_key, statement)}
+        asks = [self._seal_of(member, round_key, statement) for member in layout.members if member != self.me]
+        for member, seal in zip([m for m in layout.members if m != self.me], await asyncio.gather(*asks)):
+            if seal is not None:
+                seals[member] = seal
+        return seals
+
+    async def _seal_of(self, member: str, round_key: bytes, statement: bytes) -> bytes | None:
+        assert self._p2p is not None
+        stub = AcrossServicer.get_stub(self._p2p, PeerID.from_base58(member), namespace=self.namespace)
+        try:
+            answer = await asyncio.wait_for(
+                stub.rpc_layout_seal(averaging_pb2.AveragingData(group_id=round_key)), 2 * self.wait_s
+            )
+        except Exception as e:  # noqa: BLE001 - a silent member seals nothing; a majority is enough
+            logger.warning("two levels: no layout seal from %s: %s", member, type(e).__name__)
+            return None
+        if answer.tensor_part.buffer != statement:
+            logger.warning("two levels: %s sealed another layout of this group", member)
+            return None
+        seal = answer.peer_id
+        return seal if stage2.sealed_by(member, round_key, statement, seal) else None
+
+    async def _own(self, levels: Levels, span: int, claim: Claim, values: torch.Tensor, weight: float) -> list[Output]:
+        """Span `span` as this member, its group's owner of it, runs it: assembly, then stage 2."""
+        assert self.assembly is not None
+        key = levels.assembly_key(self.namespace, span)
+        shown = _parsed(await self.assembly.assemble(key, claim.encode(), 2 * levels.groups), levels)
+        owners = claims.plan_owners(levels.seed, levels.groups, span, shown, self._holds(levels.round_key))
+        if self.me not in owners:
+            raise AcrossError(f"span {span}: the owners' assembly did not count this group's claim")
+        plan = Plan(claims.plan_key(levels.round_key, span, shown), span, levels.spans, owners, values.numel())
+        return await self.stage2.run(plan, Partial((values * weight).float(), weight))
+
+    async def _fetched(self, levels: Levels, span: int, layout: GroupLayout, numel: int) -> list[Output]:
+        """Span `span`, owned by another member of the group: stage 3."""
+        assert self.assembly is not None
+        owner = layout.span_owners[span]
+        shown = _parsed(await self.assembly.shown_by(owner, levels.assembly_key(self.namespace, span)), levels)
+        holds = self._holds(levels.round_key)
+        owners, key = claims.plan_for_member(shown, owner, layout, levels.seed, levels.groups, span, holds)
+        return await self.stage2.fetch_decided(Plan(key, span, levels.spans, owners, numel))
+
+
+def _parsed(shown: Sequence[tuple[str, bytes]], levels: Levels) -> list[Claim]:
+    """The claims of an assembly's list that parse; the rest count for nothing."""
+    out = []
+    for by, raw in shown:
+        try:
+            out.append(claims.parse_claim(raw, by, levels.round_key, levels.spans))
+        except WireError as e:
+            logger.warning("two levels: %s showed a claim that does not parse: %s", by, e)
+    return out
+
+
+def _shaped(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    out, at = [], 0
+    for tensor in like:
+        out.append(flat[at : at + tensor.numel()].reshape(tensor.shape).to(tensor.dtype))
+        at += tensor.numel()
+    return out
