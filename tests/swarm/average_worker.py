@@ -26,7 +26,9 @@ the averaging process dying under a peer that is waiting for its result.
 
 With `two-level` the peer prints "ready PEER_ID" and waits for "go ROUND_KEY_HEX GROUPS SPANS
 GROUP_SIZE": it then averages in a two-level round of those levels (docs/design.md §3, "Past one
-group"), in the group of its bucket, expecting GROUP_SIZE members there.
+group"), in the group of its bucket, expecting GROUP_SIZE members there. With `die-in-stage2` as
+well, it SIGKILLs itself (its averager process, then its main process) as a stage-2 primary that
+summed a sub-span and is about to push it: a span owner dying in the middle of stage 2.
 """
 
 import hashlib
@@ -39,7 +41,7 @@ from pathlib import Path
 
 import torch
 
-from p2p_diloco import config
+from p2p_diloco import config, faults
 from p2p_diloco.errors import AveragingError, SwarmError
 from p2p_diloco.protocol import codecs
 from p2p_diloco.protocol.twolevel import Levels
@@ -91,6 +93,16 @@ def vouch_for_all() -> None:
         return original(self, me, {item: audit.PASS for item in verdicts})
 
     Ledger.own_verdicts = vouching
+
+
+def die_in_stage2() -> None:
+    """A hook, inherited by the averager process, that kills the peer at its first stage-2 push."""
+
+    def die(**context) -> None:
+        os.kill(os.getppid(), signal.SIGKILL)
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    faults.install(faults.FaultPoint.STAGE2, die)
 
 
 def kill_averager_after_start() -> None:
@@ -209,5 +221,7 @@ if __name__ == "__main__":
         lie_on_first_part()
     if "vouch-all" in sys.argv:
         vouch_for_all()
+    if "die-in-stage2" in sys.argv:
+        die_in_stage2()
     numel = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6].isdigit() else NUMEL
     main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5], numel)

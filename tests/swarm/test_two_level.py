@@ -30,10 +30,11 @@ def round_key_splitting(peers: list[str], groups: int) -> bytes:
     raise AssertionError("no round key splits the peers evenly in 1000 tries")
 
 
-def start(swarm, weights: list[float]) -> tuple[list[subprocess.Popen], list[str]]:
+def start(swarm, weights: list[float], *flags: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
     workers = []
     for i, w in enumerate(weights):
         args = [swarm.maddr, str(i), str(w), "fp32", str(swarm.folder / f"w{i}"), str(NUMEL), "mean", "two-level"]
+        args += flags[i] if i < len(flags) else []
         workers.append(
             subprocess.Popen(
                 [sys.executable, "-m", "tests.swarm.average_worker", *args],
@@ -54,14 +55,23 @@ def start(swarm, weights: list[float]) -> tuple[list[subprocess.Popen], list[str
     return workers, peers
 
 
+def go(workers: list[subprocess.Popen], key: bytes) -> None:
+    for w in workers:
+        w.stdin.write(f"go {key.hex()} 2 {SPANS} 2\n")
+        w.stdin.flush()
+
+
+def ramp_mean(indices: list[int], weights: list[float]) -> torch.Tensor:
+    """The weighted mean of peers `indices`' Δ, peer i's being (i + 1) x the ramp (1 + j/1000)."""
+    factor = sum(weights[i] * (i + 1) for i in indices) / sum(weights[i] for i in indices)
+    return factor * (1 + torch.arange(NUMEL, dtype=torch.float32) / 1000)
+
+
 @pytest.mark.timeout(240)
 def test_two_groups_of_two_end_with_the_same_bytes_the_weighted_mean_of_all(swarm):
     weights = [1.0, 2.0, 1.0, 3.0]
     workers, peers = start(swarm, weights)
-    key = round_key_splitting(peers, 2)
-    for w in workers:
-        w.stdin.write(f"go {key.hex()} 2 {SPANS} 2\n")
-        w.stdin.flush()
+    go(workers, round_key_splitting(peers, 2))
     results = [json.loads(read_line(w, 120)) for w in workers]
     for w in workers:
         w.stdin.close()
@@ -78,3 +88,34 @@ def test_two_groups_of_two_end_with_the_same_bytes_the_weighted_mean_of_all(swar
     expected_exact = factor * (torch.arange(EXACT, dtype=torch.float32) + 1) / 1000
     torch.testing.assert_close(torch.tensor(results[0]["values"]), expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(torch.tensor(results[0]["exact"]), expected_exact, rtol=1e-6, atol=0)
+
+
+@pytest.mark.timeout(240)
+def test_a_span_owner_killed_in_stage_2_leaves_no_survivor_with_a_result_others_do_not_hold(swarm):
+    # Peer 0 dies as a stage-2 primary about to push its first sum. Its group's other member
+    # cannot get the spans peer 0 owned, and fails; the other group ends alike, either failing too
+    # (peer 0 was the decider of one of its sub-spans, and had not decided yet) or with one result
+    # whose every sub-span counts group 0's partial or not, as it reached the surviving replica.
+    weights = [1.0, 2.0, 1.0, 3.0]
+    workers, peers = start(swarm, weights, ["die-in-stage2"])
+    key = round_key_splitting(peers, 2)
+    go(workers, key)
+    assert workers[0].wait(timeout=120) == -9  # SIGKILL, in stage 2
+    results = {i: json.loads(read_line(w, 120)) for i, w in enumerate(workers) if i}
+    for w in workers[1:]:
+        w.stdin.close()
+        assert w.wait(timeout=60) == 0
+    buckets = twolevel.buckets(key.hex(), peers, 2)
+    mates = next(b for b in buckets if peers[0] in b)
+    others = [peers.index(p) for p in next(b for b in buckets if peers[0] not in b)]
+    mate = peers.index(next(p for p in mates if p != peers[0]))
+    assert "error" in results[mate] and results[mate]["own_delta_intact"], results[mate]
+    ended = [results[i] for i in others if "error" not in results[i]]
+    for i in others:
+        assert "error" not in results[i] or results[i]["own_delta_intact"], results[i]
+    assert len({r["sha256"] for r in ended}) <= 1, "the other group's members must end alike"
+    if ended:
+        values = torch.tensor(ended[0]["values"])
+        everyone, theirs = ramp_mean([0, 1, 2, 3], weights), ramp_mean(others, weights)
+        close = lambda want: torch.isclose(values, want, rtol=1e-6, atol=0)  # noqa: E731
+        assert bool((close(everyone) | close(theirs)).all()), "a sub-span that is neither mean"

@@ -46,6 +46,8 @@ def test_an_honest_entry_reads_back_whole():
     assert entry == Entry(2e6, AveragingMode.NODE, 7, user(0)["seen"], public_key_bytes(KEYS[0]), None)
     with_cert = parse_entry(entry_bytes(1, None, 1, {**user(1), "cert": "{}"}), MSGPackSerializer.loads)
     assert with_cert.bandwidth is None and with_cert.mode == AveragingMode.CLIENT and with_cert.cert == "{}"
+    assert entry.weight is None  # a peer from before two-level rounds shows none
+    assert parse_entry(entry_bytes(2, user_data=user(2, weight=3)), MSGPackSerializer.loads).weight == 3.0
 
 
 @pytest.mark.parametrize(
@@ -69,6 +71,9 @@ def test_an_honest_entry_reads_back_whole():
         (entry_bytes(0, user_data=user(0, serves=1)), "'serves'"),
         (entry_bytes(0, user_data=user(0, direct=["not base58!"])), "'direct'"),
         (entry_bytes(0, user_data=user(0, direct=[0] * 4097)), "'direct'"),  # more than MAX_SEEN
+        (entry_bytes(0, user_data=user(0, weight=-1.0)), "'weight'"),
+        (entry_bytes(0, user_data=user(0, weight=float("nan"))), "'weight'"),
+        (entry_bytes(0, user_data=user(0, weight="1")), "'weight'"),
         (b"\x00" * 70_000, "at most"),
     ],
 )

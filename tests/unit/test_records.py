@@ -2,7 +2,14 @@
 
 from p2p_diloco.protocol.agreement import majority
 from p2p_diloco.protocol.network import RoundRecord
-from p2p_diloco.swarm.trust.records import bucket_prefix, convicted_by, progress_key, round_bits, run_prefix
+from p2p_diloco.swarm.trust.records import (
+    bucket_bits,
+    bucket_prefix,
+    convicted_by,
+    progress_key,
+    round_bits,
+    run_prefix,
+)
 
 D1, D2 = "a" * 32, "b" * 32
 
@@ -34,6 +41,13 @@ def test_ties_go_to_the_smallest_digest_so_every_peer_picks_the_same():
 def test_keys_separate_runs_configs_and_rounds():
     assert run_prefix("my run.v2", "abc") == "my_run_v2-abc"
     assert round_bits(5) == "0" * 29 + "101" and len({round_bits(r) for r in range(100)}) == 100
+
+
+def test_each_bucket_of_each_bucket_count_meets_under_bits_of_its_own():
+    bits = {round_bits(3) + bucket_bits(b, g) for g in (1, 2, 3, 64, 1024) for b in range(g)}
+    assert len(bits) == 1 + 2 + 3 + 64 + 1024
+    assert all(set(b) <= {"0", "1"} and len(b) == 64 for b in bits)
+    assert bucket_bits(5, 6) == "0" * 13 + "110" + "0" * 13 + "101"
 
 
 def test_records_by_bucket_have_a_key_per_round_and_bucket_and_one_bucket_is_the_run_s_own_key():

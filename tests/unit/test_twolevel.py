@@ -95,6 +95,31 @@ def test_a_partial_is_the_combination_times_the_weight_it_kept():
     assert torch.allclose(a.values, torch.tensor([2.0, 2.2]))
 
 
+def test_a_group_weighs_in_stage_2_as_its_reducers_weigh_its_members():
+    assert twolevel.group_weight([1.0, 2.0, 3.0], "mean", 2.0) == 6.0
+    # clip: each weight at most 2 x the lower median of the positive ones (1): 1 + 1 + 2
+    assert twolevel.group_weight([1.0, 1.0, 10.0], "clip", 2.0) == 4.0
+    assert twolevel.group_weight([1.0, 1.0, 10.0], "centered-clip", 3.0) == 5.0
+    # trimmed-mean: at most the lower median (2) each: 1 + 2 + 2
+    assert twolevel.group_weight([1.0, 2.0, 10.0], "trimmed-mean", 2.0) == 5.0
+    assert twolevel.group_weight([0.0, 0.0], "clip", 2.0) == 0.0
+    assert twolevel.group_weight([-1.0, 2.0], "mean", 2.0) == 2.0  # a negative weight counts nothing
+
+
+def test_levels_name_one_assembly_per_run_round_key_and_span():
+    levels = twolevel.Levels(7, bytes(range(32)), groups=3, spans=16)
+    assert levels.seed == bytes(range(32)).hex()
+    keys = {
+        twolevel.Levels(r, k, 3, 16).assembly_key(prefix, span)
+        for r in (7, 8)
+        for k in (bytes(32), bytes(range(32)))
+        for prefix in ("run.a", "run.b")
+        for span in range(16)
+    }
+    assert len(keys) == 2 * 2 * 2 * 16 and not any("." in k for k in keys)  # hivemind's keys hold no '.'
+    assert levels.assembly_key("my.run", 5) == "my_run_r7_span5of16_0001020304050607"
+
+
 def test_sub_span_sums_cross_checks_equivocation_and_the_final_by_hand():
     parts = {0: Partial(torch.tensor([1.0, 2.0, 3.0]), 2.0), 2: Partial(torch.tensor([5.0, 6.0, 7.0]), 6.0)}
     out = twolevel.reduce_sub_span(1, 0, (1, 3), parts, "r")

@@ -161,7 +161,8 @@ class Across:
             known = (AcrossError, AssemblyError, Stage2Error, WireError)
             if not all(isinstance(e, known) for e in failed):
                 raise next(e for e in failed if not isinstance(e, known))
-            raise AcrossError(f"two-level round {levels.round}: {failed[0]}; nothing applied")
+            why = str(failed[0]).removesuffix("; nothing applied")
+            raise AcrossError(f"two-level round {levels.round}: {why}; nothing applied")
         averaged = twolevel.final([o for outputs in done for o in outputs])  # type: ignore[union-attr]
         return _shaped(averaged, results)
 
