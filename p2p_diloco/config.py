@@ -249,6 +249,11 @@ class SwarmSection:
     averaging_retries: int = shared(
         1, "after a failed all-reduce, the survivors retry this many times with their kept pseudo-gradients"
     )
+    group_size: int = shared(
+        16,
+        "past 1.5x this many peers at a round, they average in groups of about this size, then across "
+        "groups (two levels: docs/design.md §3, 'Past one group'); fewer peers form one group",
+    )
     agreement_timeout_s: float = shared(15.0, "how long to wait for the group's digests after the outer step")
     join_timeout_s: float = local(
         30.0,
@@ -793,6 +798,7 @@ def _validate_swarm(s: SwarmSection) -> None:
         f"must be in (0, 1], got {s.max_reduce_share}",
         "1 lets the fastest peer reduce everything",
     )
+    _require(2 <= s.group_size <= 1024, "swarm.group_size", f"must be in [2, 1024], got {s.group_size}", "e.g. 16")
     _require(
         0 <= s.averaging_retries <= 10,
         "swarm.averaging_retries",

@@ -29,6 +29,7 @@ from p2p_diloco.errors import StateDownloadError, WriteError
 from p2p_diloco.protocol import chunks
 from p2p_diloco.protocol.budget import SwarmProgress
 from p2p_diloco.protocol.genesis import Genesis, Verdict
+from p2p_diloco.protocol.twolevel import Levels
 from p2p_diloco.trust import wire
 
 logger = logging.getLogger(__name__)
@@ -456,10 +457,11 @@ class Swarm(Protocol):
         retry: bool = False,
         expected_group: int = 0,
         exact: torch.Tensor | None = None,
+        levels: Levels | None = None,
     ) -> AllReduced | None:
-        """All-reduce this round's flat Δ with the peers at the same round. None: nobody else came
-        within the matchmaking window. Raises AveragingError if the group's all-reduce failed:
-        nothing of it was applied (I2)."""
+        """All-reduce this round's flat Δ with the peers at the same round (in a two-level round, with
+        its group, then across groups: `levels`). None: nobody else came within the matchmaking window.
+        Raises AveragingError if the group's all-reduce failed: nothing of it was applied (I2)."""
         ...
 
     def download_state(self, round_: int, digest: str, from_peers: list[str], verify: StateCheck) -> ServedState:
@@ -544,6 +546,7 @@ class Solo:
         retry: bool = False,
         expected_group: int = 0,
         exact: torch.Tensor | None = None,
+        levels: Levels | None = None,
     ) -> AllReduced | None:
         return None
 

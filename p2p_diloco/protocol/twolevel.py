@@ -36,6 +36,7 @@ class Levels:
     round_key: bytes
     groups: int
     spans: int = GROUP_SIZE
+    bucket: int | None = None  # the bucket whose key this peer's group meets under (the lowest of a merged group's)
 
     @property
     def seed(self) -> str:
@@ -44,6 +45,23 @@ class Levels:
     def assembly_key(self, prefix: str, span: int) -> str:
         """The DHT key under which the owners of `span` in every group meet (no '.': hivemind's)."""
         return f"{prefix.replace('.', '_')}_r{self.round}_span{span}of{self.spans}_{self.round_key.hex()[:16]}"
+
+
+def levels_for(
+    me: str, peers: Sequence[str], round_: int, round_key: bytes, size: int, reduces: Callable[[str], bool]
+) -> tuple[Levels | None, int]:
+    """(this peer's levels of round `round_`, the members its group expects) among the `peers` the
+    records show at the round (this peer among them): None and every peer where the round is one
+    group (fewer than 1.5 x `size` peers), else its merged bucket's (`groups_of`), meeting under
+    that group's lowest bucket. A peer whose view of the round differs meets fewer mates."""
+    everyone = sorted(set(peers) | {me})
+    count = group_count(len(everyone), size)
+    if count < 2:
+        return None, len(everyone)
+    seed = round_key.hex()
+    mine = next(g for g in groups_of(seed, everyone, size, reduces) if me in g)
+    lowest = min(bucket_of(seed, p, count) for p in mine)
+    return Levels(round_, round_key, count, size, lowest), len(mine)
 
 
 def group_weight(weights: Sequence[float], how: robust.Aggregator, cap: float) -> float:

@@ -23,6 +23,7 @@ from p2p_diloco.config import Config
 from p2p_diloco.errors import AveragingError, SwarmMovedOn
 from p2p_diloco.protocol import outer
 from p2p_diloco.protocol.network import AllReduced, RoundOutcome, Swarm
+from p2p_diloco.protocol.twolevel import Levels
 
 
 @dataclass(frozen=True)
@@ -124,6 +125,7 @@ def average(
     tokens: int,
     expected: int,
     log: logging.LoggerAdapter,
+    levels: Levels | None = None,
 ) -> Outcome:
     """The round's average pseudo-gradient, the group it came from, and what it cost."""
     dropped = outer.is_dropped(config.outer.drop_rate, config.run.seed, swarm.peer_id, round_)
@@ -136,16 +138,8 @@ def average(
     if swarm.solo:
         return Alone(own, (swarm.peer_id,), alone)
     lossy, exact = outer.split_exact(delta)
-    result = _with_retries(
-        swarm,
-        config,
-        round_,
-        outer.flatten(lossy),
-        outer.flatten(exact) if exact else None,
-        0 if dropped else tokens,
-        expected,
-        log,
-    )
+    flat, flat_exact = outer.flatten(lossy), (outer.flatten(exact) if exact else None)
+    result = _with_retries(swarm, config, round_, flat, flat_exact, 0 if dropped else tokens, expected, log, levels)
     match result:
         case Overtaken():
             return result
@@ -176,6 +170,7 @@ def _with_retries(
     tokens: int,
     expected: int,
     log: logging.LoggerAdapter,
+    levels: Levels | None,
 ) -> Attempt:
     """What the group's all-reduce came to: its average; nobody came; every attempt failed (the
     last one's reason), or at once, vetoed, if the average points against this peer's own Δ; or
@@ -195,6 +190,7 @@ def _with_retries(
                 retry=attempt > 1,
                 expected_group=expected if attempt == 1 else 0,
                 exact=flat_exact,
+                levels=levels,
             )
             return NobodyCame() if got is None else _not_against_own(got, flat, flat_exact, round_)
         except AgainstOwn as e:

@@ -22,10 +22,11 @@ from typing import Any, SupportsFloat
 
 from p2p_diloco import faults
 from p2p_diloco.config import Config
-from p2p_diloco.protocol import agreement, outer
+from p2p_diloco.protocol import agreement, outer, twolevel
 from p2p_diloco.protocol.budget import SwarmProgress
 from p2p_diloco.protocol.network import COPIED, Made, Swarm
 from p2p_diloco.protocol.pending import Pending
+from p2p_diloco.protocol.twolevel import Levels
 from p2p_diloco.round import averaging, joining
 from p2p_diloco.round.averaging import Applied, Outcome, Overtaken
 from p2p_diloco.round.replica import Replica
@@ -152,12 +153,12 @@ class RoundDriver:
         # Before the group to expect is read: a test's gate that holds here (tests/swarm/round_gate.py)
         # held after it once, and its peers then formed the group they had read before the hold.
         faults.reached(faults.FaultPoint.MATCHMAKING, window_s=self.config.swarm.matchmaking_time_s)
-        round_, expected = self.replica.state.round, self._expected_group()
+        round_, (levels, expected) = self.replica.state.round, self._levels(self._expected_group())
         swarm, config, log = self.swarm, self.config, self.replica.log
 
         def work() -> Outcome:
             tokens = trained.phase.tokens
-            return averaging.average(swarm, config, round_, trained.delta, tokens, expected, log)
+            return averaging.average(swarm, config, round_, trained.delta, tokens, expected, log, levels)
 
         return InFlight(trained, Pending(work, in_background))
 
@@ -279,6 +280,18 @@ class RoundDriver:
         estimate = outer.eager_estimate(own, last.average, last.own, last.share) if last else dict(own)
         oc = self.config.outer
         return outer.outer_step(state, estimate, oc.lr, oc.momentum, oc.nesterov).params
+
+    def _levels(self, expected: int) -> tuple[Levels | None, int]:
+        """This round's two levels and the group this peer expects in it, where the live peers at the
+        round are enough for more than one group (twolevel.levels_for); else (None, `expected`)."""
+        swarm, r, size = self.swarm, self.replica.state.round, self.config.swarm.group_size
+        records = swarm.peers()
+        at = agreement.live(records, swarm.stale_peers(), r - 1, r) | {swarm.peer_id}
+        if twolevel.group_count(len(at), size) < 2:
+            return None, expected
+        key = bytes.fromhex(self.replica.state.digest())  # θ(r)'s: every peer of the round holds it (I1)
+        dialable = {p for p in at if p not in records or records[p].serves}
+        return twolevel.levels_for(swarm.peer_id, sorted(at), r, key, size, dialable.__contains__)
 
     def _expected_group(self) -> int:
         swarm, r = self.swarm, self.replica.state.round

@@ -61,7 +61,7 @@ def lie_as_sender() -> None:
     original = HivemindSwarm.average
     first: dict = {}
 
-    def average(self, delta, weight, round_, retry=False, expected_group=0, exact=None):
+    def average(self, delta, weight, round_, retry=False, expected_group=0, exact=None, levels=None):
         if KIND == "replay":
             first.setdefault("delta", delta.clone())
             first.setdefault("exact", None if exact is None else exact.clone())
@@ -73,7 +73,7 @@ def lie_as_sender() -> None:
             weight = weight * X
         delta = delta * factor
         exact = None if exact is None else exact * factor
-        return original(self, delta, weight, round_, retry, expected_group, exact)
+        return original(self, delta, weight, round_, retry, expected_group, exact, levels)
 
     HivemindSwarm.average = average
 

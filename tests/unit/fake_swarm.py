@@ -161,7 +161,9 @@ class FakeSwarm:
     def swarm_round(self) -> int | None:
         return self.ahead
 
-    def average(self, delta, weight, round_, retry=False, expected_group=0, exact=None) -> AllReduced | None:
+    def average(
+        self, delta, weight, round_, retry=False, expected_group=0, exact=None, levels=None
+    ) -> AllReduced | None:
         call = Call(delta.clone(), None if exact is None else exact.clone(), weight, round_, retry, expected_group)
         self.calls.append(call)
         step = self.script.pop(0) if self.script else (lambda call: None)

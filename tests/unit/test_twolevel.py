@@ -44,6 +44,26 @@ def test_group_count_and_merge_by_hand():
     assert twolevel.merge([["x", "y"], ["z", "w"]], 2, reduces=lambda p: p in ("w",)) == [("x", "y", "z", "w")]
 
 
+def test_each_peer_finds_its_merged_group_and_the_bucket_it_meets_under():
+    key = bytes(range(16))
+    few = [f"peer{i}" for i in range(23)]  # 23 / 16 rounds to 1: one group, as today
+    assert twolevel.levels_for("peer0", few, 3, key, 16, lambda p: True) == (None, 23)
+    levels, expected = twolevel.levels_for("me", few, 3, key, 16, lambda p: True)  # itself counts: 24 peers
+    assert levels is not None and levels.groups == 2
+    assert expected == len(next(g for g in twolevel.groups_of(key.hex(), [*few, "me"], 16) if "me" in g))
+    peers = [f"peer{i}" for i in range(40)]  # size 8: 5 buckets, merged to at least 4 members each
+    groups = twolevel.groups_of(key.hex(), peers, 8)
+    seen: dict[int, set[str]] = {}
+    for me in peers:
+        levels, expected = twolevel.levels_for(me, peers[::-1], 3, key, 8, lambda p: True)
+        assert levels is not None and (levels.round, levels.round_key, levels.groups, levels.spans) == (3, key, 5, 8)
+        mine = next(g for g in groups if me in g)
+        assert expected == len(mine)
+        assert levels.bucket == min(twolevel.bucket_of(key.hex(), p, 5) for p in mine)
+        seen.setdefault(levels.bucket, set()).add(me)
+    assert sorted(map(sorted, seen.values())) == sorted(sorted(g) for g in groups)  # one key a group
+
+
 def test_buckets_put_every_peer_in_one_bucket_by_the_seed_alone():
     peers = [f"peer{i}" for i in range(100)]
     one, again, other = (

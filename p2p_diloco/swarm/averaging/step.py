@@ -128,7 +128,12 @@ class AveragingStep:
         try:  # after the last step's look for a group ended (bounded: that look's own deadline)
             bits = records.round_bits(round_)
             if levels is not None and levels.groups > 1:
-                bits += records.bucket_bits(twolevel.bucket_of(levels.seed, self.peer_id, levels.groups), levels.groups)
+                bucket = (
+                    levels.bucket
+                    if levels.bucket is not None
+                    else twolevel.bucket_of(levels.seed, self.peer_id, levels.groups)
+                )
+                bits += records.bucket_bits(bucket, levels.groups)
             self.averager.set_round_key(bits, self._matchmaking_timeout(True) + STEP_MARGIN_S)
         except FuturesTimeout:
             self.check_averager()
