@@ -375,6 +375,9 @@ class AllReduced:
     butterfly_s: float = 0.0  # of allreduce_s: the parts' reduce-scatter and all-gather
     audit_s: float = 0.0  # of allreduce_s: the audit of the other reducers that followed
     audit_bytes: int = 0  # what the audit's answers took (not in bytes_received)
+    groups: int = 1  # a two-level round's: the most groups a sub-span of the result counted
+    across_s: float = 0.0  # of allreduce_s: a two-level round's stages 2 and 3, after the audit
+    across_bytes: tuple[int, int] = (0, 0)  # their messages' bytes, (sent, received), not in bytes_sent/received
 
 
 class Swarm(Protocol):

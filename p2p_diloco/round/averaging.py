@@ -40,6 +40,9 @@ class CommStats:
     from_group: bool = False  # the figures come from a group's all-reduce
     audit_s: float = 0.0  # of allreduce_s, the audit of the other reducers (a group's only)
     audit_bytes: int = 0  # what the audit's answers took, apart from bytes_received
+    groups: int = 1  # a two-level round's groups (the most a sub-span counted)
+    across_s: float = 0.0  # of allreduce_s, a two-level round's stages 2 and 3
+    across_bytes: tuple[int, int] = (0, 0)  # their bytes (sent, received), apart from bytes_sent and bytes_received
 
     def record(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -49,6 +52,8 @@ class CommStats:
         }
         if self.from_group:
             out.update(link_mbit_s=self.link_mbit_s, audit_s=self.audit_s, audit_bytes=self.audit_bytes)
+        if self.groups > 1:
+            out.update(groups=self.groups, across_s=self.across_s, across_bytes=list(self.across_bytes))
         out.update(
             dropped=self.dropped,
             averaging_s=self.averaging_s,
@@ -248,4 +253,7 @@ def _group_stats(result: AllReduced, dropped: bool) -> CommStats:
         from_group=True,
         audit_s=result.audit_s,
         audit_bytes=result.audit_bytes,
+        groups=result.groups,
+        across_s=result.across_s,
+        across_bytes=result.across_bytes,
     )

@@ -199,6 +199,9 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
                     "audit_bytes": result.audit_bytes,
                     "audit_s": result.audit_s,
                     "butterfly_s": result.butterfly_s,
+                    "groups": result.groups,
+                    "across_s": result.across_s,
+                    "across_bytes": list(result.across_bytes),
                     "residual": describe_residual(swarm, delta, codec),
                     **report,
                 }

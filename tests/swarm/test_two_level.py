@@ -88,6 +88,10 @@ def test_two_groups_of_two_end_with_the_same_bytes_the_weighted_mean_of_all(swar
     expected_exact = factor * (torch.arange(EXACT, dtype=torch.float32) + 1) / 1000
     torch.testing.assert_close(torch.tensor(results[0]["values"]), expected, rtol=1e-6, atol=0)
     torch.testing.assert_close(torch.tensor(results[0]["exact"]), expected_exact, rtol=1e-6, atol=0)
+    # Each counted both groups, and took the two spans it does not own (of 4; two members own two
+    # each) from stage 2's replicas: at least their 505 fp32 values, 2,020 bytes.
+    assert [r["groups"] for r in results] == [2, 2, 2, 2]
+    assert all(r["across_bytes"][1] >= 4 * (NUMEL + EXACT) // 2 and r["across_s"] > 0 for r in results), results
 
 
 @pytest.mark.timeout(240)

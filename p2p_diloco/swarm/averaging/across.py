@@ -29,9 +29,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from hivemind.dht import DHT
@@ -66,6 +68,71 @@ class Group:
     members: tuple[str, ...]
     dialable: frozenset[str]
     weights: tuple[float, ...]
+
+
+@dataclass(frozen=True)
+class AcrossStats:
+    """What stages 2 and 3 of one round cost this member: seconds, and the bytes of stage 2's
+    messages it sent and received (protobuf payloads, as the all-reduce counts its parts; the
+    owners' assembly and the layout seals not included), and the most groups a sub-span counted."""
+
+    seconds: float
+    sent: int
+    received: int
+    groups: int
+
+
+class _Traffic:
+    """Bytes of stage-2 messages, both ways, since this peer started: a round's share is the difference."""
+
+    def __init__(self) -> None:
+        self.sent = self.received = 0
+
+
+class _CountingStub:
+    """A stage-2 stub whose calls count what they send and what comes back."""
+
+    def __init__(self, stub: Any, traffic: _Traffic) -> None:
+        self._stub, self._traffic = stub, traffic
+
+    def __getattr__(self, name: str) -> Any:
+        call = getattr(self._stub, name)
+
+        async def counted(request: averaging_pb2.AveragingData) -> averaging_pb2.AveragingData:
+            self._traffic.sent += request.ByteSize()
+            answer = await call(request)
+            self._traffic.received += answer.ByteSize()
+            return answer
+
+        return counted
+
+
+class SpanServicer(Stage2Servicer):
+    """Stage 2's handlers in a swarm peer, counting what other owners and members send and fetch."""
+
+    def __init__(self, desk: Stage2, traffic: _Traffic) -> None:
+        super().__init__(desk)
+        self._traffic = traffic
+
+    def _count(self, request: averaging_pb2.AveragingData, answer: averaging_pb2.AveragingData) -> Any:
+        self._traffic.received += request.ByteSize()
+        self._traffic.sent += answer.ByteSize()
+        return answer
+
+    async def rpc_stage2_partial(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        return self._count(request, await self.desk.take_partial(request, context))
+
+    async def rpc_stage2_output(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        return self._count(request, await self.desk.take_output(request, context))
+
+    async def rpc_stage2_fetch(
+        self, request: averaging_pb2.AveragingData, context: P2PContext
+    ) -> averaging_pb2.AveragingData:
+        return self._count(request, await self.desk.serve(request, context))
 
 
 class AcrossServicer(ServicerBase):
@@ -116,20 +183,23 @@ class Across:
         self.levels: Levels | None = None
         self.servicer = AcrossServicer(wait_s)
         self._p2p: P2P | None = None
+        self.traffic = _Traffic()
         self.stage2 = Stage2(me, signer, self._stage2_stub, wait_s)
         self.assembly: Assembly | None = None
+        self.last: AcrossStats | None = None  # the last `finish`'s, once it ended with a result
 
     async def start(self, p2p: P2P, dht: DHT, serves: bool) -> None:
         """The handlers, where others can dial this peer; a client only fetches."""
         self._p2p, self.assembly = p2p, Assembly(p2p, dht, self.namespace, self.wait_s)
         if serves:
             await self.assembly.start()
-            await Stage2Servicer(self.stage2).add_p2p_handlers(p2p, namespace=self.namespace)
+            await SpanServicer(self.stage2, self.traffic).add_p2p_handlers(p2p, namespace=self.namespace)
             await self.servicer.add_p2p_handlers(p2p, namespace=self.namespace)
 
     def _stage2_stub(self, peer: str) -> object:
         assert self._p2p is not None, "started"
-        return Stage2Servicer.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.namespace)
+        stub = SpanServicer.get_stub(self._p2p, PeerID.from_base58(peer), namespace=self.namespace)
+        return _CountingStub(stub, self.traffic)
 
     def _holds(self, round_key: bytes) -> claims.Holds:
         return lambda member, statement, seal: stage2.sealed_by(member, round_key, statement, seal)
@@ -141,6 +211,7 @@ class Across:
         shapes), or AcrossError."""
         levels = self.levels
         assert levels is not None and self.assembly is not None, "a two-level round, started"
+        started, sent, received = time.perf_counter(), self.traffic.sent, self.traffic.received
         flat = torch.cat([r.reshape(-1).float() for r in results])
         owners = twolevel.owners(levels.seed, group.members, levels.spans, group.dialable.__contains__)
         layout = GroupLayout(levels.round_key, group.members, tuple(owners))
@@ -163,8 +234,11 @@ class Across:
                 raise next(e for e in failed if not isinstance(e, known))
             why = str(failed[0]).removesuffix("; nothing applied")
             raise AcrossError(f"two-level round {levels.round}: {why}; nothing applied")
-        averaged = twolevel.final([o for outputs in done for o in outputs])  # type: ignore[union-attr]
-        return _shaped(averaged, results)
+        outputs = [o for each in done for o in each]  # type: ignore[union-attr]
+        took = time.perf_counter() - started
+        traffic = (self.traffic.sent - sent, self.traffic.received - received)
+        self.last = AcrossStats(took, *traffic, max(len(o.groups) for o in outputs))
+        return _shaped(twolevel.final(outputs), results)
 
     async def _seals(self, round_key: bytes, layout: GroupLayout) -> dict[str, bytes]:
         """The seals of the members whose own layout is this one (this member's own among them)."""

@@ -57,6 +57,10 @@ class AllreduceStats:
     butterfly_s: float = 0.0  # the reduce-scatter and all-gather of the parts, until every average arrived
     audit_s: float = 0.0  # then the audit of the other reducers (auditor.py), before anything is applied
     audit_bytes: int = 0  # what their answers to the audit took, apart from bytes_received
+    groups: int = 1  # a two-level round's: the most groups a sub-span counted (across.py)
+    across_s: float = 0.0  # a two-level round's stages 2 and 3, after the audit
+    across_sent: int = 0  # their messages' bytes (apart from bytes_sent and bytes_received)
+    across_received: int = 0
 
 
 class PartialAllreduce(AllreduceException):

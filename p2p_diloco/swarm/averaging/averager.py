@@ -637,12 +637,19 @@ class Reduction:
             if fates := runner.fates():  # clipping is routine for a robust aggregator; a dropped part is news
                 level = logging.INFO if " dropped" in fates else logging.DEBUG
                 logger.log(level, "parts of this peer's span: %s", fates)
+        across: dict[str, Any] = {}
         if self.across is not None and self.across.levels is not None and self.across.levels.groups > 1:
             how, _, cap = self._aggregation
             results = await self.across.finish(self._group(group_info), results, how, cap)
+            cost = self.across.last
+            assert cost is not None  # set by a finish that returned
+            across = dict(
+                groups=cost.groups, across_s=cost.seconds, across_sent=cost.sent, across_received=cost.received
+            )
         for tensor, averaged in zip(tensors, results):
             tensor.copy_(averaged)
         if self._residual is not None:
             self._residual.copy_(runner.residuals[LOSSY_TENSOR])
         butterfly_s, audit_s = butterfly_done - started, time.perf_counter() - butterfly_done
-        return dataclasses.replace(runner.stats(), butterfly_s=butterfly_s, audit_s=audit_s, audit_bytes=audit_bytes)
+        stats = runner.stats()
+        return dataclasses.replace(stats, butterfly_s=butterfly_s, audit_s=audit_s, audit_bytes=audit_bytes, **across)

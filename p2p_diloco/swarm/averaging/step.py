@@ -196,6 +196,9 @@ class AveragingStep:
             result.stats.butterfly_s,
             result.stats.audit_s,
             result.stats.audit_bytes,
+            result.stats.groups,
+            result.stats.across_s,
+            (result.stats.across_sent, result.stats.across_received),
         )
 
     def _link_report(self) -> tuple[float | None, dict[str, float]]:
