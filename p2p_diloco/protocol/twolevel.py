@@ -52,14 +52,18 @@ def levels_for(
 ) -> tuple[Levels | None, int]:
     """(this peer's levels of round `round_`, the members its group expects) among the `peers` the
     records show at the round (this peer among them): None and every peer where the round is one
-    group (fewer than 1.5 x `size` peers), else its merged bucket's (`groups_of`), meeting under
-    that group's lowest bucket. A peer whose view of the round differs meets fewer mates."""
+    group (fewer than 1.5 x `size` peers, or buckets that merged into one), else its merged
+    bucket's (`groups_of`), meeting under that group's lowest bucket. A peer whose view of the
+    round differs meets fewer mates."""
     everyone = sorted(set(peers) | {me})
     count = group_count(len(everyone), size)
     if count < 2:
         return None, len(everyone)
     seed = round_key.hex()
-    mine = next(g for g in groups_of(seed, everyone, size, reduces) if me in g)
+    groups = groups_of(seed, everyone, size, reduces)
+    if len(groups) < 2:  # the buckets merged into one group: nothing to average across
+        return None, len(everyone)
+    mine = next(g for g in groups if me in g)
     lowest = min(bucket_of(seed, p, count) for p in mine)
     return Levels(round_, round_key, count, size, lowest), len(mine)
 

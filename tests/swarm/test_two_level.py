@@ -13,7 +13,8 @@ import torch
 
 from p2p_diloco.protocol import twolevel
 from tests.swarm.average_worker import EXACT, NUMEL
-from tests.swarm.conftest import ENV
+from tests.swarm.conftest import ENV, unexplained_alarms, wait_until
+from tests.swarm.round_gate import open_gate
 from tests.swarm.test_average import read_line
 
 SPANS = 4  # s: spans per group (16 in a real run); two members own two each
@@ -123,3 +124,30 @@ def test_a_span_owner_killed_in_stage_2_leaves_no_survivor_with_a_result_others_
         everyone, theirs = ramp_mean([0, 1, 2, 3], weights), ramp_mean(others, weights)
         close = lambda want: torch.isclose(values, want, rtol=1e-6, atol=0)  # noqa: E731
         assert bool((close(everyone) | close(theirs)).all()), "a sub-span that is neither mean"
+
+
+@pytest.mark.timeout(400)
+def test_six_peers_in_groups_of_two_hold_one_digest_every_round(swarm):
+    # swarm.group_size 2: six peers at a round make 3 buckets, merged to at least 2 members each,
+    # so a round is two levels unless every bucket merged into one group (about 1 round in 20, by
+    # the seeds: θ(r)'s digests). All six gate their first round together (round_gate.py).
+    go = swarm.folder / "go"
+    gated, env = [sys.executable, "-m", "tests.swarm.gated_peer"], {"ROUND_GO": str(go)}
+    extra = {"swarm.group_size": "2", "run.rounds": "4"}
+    names = [f"p{i}" for i in range(6)]
+    peers = {name: swarm.peer(name, extra, script=gated, env=env) for name in names}
+    open_gate(go, list(peers.values()))
+    wait_until(lambda: all(p.poll() is not None for p in peers.values()), list(peers.values()), 360, "6 peers finish")
+    assert [p.returncode for p in peers.values()] == [0] * 6, [swarm.log(n)[-2000:] for n in peers]
+    records = {name: swarm.records(name) for name in peers}
+    for r in range(1, 5):
+        digests = {name: records[name][r]["digest"] for name in peers}
+        assert len(set(digests.values())) == 1, f"round {r}: {digests}"
+    # Rounds of two levels: each member's record names the groups its result counted, and its group
+    # (stage 1) is smaller than the round.
+    two_level = [r for r in range(1, 5) if all(records[n][r].get("groups", 1) >= 2 for n in peers)]
+    assert two_level, {r: [records[n][r].get("groups", 1) for n in peers] for r in range(1, 5)}
+    for r in two_level:
+        assert all(records[n][r]["group_size"] < 6 and records[n][r]["across_bytes"][1] > 0 for n in peers)
+    logs = {name: swarm.log(name) for name in (*peers, "bootstrap")}
+    assert unexplained_alarms(logs) is None, unexplained_alarms(logs)

@@ -51,6 +51,14 @@ def test_each_peer_finds_its_merged_group_and_the_bucket_it_meets_under():
     levels, expected = twolevel.levels_for("me", few, 3, key, 16, lambda p: True)  # itself counts: 24 peers
     assert levels is not None and levels.groups == 2
     assert expected == len(next(g for g in twolevel.groups_of(key.hex(), [*few, "me"], 16) if "me" in g))
+    # 4 peers of size 2 make 2 buckets; a key that puts 3 in one makes one group of all four
+    four = ["a", "b", "c", "d"]
+    uneven = next(
+        k
+        for k in (bytes([i]) * 16 for i in range(256))
+        if sorted(map(len, twolevel.buckets(k.hex(), four, 2))) == [1, 3]
+    )
+    assert twolevel.levels_for("a", four, 3, uneven, 2, lambda p: True) == (None, 4)
     peers = [f"peer{i}" for i in range(40)]  # size 8: 5 buckets, merged to at least 4 members each
     groups = twolevel.groups_of(key.hex(), peers, 8)
     seen: dict[int, set[str]] = {}

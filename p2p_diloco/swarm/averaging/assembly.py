@@ -119,19 +119,7 @@ class Assembly:
         `most` of them (the round's groups and room for claims that will not count: the leader
         closes the assembly once it holds that many), showing `claim`: every member's (peer id,
         claim bytes) as the leader gathered them (untrusted: for claims.parse_claim), or AssemblyError."""
-        look = Matchmaking(
-            self._p2p,
-            SCHEMA,
-            self._dht,
-            servicer_type=AssemblyServicer,
-            prefix=self.namespace,  # where join requests go; the DHT key is the group key manager's
-            target_group_size=most,
-            min_group_size=2,  # with 1, hivemind closes a group of one at its look's first re-declaration
-            min_matchmaking_time=self.wait_s,
-            request_timeout=self.wait_s / 2,
-            client_mode=False,
-        )
-        look.group_key_manager = GroupKeyManager(self._dht, key, "", most)
+        look = self._look(key, most)
         group_key = look.group_key_manager.current_key
         if group_key in self.servicer.looking:
             raise AssemblyError(f"already assembling under {key}")
@@ -151,6 +139,27 @@ class Assembly:
             raise AssemblyError(f"the span owners' assembly under {key}: its leader showed {why}; nothing kept")
         await self.servicer.keep(key, claims.pack_shown(shown))
         return shown
+
+    def _look(self, key: str, most: int) -> Matchmaking:
+        """hivemind's matchmaking under `key`, closing at `most` members. Its key manager and its
+        leaders' list are made with the next power of 2 (hivemind warns about any other size, which
+        they use for nothing here), then told `most`."""
+        size = 1 << (most - 1).bit_length()
+        look = Matchmaking(
+            self._p2p,
+            SCHEMA,
+            self._dht,
+            servicer_type=AssemblyServicer,
+            prefix=self.namespace,  # where join requests go; the DHT key is the group key manager's
+            target_group_size=size,
+            min_group_size=2,  # with 1, hivemind closes a group of one at its look's first re-declaration
+            min_matchmaking_time=self.wait_s,
+            request_timeout=self.wait_s / 2,
+            client_mode=False,
+        )
+        look.group_key_manager = GroupKeyManager(self._dht, key, "", size)
+        look.target_group_size = look.potential_leaders.target_group_size = most
+        return look
 
     async def shown_by(self, owner: str, key: str) -> list[tuple[str, bytes]]:
         """What the assembly under `key` showed, as `owner` (this member's group's owner of the span)
