@@ -46,7 +46,7 @@ from p2p_diloco.protocol import claims, twolevel
 from p2p_diloco.protocol.claims import Claim, GroupLayout
 from p2p_diloco.protocol.twolevel import Levels, Output, Partial
 from p2p_diloco.swarm.averaging import stage2
-from p2p_diloco.swarm.averaging.assembly import Assembly, AssemblyError
+from p2p_diloco.swarm.averaging.assembly import Assembly, AssemblyError, Door, _open
 from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2, Stage2Error, Stage2Servicer
 from p2p_diloco.trust import robust
 from p2p_diloco.trust.wire import WireError
@@ -110,11 +110,16 @@ class _CountingStub:
 class SpanServicer(Stage2Servicer):
     """Stage 2's handlers in a swarm peer, counting what other owners and members send and fetch."""
 
-    def __init__(self, desk: Stage2, traffic: _Traffic) -> None:
+    def __init__(self, desk: Stage2, traffic: _Traffic, door: Door) -> None:
         super().__init__(desk)
-        self._traffic = traffic
+        self._traffic, self._door = traffic, door
 
-    def _count(self, request: averaging_pb2.AveragingData, answer: averaging_pb2.AveragingData) -> Any:
+    async def _answer(self, request: averaging_pb2.AveragingData, context: P2PContext, handle: Any) -> Any:
+        """`handle`'s answer to a peer that may come in (an empty one to any other), counted."""
+        if await self._door(str(context.remote_id), "stage 2"):
+            answer = await handle(request, context)
+        else:
+            answer = averaging_pb2.AveragingData()
         self._traffic.received += request.ByteSize()
         self._traffic.sent += answer.ByteSize()
         return answer
@@ -122,24 +127,24 @@ class SpanServicer(Stage2Servicer):
     async def rpc_stage2_partial(
         self, request: averaging_pb2.AveragingData, context: P2PContext
     ) -> averaging_pb2.AveragingData:
-        return self._count(request, await self.desk.take_partial(request, context))
+        return await self._answer(request, context, self.desk.take_partial)
 
     async def rpc_stage2_output(
         self, request: averaging_pb2.AveragingData, context: P2PContext
     ) -> averaging_pb2.AveragingData:
-        return self._count(request, await self.desk.take_output(request, context))
+        return await self._answer(request, context, self.desk.take_output)
 
     async def rpc_stage2_fetch(
         self, request: averaging_pb2.AveragingData, context: P2PContext
     ) -> averaging_pb2.AveragingData:
-        return self._count(request, await self.desk.serve(request, context))
+        return await self._answer(request, context, self.desk.serve)
 
 
 class AcrossServicer(ServicerBase):
     """Serves this member's seal over its group's layout of a round to the group's span owners."""
 
-    def __init__(self, wait_s: float) -> None:
-        self.wait_s = wait_s
+    def __init__(self, wait_s: float, door: Door = _open) -> None:
+        self.wait_s, self._door = wait_s, door
         self.sealed: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()  # round key -> (statement, seal)
         self._offered: asyncio.Condition | None = None  # made in the averager's loop, at the first use
 
@@ -162,7 +167,7 @@ class AcrossServicer(ServicerBase):
         """This member's layout of the round named in `group_id` and its seal over it, once it has
         one (within the wait); empty where it has none."""
         key = request.group_id
-        if len(key) > MAX_ROUND_KEY:
+        if len(key) > MAX_ROUND_KEY or not await self._door(str(context.remote_id), "layout seal"):
             return averaging_pb2.AveragingData()
         async with self.offered:
             try:
@@ -177,11 +182,15 @@ class Across:
     """One member's side of a two-level round: `start` in the averager process once its p2p is up,
     `levels` set before each step (None: a flat round), then `finish` after each group all-reduce."""
 
-    def __init__(self, me: str, signer: RSAPrivateKey, namespace: str, wait_s: float) -> None:
-        """`namespace`: the run's, for the handlers; `wait_s`: stage 2's and the assembly's wait."""
+    def __init__(self, me: str, signer: RSAPrivateKey, namespace: str, wait_s: float, door: Door = _open) -> None:
+        """`namespace`: the run's, for the handlers; `wait_s`: stage 2's and the assembly's wait;
+        `door(peer, which)`: whether a peer may come in (the averager's `may_enter`: admission in
+        certified runs, and no peer this one's audits left out), at every handler and for every
+        member of a claim."""
         self.me, self._signer, self.namespace, self.wait_s = me, signer, namespace.replace(".", "_"), wait_s
+        self._door = door
         self.levels: Levels | None = None
-        self.servicer = AcrossServicer(wait_s)
+        self.servicer = AcrossServicer(wait_s, door)
         self._p2p: P2P | None = None
         self.traffic = _Traffic()
         self.stage2 = Stage2(me, signer, self._stage2_stub, wait_s)
@@ -191,9 +200,10 @@ class Across:
     async def start(self, p2p: P2P, dht: DHT, serves: bool) -> None:
         """The handlers, where others can dial this peer; a client only fetches."""
         self._p2p, self.assembly = p2p, Assembly(p2p, dht, self.namespace, self.wait_s)
+        self.assembly.servicer.door = self._door
         if serves:
             await self.assembly.start()
-            await SpanServicer(self.stage2, self.traffic).add_p2p_handlers(p2p, namespace=self.namespace)
+            await SpanServicer(self.stage2, self.traffic, self._door).add_p2p_handlers(p2p, namespace=self.namespace)
             await self.servicer.add_p2p_handlers(p2p, namespace=self.namespace)
 
     def _stage2_stub(self, peer: str) -> object:
@@ -270,7 +280,9 @@ class Across:
         """Span `span` as this member, its group's owner of it, runs it: assembly, then stage 2."""
         assert self.assembly is not None
         key = levels.assembly_key(self.namespace, span)
-        shown = _parsed(await self.assembly.assemble(key, claim.encode(), 2 * levels.groups), levels)
+        shown = await self._admitted(
+            _parsed(await self.assembly.assemble(key, claim.encode(), 2 * levels.groups), levels)
+        )
         owners = claims.plan_owners(levels.seed, levels.groups, span, shown, self._holds(levels.round_key))
         if self.me not in owners:
             raise AcrossError(f"span {span}: the owners' assembly did not count this group's claim")
@@ -281,10 +293,23 @@ class Across:
         """Span `span`, owned by another member of the group: stage 3."""
         assert self.assembly is not None
         owner = layout.span_owners[span]
-        shown = _parsed(await self.assembly.shown_by(owner, levels.assembly_key(self.namespace, span)), levels)
+        shown = await self._admitted(
+            _parsed(await self.assembly.shown_by(owner, levels.assembly_key(self.namespace, span)), levels)
+        )
         holds = self._holds(levels.round_key)
         owners, key = claims.plan_for_member(shown, owner, layout, levels.seed, levels.groups, span, holds)
         return await self.stage2.fetch_decided(Plan(key, span, levels.spans, owners, numel))
+
+    async def _admitted(self, shown: list[Claim]) -> list[Claim]:
+        """The claims with only the seals of members that may come in, from claimants that may:
+        a made-up group of outsiders, or of peers this one's audits left out, seals nothing."""
+        out = []
+        for claim in shown:
+            if not await self._door(claim.by, "span claim"):
+                continue
+            seals = {m: seal for m, seal in claim.seals.items() if await self._door(m, "span claim")}
+            out.append(Claim(claim.by, claim.layout, seals))
+        return out
 
 
 def _parsed(shown: Sequence[tuple[str, bytes]], levels: Levels) -> list[Claim]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 from collections import OrderedDict
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, cast  # typing's, not collections.abc's: see pyproject.toml (UP035)
 
@@ -49,6 +50,13 @@ class _Step:
         return max(0.0, self.deadline - get_dht_time())
 
 
+Door = Callable[[str, str], Awaitable[bool]]  # (peer, which door) -> whether it may come in
+
+
+async def _open(peer: str, door: str) -> bool:
+    return True
+
+
 class AssemblyError(SwarmError):
     """No assembly of this span's owners formed in time: stage 2 of the span cannot run here."""
 
@@ -63,6 +71,7 @@ class AssemblyServicer(ServicerBase):
         self.shown: OrderedDict[str, bytes] = OrderedDict()  # assembly key -> claims.pack_shown of what it showed
         self.wait_s = wait_s
         self._kept: asyncio.Condition | None = None  # made in the serving loop, at the first use
+        self.door: Door = _open  # whether a peer may come in (the averager's: admission, audits)
 
     @property
     def kept(self) -> asyncio.Condition:
@@ -83,6 +92,8 @@ class AssemblyServicer(ServicerBase):
         """What the assembly under the key in `group_id` showed, once it ended here (within the
         wait); empty where there was none."""
         key = request.group_id.decode(errors="replace")
+        if not await self.door(str(context.remote_id), "span owners' assembly"):
+            return averaging_pb2.AveragingData(group_id=request.group_id)
         async with self.kept:
             try:
                 await asyncio.wait_for(self.kept.wait_for(lambda: key in self.shown), self.wait_s)
@@ -95,6 +106,8 @@ class AssemblyServicer(ServicerBase):
         self, request: averaging_pb2.JoinRequest, context: P2PContext
     ) -> AsyncIterator[averaging_pb2.MessageFromLeader]:
         look = self.looking.get(request.group_key) if isinstance(request.group_key, str) else None
+        if look is not None and not await self.door(str(context.remote_id), "span owners' assembly"):
+            look = None
         if look is None:
             yield averaging_pb2.MessageFromLeader(code=averaging_pb2.NOT_LOOKING_FOR_GROUP)
             return
