@@ -42,6 +42,9 @@ class NetSwarm:
         config.save(config.load(None, {"log.progress": "false", **overrides}), self.run_toml)
         self.maddr = self._bootstrap(bootstrap_host)
         self.entries = [self.maddr] + [self._bootstrap(host, self.maddr) for host in more_entry_hosts]
+        # host -> FAULT of tests/swarm/faulty_peer.py: that host's peer fails on purpose (its exit code is its own)
+        self.faults: dict[int, str] = {}
+        self.codes: dict[int, int] = {}  # host -> the exit code of its peer, once it ended
 
     def _bootstrap(self, host: int, entry: str = "") -> str:
         name = "bootstrap" if not entry else f"bootstrap{host}"
@@ -96,13 +99,16 @@ class NetSwarm:
                 raise RuntimeError(
                     f"peer on host {host} did not finish within {timeout_s:g} s; see {self.folder}/peer{host}.log"
                 ) from None
-            if code != 0:
+            self.codes[host] = code
+            if code != 0 and host not in self.faults:
                 raise RuntimeError(f"peer on host {host} exited with {code}; see {self.folder}/peer{host}.log")
         return time.perf_counter() - started
 
     def _start(self, host: int) -> subprocess.Popen:
+        fault = self.faults.get(host)
+        cli = [sys.executable, "-m", "tests.swarm.faulty_peer"] if fault else CLI
         cmd = [
-            *CLI,
+            *cli,
             "peer",
             "--config",
             str(self.run_toml),
@@ -112,7 +118,8 @@ class NetSwarm:
             *self.entries,
         ]
         log = open(self.folder / f"peer{host}.log", "w")
-        return self.lab.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT, env=ENV, cwd=ROOT)
+        env = {**ENV, "FAULT": fault} if fault else ENV
+        return self.lab.popen(host, cmd, stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
 
     def records(self, host: int) -> dict[int, dict]:
         path = self.peer_dir(host) / "metrics.jsonl"
