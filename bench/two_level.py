@@ -107,6 +107,7 @@ def main() -> int:
     parser.add_argument("--mbit", type=float, default=50.0, help="each peer's link, both ways")
     parser.add_argument("--runs", nargs="+", default=["flat", "two-level", "faults"])
     parser.add_argument("--out", default="two_level")
+    parser.add_argument("--keep", type=Path, help="keep each run's logs and run dirs under this folder")
     args = parser.parse_args()
     if (why := available()) is not None:
         print(f"cannot build the network lab: {why}", file=sys.stderr)
@@ -120,7 +121,7 @@ def main() -> int:
     for name in args.runs:
         size, faults = settings[name]
         with tempfile.TemporaryDirectory(prefix="two-level-") as tmp:
-            results[name] = run(args, size, faults, Path(tmp))
+            results[name] = run(args, size, faults, args.keep / name if args.keep else Path(tmp))
         print(name, json.dumps(results[name]), flush=True)
     out = HERE / "results" / f"{args.out}.json"
     setting = {"peers": args.peers, "group_size": args.group_size, "rounds": args.rounds, "mbit": args.mbit}

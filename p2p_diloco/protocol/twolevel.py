@@ -37,14 +37,25 @@ class Levels:
     groups: int
     spans: int = GROUP_SIZE
     bucket: int | None = None  # the bucket whose key this peer's group meets under (the lowest of a merged group's)
+    met: int = 0  # the groups this peer's view of the round makes: its assemblies close once that many came
+    attempt: int = 1  # the round's all-reduce attempt (a retry's layouts, assemblies and stage 2 are its own)
 
     @property
     def seed(self) -> str:
+        """What buckets and span owners are drawn by: the round's key, whatever the attempt."""
         return self.round_key.hex()
 
+    @property
+    def key(self) -> bytes:
+        """What the attempt's layouts, seals and stage-2 messages are bound to: the round's key and
+        the attempt, so that nothing of a failed attempt is taken for its retry."""
+        return self.round_key + struct.pack(">H", self.attempt)
+
     def assembly_key(self, prefix: str, span: int) -> str:
-        """The DHT key under which the owners of `span` in every group meet (no '.': hivemind's)."""
-        return f"{prefix.replace('.', '_')}_r{self.round}_span{span}of{self.spans}_{self.round_key.hex()[:16]}"
+        """The DHT key under which the owners of `span` in every group meet in this attempt (no '.':
+        hivemind's)."""
+        name = f"{prefix.replace('.', '_')}_r{self.round}a{self.attempt}"
+        return f"{name}_span{span}of{self.spans}_{self.round_key.hex()[:16]}"
 
 
 def levels_for(
@@ -65,7 +76,7 @@ def levels_for(
         return None, len(everyone)
     mine = next(g for g in groups if me in g)
     lowest = min(bucket_of(seed, p, count) for p in mine)
-    return Levels(round_, round_key, count, size, lowest), len(mine)
+    return Levels(round_, round_key, count, size, lowest, len(groups)), len(mine)
 
 
 def group_weight(weights: Sequence[float], how: robust.Aggregator, cap: float) -> float:

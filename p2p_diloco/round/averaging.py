@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass
 from typing import Any
@@ -195,7 +196,7 @@ def _with_retries(
                 retry=attempt > 1,
                 expected_group=expected if attempt == 1 else 0,
                 exact=flat_exact,
-                levels=levels,
+                levels=None if levels is None else dataclasses.replace(levels, attempt=attempt),
             )
             return NobodyCame() if got is None else _not_against_own(got, flat, flat_exact, round_)
         except AgainstOwn as e:

@@ -20,6 +20,7 @@ from p2p_diloco.protocol import agreement, outer, reachability
 from p2p_diloco.protocol.budget import SwarmProgress
 from p2p_diloco.protocol.genesis import Genesis, Verdict
 from p2p_diloco.protocol.network import STARTED, AllReduced, Made, RoundRecord, ServedState, StateCheck
+from p2p_diloco.protocol.twolevel import Levels
 
 ME = "12D3KooWfakeme"
 
@@ -34,6 +35,7 @@ class Call:
     round: int
     retry: bool
     expected_group: int
+    levels: Levels | None = None
 
 
 Step = Callable[[Call], "AllReduced | None"]
@@ -164,7 +166,8 @@ class FakeSwarm:
     def average(
         self, delta, weight, round_, retry=False, expected_group=0, exact=None, levels=None
     ) -> AllReduced | None:
-        call = Call(delta.clone(), None if exact is None else exact.clone(), weight, round_, retry, expected_group)
+        exact = None if exact is None else exact.clone()
+        call = Call(delta.clone(), exact, weight, round_, retry, expected_group, levels)
         self.calls.append(call)
         step = self.script.pop(0) if self.script else (lambda call: None)
         result = step(call)

@@ -9,6 +9,7 @@ hivemind in between.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 
@@ -18,7 +19,7 @@ import torch
 from p2p_diloco import config
 from p2p_diloco.errors import AveragingError, CatchUpFailed, RunFinished, SwarmError, SwarmMovedOn
 from p2p_diloco.peer import Peer
-from p2p_diloco.protocol import deadlines, outer
+from p2p_diloco.protocol import deadlines, outer, twolevel
 from p2p_diloco.protocol.genesis import Genesis
 from p2p_diloco.protocol.network import AllReduced
 from p2p_diloco.round import sync
@@ -700,3 +701,30 @@ def test_a_fixed_h_peer_reports_its_measured_speed_for_observers(tmp_path):
     (start0, end0), (start1, end1) = [[(t, rate) for r, t, rate in fake.reported if r == k] for k in (0, 1)]
     assert start0 == (0, 0.0) and start1[0] == 0 and start1[1] > 0  # the first phase's speed, as the second starts
     assert end0[1] == end1[1] == 0.0 and end0[0] == end1[0] > 0  # each phase's tokens: nothing more to extrapolate
+
+
+def test_a_round_past_one_group_averages_in_two_levels_and_a_retry_is_an_attempt_of_its_own(tmp_path):
+    # swarm.group_size 2 and six peers at round 0 (five others published θ(0)): three buckets. The
+    # peer asks for the round's levels, keyed by θ(0)'s digest, expecting its merged group's
+    # members, and its retry for the same levels as attempt 2 (twolevel.Levels.key).
+    fake = FakeSwarm()
+    peer = make_peer(tmp_path, fake, **{"run.rounds": "1", "swarm.group_size": "2"})
+    others = [f"p{i}" for i in range(5)]
+    for other in others:
+        fake.publish_other(other, peer.state)
+
+    def fail(call):
+        raise AveragingError("round 0 all-reduce failed: two-level round 0: span 1: no decided sum; nothing applied")
+
+    def averaged(call):
+        fake.stale.update(others)  # then they leave: nobody to agree with or linger for
+        return fake.group("p1")(call)
+
+    fake.script = [fail, averaged]
+    digest = peer.state.digest()
+    run(peer)
+    first, retry = fake.calls
+    levels, expected = twolevel.levels_for(ME, [ME, *others], 0, bytes.fromhex(digest), 2, lambda p: True)
+    assert levels is not None and levels.groups == 3 and first.expected_group == expected
+    assert first.levels == levels and retry.levels == dataclasses.replace(levels, attempt=2)
+    assert first.levels.key != retry.levels.key

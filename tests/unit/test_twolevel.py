@@ -65,6 +65,7 @@ def test_each_peer_finds_its_merged_group_and_the_bucket_it_meets_under():
     for me in peers:
         levels, expected = twolevel.levels_for(me, peers[::-1], 3, key, 8, lambda p: True)
         assert levels is not None and (levels.round, levels.round_key, levels.groups, levels.spans) == (3, key, 5, 8)
+        assert levels.met == len(groups)
         mine = next(g for g in groups if me in g)
         assert expected == len(mine)
         assert levels.bucket == min(twolevel.bucket_of(key.hex(), p, 5) for p in mine)
@@ -138,14 +139,19 @@ def test_levels_name_one_assembly_per_run_round_key_and_span():
     levels = twolevel.Levels(7, bytes(range(32)), groups=3, spans=16)
     assert levels.seed == bytes(range(32)).hex()
     keys = {
-        twolevel.Levels(r, k, 3, 16).assembly_key(prefix, span)
+        twolevel.Levels(r, k, 3, 16, attempt=a).assembly_key(prefix, span)
         for r in (7, 8)
         for k in (bytes(32), bytes(range(32)))
+        for a in (1, 2)
         for prefix in ("run.a", "run.b")
         for span in range(16)
     }
-    assert len(keys) == 2 * 2 * 2 * 16 and not any("." in k for k in keys)  # hivemind's keys hold no '.'
-    assert levels.assembly_key("my.run", 5) == "my_run_r7_span5of16_0001020304050607"
+    assert len(keys) == 2 * 2 * 2 * 2 * 16 and not any("." in k for k in keys)  # hivemind's keys hold no '.'
+    assert levels.assembly_key("my.run", 5) == "my_run_r7a1_span5of16_0001020304050607"
+    # a retry binds its layouts and stage 2 to a key of its own; its buckets and owners are the round's
+    retry = twolevel.Levels(7, bytes(range(32)), groups=3, spans=16, attempt=2)
+    assert retry.key != levels.key and retry.seed == levels.seed
+    assert levels.key == bytes(range(32)) + b"\x00\x01"
 
 
 def test_sub_span_sums_cross_checks_equivocation_and_the_final_by_hand():

@@ -224,12 +224,12 @@ class Across:
         started, sent, received = time.perf_counter(), self.traffic.sent, self.traffic.received
         flat = torch.cat([r.reshape(-1).float() for r in results])
         owners = twolevel.owners(levels.seed, group.members, levels.spans, group.dialable.__contains__)
-        layout = GroupLayout(levels.round_key, group.members, tuple(owners))
+        layout = GroupLayout(levels.key, group.members, tuple(owners))
         statement = layout.statement()
-        await self.servicer.offer(levels.round_key, statement, stage2.seal(self._signer, levels.round_key, statement))
+        await self.servicer.offer(levels.key, statement, stage2.seal(self._signer, levels.key, statement))
         weight = twolevel.group_weight(group.weights, how, cap)
         mine = self.me in owners
-        seals = await self._seals(levels.round_key, layout) if mine else {}
+        seals = await self._seals(levels.key, layout) if mine else {}
         work = []
         for span, ((start, end), owner) in enumerate(zip(twolevel.spans(flat.numel(), levels.spans), owners)):
             if owner == self.me:
@@ -280,13 +280,12 @@ class Across:
         """Span `span` as this member, its group's owner of it, runs it: assembly, then stage 2."""
         assert self.assembly is not None
         key = levels.assembly_key(self.namespace, span)
-        shown = await self._admitted(
-            _parsed(await self.assembly.assemble(key, claim.encode(), 2 * levels.groups), levels)
-        )
-        owners = claims.plan_owners(levels.seed, levels.groups, span, shown, self._holds(levels.round_key))
+        gathered = await self.assembly.assemble(key, claim.encode(), 2 * levels.groups, levels.met or levels.groups)
+        shown = await self._admitted(_parsed(gathered, levels))
+        owners = claims.plan_owners(levels.seed, levels.groups, span, shown, self._holds(levels.key))
         if self.me not in owners:
             raise AcrossError(f"span {span}: the owners' assembly did not count this group's claim")
-        plan = Plan(claims.plan_key(levels.round_key, span, shown), span, levels.spans, owners, values.numel())
+        plan = Plan(claims.plan_key(levels.key, span, shown), span, levels.spans, owners, values.numel())
         return await self.stage2.run(plan, Partial((values * weight).float(), weight))
 
     async def _fetched(self, levels: Levels, span: int, layout: GroupLayout, numel: int) -> list[Output]:
@@ -296,7 +295,7 @@ class Across:
         shown = await self._admitted(
             _parsed(await self.assembly.shown_by(owner, levels.assembly_key(self.namespace, span)), levels)
         )
-        holds = self._holds(levels.round_key)
+        holds = self._holds(levels.key)
         owners, key = claims.plan_for_member(shown, owner, layout, levels.seed, levels.groups, span, holds)
         return await self.stage2.fetch_decided(Plan(key, span, levels.spans, owners, numel))
 
@@ -317,7 +316,7 @@ def _parsed(shown: Sequence[tuple[str, bytes]], levels: Levels) -> list[Claim]:
     out = []
     for by, raw in shown:
         try:
-            out.append(claims.parse_claim(raw, by, levels.round_key, levels.spans))
+            out.append(claims.parse_claim(raw, by, levels.key, levels.spans))
         except WireError as e:
             logger.warning("two levels: %s showed a claim that does not parse: %s", by, e)
     return out

@@ -127,12 +127,13 @@ class Assembly:
     async def start(self) -> None:
         await self.servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
 
-    async def assemble(self, key: str, claim: bytes, most: int) -> list[tuple[str, bytes]]:
+    async def assemble(self, key: str, claim: bytes, most: int, close_at: int | None = None) -> list[tuple[str, bytes]]:
         """Meet the other owners under `key` (the run, the round and the span; no '.'), at most
-        `most` of them (the round's groups and room for claims that will not count: the leader
-        closes the assembly once it holds that many), showing `claim`: every member's (peer id,
-        claim bytes) as the leader gathered them (untrusted: for claims.parse_claim), or AssemblyError."""
-        look = self._look(key, most)
+        `most` of them (the round's groups and room for claims that will not count), showing
+        `claim`: every member's (peer id, claim bytes) as the leader gathered them (untrusted: for
+        claims.parse_claim), or AssemblyError. The leader closes the assembly once it holds
+        `close_at` (`most` if None), or after the wait with whoever came."""
+        look = self._look(key, min(most, close_at or most))
         group_key = look.group_key_manager.current_key
         if group_key in self.servicer.looking:
             raise AssemblyError(f"already assembling under {key}")
