@@ -126,13 +126,20 @@ async def run(
 async def run_member(dht: hivemind.DHT, me: tuple[Path, str], owners: int, groups: int, folder: Path) -> None:
     """A member of group 0 that owns nothing of span 0: once its owner ended stage 2, it asks it
     what the assembly showed, checks its group's claim is the layout it sealed, makes the plan
-    itself and fetches every sub-span from its replicas (stage 3)."""
+    itself and fetches every sub-span through its owner, which relays what it is no replica of
+    (stage 3). It notes whom it asked."""
     p2p = await dht.replicate_p2p()
     for i in range(owners):  # dialled by address, as a member knows its group's owner and finds the replicas
         shown = json.loads((folder / f"{i}.maddrs").read_text())
         await p2p._client.connect(PeerID.from_base58(shown["id"]), [Multiaddr(a) for a in shown["addrs"]])
     signer = identity.load_identity(me[0])
-    desk = Stage2(me[1], signer, lambda peer: Stage2Servicer.get_stub(p2p, PeerID.from_base58(peer)), WAIT_S)
+    asked: set[str] = set()
+
+    def stub(peer: str):
+        asked.add(peer)
+        return Stage2Servicer.get_stub(p2p, PeerID.from_base58(peer))
+
+    desk = Stage2(me[1], signer, stub, WAIT_S)
     owner = (folder / "0.peer").read_text()
     sealed = claims.parse_layout(bytes.fromhex((folder / "0.layout").read_text()), ROUND_KEY, SPANS)
     result: dict = {}
@@ -150,7 +157,8 @@ async def run_member(dht: hivemind.DHT, me: tuple[Path, str], owners: int, group
                 pass
         owners_, key = claims.plan_for_member(shown, owner, sealed, SEED, groups, 0, holds)
         result["owners"], result["plan_key"] = list(owners_), key.hex()
-        outputs = await desk.fetch_decided(Plan(key, 0, SPANS, tuple(result["owners"]), NUMEL))
+        outputs = await desk.fetch_decided(Plan(key, 0, SPANS, tuple(result["owners"]), NUMEL), via=owner)
+        result["asked"] = sorted(asked)
         result["subs"] = [hashlib.sha256(o.statement()).hexdigest() for o in outputs]
         result["average"] = twolevel.final(outputs).tolist()
     except (AssemblyError, Stage2Error, WireError) as e:

@@ -75,8 +75,10 @@ def test_span_owners_of_three_groups_assemble_agree_on_the_owners_and_average_a_
     assert "subs" not in results[3]
     # Stage 3: a member of group 0 that owns nothing of the span gets what the assembly showed from
     # its owner, finds the layout it sealed in it, makes the same plan itself, and fetches every
-    # sub-span from its replicas: the same bytes as the owners hold.
+    # sub-span through that owner alone (sub-span 1's replicas are groups 1 and 2: the owner relays
+    # it, with both replicas' signatures): the same bytes as the owners hold.
     assert results["member"]["subs"] == real[0]["subs"] and results["member"]["average"] == real[0]["average"]
+    assert results["member"]["asked"] == [peers[0]]
     assert results["member"]["unheld"] == f"{peers[0]} holds no assembly under run-r7-span3of4"
 
 

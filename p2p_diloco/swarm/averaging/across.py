@@ -12,9 +12,10 @@ group's average of the whole vector. Then, before anything is applied:
    (stage2.py) with its group's partial: the group's average of span k times the group's weight
    (twolevel.group_weight, from the weights the members showed in the all-gather).
 3. *Stage 3.* Every member takes every span's decided sub-spans: an owner from its own stage 2, any
-   other member from the span's replicas (`Stage2.fetch_decided`), with the plan it makes itself
-   from what its group's owner shows of the assembly (claims.plan_for_member: only a list holding
-   the layout this member sealed).
+   other member from its group's owner of the span, which relays each sub-span with every replica's
+   signature (else from the replicas themselves: `Stage2.fetch_decided`), with the plan it makes
+   itself from what that owner shows of the assembly (claims.plan_for_member: only a list holding
+   the layout this member sealed). A member thus talks to its own group only, unless an owner fails.
 
 The result, every sub-span divided by the weight it names (twolevel.final), replaces the group's
 average. Any failure fails the step (AcrossError), before anything is applied (I2).
@@ -297,7 +298,7 @@ class Across:
         )
         holds = self._holds(levels.key)
         owners, key = claims.plan_for_member(shown, owner, layout, levels.seed, levels.groups, span, holds)
-        return await self.stage2.fetch_decided(Plan(key, span, levels.spans, owners, numel))
+        return await self.stage2.fetch_decided(Plan(key, span, levels.spans, owners, numel), via=owner)
 
     async def _admitted(self, shown: list[Claim]) -> list[Claim]:
         """The claims with only the seals of members that may come in, from claimants that may:

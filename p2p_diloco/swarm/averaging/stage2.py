@@ -109,6 +109,7 @@ class _Round:
     )  # sub-span -> its primary's seal over the decided statement
     contested: set[int] = field(default_factory=set)  # sub-spans whose decision this peer, their primary, refuted
     primary_done: set[int] = field(default_factory=set)  # sub-spans whose primary this peer is, and has ended
+    relayed: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # sub-span -> (statement, every seal)
 
 
 def signed_bytes(round_key: bytes, statement: bytes) -> bytes:
@@ -157,42 +158,11 @@ def _sub_of(message: averaging_pb2.AveragingData, groups: int) -> int | None:
     return int(sub) if 0 <= sub < groups and sub == int(sub) else None
 
 
-class Stage2:
-    """One peer's side of stage 2 for the spans it owns: runs its own (`run`) and answers the other
-    owners (`take_partial`, `take_output`, `serve`: Stage2Servicer's handlers hand them on)."""
+class _Rounds:
+    """The stage-2 rounds a peer keeps, by plan key, and the waits on their changes."""
 
-    def __init__(self, me: str, signer: RSAPrivateKey, stub: Callable[[str], Any], wait_s: float):
-        """`stub(peer)`: an RPC stub with the Stage2Servicer methods for `peer`; `wait_s`: how long
-        a replica waits for the partials (its other waits are multiples of it)."""
-        self.me, self._signer, self._stub, self.wait_s = me, signer, stub, wait_s
+    def __init__(self) -> None:
         self._rounds: OrderedDict[bytes, _Round] = OrderedDict()  # Plan.key -> its state
-        self.convicted: set[str] = set()  # primaries whose sum did not check, as this peer decided
-
-    async def run(self, plan: Plan, partial: Partial) -> list[Output]:
-        """Stage 2 of `plan` with this peer's group's `partial` of the span: every sub-span's
-        decided output, in order, or Stage2Error."""
-        r = self._round(plan.key, plan)
-        assert r is not None  # a planned round is always kept
-        group = plan.owners.index(self.me)
-        started = time.monotonic()
-        if plan.groups == 1:
-            return [twolevel.reduce_sub_span(plan.span, 0, (0, plan.numel), {0: partial}, self.me)]
-        sends = [self._send_partial(r, plan, group, sub, partial) for sub in range(plan.groups)]
-        roles = [self._as_primary(r, plan, group, started), self._as_secondary(r, plan, group - 1, started)]
-        await asyncio.gather(*sends, *roles)
-        return await self._fetch_all(r, plan, started)
-
-    async def fetch_decided(self, plan: Plan) -> list[Output]:
-        """Stage 3, for a member that owns nothing of the span: every sub-span as its decider decided
-        it, from its replicas (with both replicas' signatures from the primary), or Stage2Error."""
-        return await self._fetch_all(_Round(plan=plan), plan, time.monotonic())
-
-    async def _fetch_all(self, r: _Round, plan: Plan, started: float) -> list[Output]:
-        outputs = await asyncio.gather(*(self._fetch(r, plan, sub, started) for sub in range(plan.groups)))
-        missing = [sub for sub, output in enumerate(outputs) if output is None]
-        if missing:
-            raise Stage2Error(f"span {plan.span}: no decided sum of sub-spans {missing}; nothing applied")
-        return [output for output in outputs if output is not None]
 
     def _round(self, key: bytes, plan: Plan | None = None) -> _Round | None:
         """The state of round `key`; a new one only if planned here or MAX_UNPLANNED are not open."""
@@ -221,6 +191,46 @@ class Stage2:
         async with r.changed:
             change()
             r.changed.notify_all()
+
+
+class Stage2(_Rounds):
+    """One peer's side of stage 2 for the spans it owns: runs its own (`run`) and answers the other
+    owners (`take_partial`, `take_output`, `serve`: Stage2Servicer's handlers hand them on), and
+    its group's members, to whom it relays every sub-span of its span (stage 3)."""
+
+    def __init__(self, me: str, signer: RSAPrivateKey, stub: Callable[[str], Any], wait_s: float):
+        """`stub(peer)`: an RPC stub with the Stage2Servicer methods for `peer`; `wait_s`: how long
+        a replica waits for the partials (its other waits are multiples of it)."""
+        super().__init__()
+        self.me, self._signer, self._stub, self.wait_s = me, signer, stub, wait_s
+        self.convicted: set[str] = set()  # primaries whose sum did not check, as this peer decided
+
+    async def run(self, plan: Plan, partial: Partial) -> list[Output]:
+        """Stage 2 of `plan` with this peer's group's `partial` of the span: every sub-span's
+        decided output, in order, or Stage2Error."""
+        r = self._round(plan.key, plan)
+        assert r is not None  # a planned round is always kept
+        group = plan.owners.index(self.me)
+        started = time.monotonic()
+        if plan.groups == 1:
+            return [twolevel.reduce_sub_span(plan.span, 0, (0, plan.numel), {0: partial}, self.me)]
+        sends = [self._send_partial(r, plan, group, sub, partial) for sub in range(plan.groups)]
+        roles = [self._as_primary(r, plan, group, started), self._as_secondary(r, plan, group - 1, started)]
+        await asyncio.gather(*sends, *roles)
+        return await self._fetch_all(r, plan, started)
+
+    async def fetch_decided(self, plan: Plan, via: str = "") -> list[Output]:
+        """Stage 3, for a member that owns nothing of the span: every sub-span as its decider decided
+        it, first from `via` (its group's owner of the span, which relays only what every replica
+        of it signed), else from its replicas, or Stage2Error."""
+        return await self._fetch_all(_Round(plan=plan), plan, time.monotonic(), via)
+
+    async def _fetch_all(self, r: _Round, plan: Plan, started: float, via: str = "") -> list[Output]:
+        outputs = await asyncio.gather(*(self._fetch(r, plan, sub, started, via) for sub in range(plan.groups)))
+        missing = [sub for sub, output in enumerate(outputs) if output is None]
+        if missing:
+            raise Stage2Error(f"span {plan.span}: no decided sum of sub-spans {missing}; nothing applied")
+        return [output for output in outputs if output is not None]
 
     async def _send_partial(self, r: _Round, plan: Plan, group: int, sub: int, partial: Partial) -> None:
         """This group's partial of sub-span `sub`, signed, to both its replicas (kept here where this peer is one)."""
@@ -332,17 +342,18 @@ class Stage2:
             r.decided[sub] = (statement, seal(self._signer, plan.round_key, statement))
             faults.reached(faults.FaultPoint.STAGE2_DECIDED, peer=self.me, span=plan.span, sub=sub)
 
-    async def _fetch(self, r: _Round, plan: Plan, sub: int, started: float) -> Output | None:
-        """Sub-span `sub` as its decider decided it: from this peer's own roles, else from its
-        primary (with both replicas' signatures; a primary that refuted it ends it), else, the
-        primary silent, from the decider alone."""
+    async def _fetch(self, r: _Round, plan: Plan, sub: int, started: float, via: str = "") -> Output | None:
+        """Sub-span `sub` as its decider decided it: from this peer's own roles, else from `via`
+        (with every replica's signature), else from its primary (the same; a primary that refuted
+        it ends it), else, the primary silent, from the decider alone. What came with every
+        replica's signature is kept for this peer's group (`serve`)."""
         if sub in r.contested:
             return None
         if sub in r.decided:
             return _parsed(plan, sub, r.decided[sub][0], plan.decider(sub))
         deadline = started + FETCH_UNTIL * self.wait_s
         primary, decider = plan.owners[sub], plan.decider(sub)
-        for peer in [p for p in dict.fromkeys((primary, decider)) if p not in ("", self.me)]:
+        for peer in [p for p in dict.fromkeys((via, primary, decider)) if p not in ("", self.me)]:
             try:
                 answer = await asyncio.wait_for(
                     self._stub(peer).rpc_stage2_fetch(_message(plan.key, sub)), max(0.1, deadline - time.monotonic())
@@ -357,8 +368,12 @@ class Stage2:
             statement, (decider_seal, primary_seal) = answer.tensor_part.buffer, _unpaired(answer.peer_id)
             if not sealed_by(decider, plan.round_key, statement, decider_seal):
                 continue
-            if peer == primary != decider and not sealed_by(primary, plan.round_key, statement, primary_seal):
+            cosigned = primary in ("", decider) or sealed_by(primary, plan.round_key, statement, primary_seal)
+            if peer in (via, primary) and not cosigned:
                 continue
+            if cosigned:
+                relayed = (statement, answer.peer_id)
+                await self._note(r, lambda: r.relayed.setdefault(sub, relayed))  # noqa: B023 - awaited at once
             return _parsed(plan, sub, statement, decider)
         return None
 
@@ -434,6 +449,9 @@ class Stage2:
             return _message(b"", 0)
         r, plan, sub = named
         is_primary = plan.owners[sub] == self.me
+        if not is_primary and plan.decider(sub) != self.me:  # relayed to this peer's group (stage 3)
+            await self._until(r, lambda: sub in r.relayed, time.monotonic() + FETCH_UNTIL * self.wait_s)
+            return _message(plan.key, sub, *r.relayed.get(sub, (b"", b"")))
 
         def known() -> bool:
             return sub in r.decided or sub in r.contested or (is_primary and sub in r.primary_done)
