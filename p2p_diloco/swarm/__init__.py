@@ -150,6 +150,7 @@ class HivemindSwarm:
             request_timeout=min(3.0, sc.matchmaking_time_s / 2),
             allreduce_timeout=sc.averaging_timeout_s,
             stage2_wait_s=sc.averaging_timeout_s / STAGE2_WAITS,
+            assembly_patience_s=3 * sc.matchmaking_time_s,  # the groups' stage-1 ends spread over the slack
             next_chunk_timeout=sc.averaging_timeout_s / 4,
             compression=WireCodec(sc.compression),
             part_size_bytes=PART_SIZE_BYTES,

@@ -20,15 +20,15 @@ from tests.swarm.test_average import read_line
 SPANS = 4  # s: spans per group (16 in a real run); two members own two each
 
 
-def round_key_splitting(peers: list[str], groups: int) -> bytes:
-    """A round key under which the peers fall evenly into `groups` buckets (a test picks it; a run's
-    is the agreed digest of θ(r), which nobody picks)."""
+def round_key_splitting(peers: list[str], groups: int, sizes: list[int] | None = None) -> bytes:
+    """A round key under which the peers fall into `groups` buckets of `sizes` (evenly if None; a
+    test picks it, a run's is the agreed digest of θ(r), which nobody picks)."""
+    want = sizes or [len(peers) // groups] * groups
     for attempt in range(1000):
         key = hashlib.sha256(f"round 0 digest {attempt}".encode()).digest()
-        sizes = [len(b) for b in twolevel.buckets(key.hex(), peers, groups)]
-        if sizes == [len(peers) // groups] * groups:
+        if [len(b) for b in twolevel.buckets(key.hex(), peers, groups)] == want:
             return key
-    raise AssertionError("no round key splits the peers evenly in 1000 tries")
+    raise AssertionError(f"no round key puts the peers in buckets of {want} in 1000 tries")
 
 
 def start(swarm, weights: list[float], *flags: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
@@ -93,6 +93,23 @@ def test_two_groups_of_two_end_with_the_same_bytes_the_weighted_mean_of_all(swar
     # each) from stage 2's replicas: at least their 505 fp32 values, 2,020 bytes.
     assert [r["groups"] for r in results] == [2, 2, 2, 2]
     assert all(r["across_bytes"][1] >= 4 * (NUMEL + EXACT) // 2 and r["across_s"] > 0 for r in results), results
+
+
+@pytest.mark.timeout(240)
+def test_owners_nobody_met_across_groups_end_with_their_group_s_average(swarm):
+    # Both peers in bucket 0 of 2, and nobody in bucket 1 (the other group failed, or never came):
+    # each span's owner waits its assembly out alone, and its group's partial alone makes the span.
+    weights = [1.0, 3.0]
+    workers, peers = start(swarm, weights)
+    go(workers, round_key_splitting(peers, 2, [2, 0]))
+    results = [json.loads(read_line(w, 120)) for w in workers]
+    for w in workers:
+        w.stdin.close()
+        assert w.wait(timeout=60) == 0
+    assert all("error" not in r for r in results), [r.get("error") for r in results]
+    assert [r["group"] for r in results] == [2, 2] and [r["groups"] for r in results] == [1, 1]
+    assert results[0]["sha256"] == results[1]["sha256"]
+    torch.testing.assert_close(torch.tensor(results[0]["values"]), ramp_mean([0, 1], weights), rtol=1e-6, atol=0)
 
 
 @pytest.mark.timeout(240)

@@ -47,7 +47,7 @@ from p2p_diloco.protocol import claims, twolevel
 from p2p_diloco.protocol.claims import Claim, GroupLayout
 from p2p_diloco.protocol.twolevel import Levels, Output, Partial
 from p2p_diloco.swarm.averaging import stage2
-from p2p_diloco.swarm.averaging.assembly import Assembly, AssemblyError, Door, _open
+from p2p_diloco.swarm.averaging.assembly import SEALS_WAITS, Assembly, AssemblyError, Door, _open
 from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2, Stage2Error, Stage2Servicer
 from p2p_diloco.trust import robust
 from p2p_diloco.trust.wire import WireError
@@ -183,13 +183,22 @@ class Across:
     """One member's side of a two-level round: `start` in the averager process once its p2p is up,
     `levels` set before each step (None: a flat round), then `finish` after each group all-reduce."""
 
-    def __init__(self, me: str, signer: RSAPrivateKey, namespace: str, wait_s: float, door: Door = _open) -> None:
+    def __init__(
+        self,
+        me: str,
+        signer: RSAPrivateKey,
+        namespace: str,
+        wait_s: float,
+        door: Door = _open,
+        patience_s: float | None = None,
+    ) -> None:
         """`namespace`: the run's, for the handlers; `wait_s`: stage 2's and the assembly's wait;
+        `patience_s`: how long an owner looks for the other groups' owners (Assembly's);
         `door(peer, which)`: whether a peer may come in (the averager's `may_enter`: admission in
         certified runs, and no peer this one's audits left out), at every handler and for every
         member of a claim."""
         self.me, self._signer, self.namespace, self.wait_s = me, signer, namespace.replace(".", "_"), wait_s
-        self._door = door
+        self._door, self._patience_s = door, patience_s
         self.levels: Levels | None = None
         self.servicer = AcrossServicer(wait_s, door)
         self._p2p: P2P | None = None
@@ -200,7 +209,7 @@ class Across:
 
     async def start(self, p2p: P2P, dht: DHT, serves: bool) -> None:
         """The handlers, where others can dial this peer; a client only fetches."""
-        self._p2p, self.assembly = p2p, Assembly(p2p, dht, self.namespace, self.wait_s)
+        self._p2p, self.assembly = p2p, Assembly(p2p, dht, self.namespace, self.wait_s, self._patience_s)
         self.assembly.servicer.door = self._door
         if serves:
             await self.assembly.start()
@@ -266,7 +275,7 @@ class Across:
         stub = AcrossServicer.get_stub(self._p2p, PeerID.from_base58(member), namespace=self.namespace)
         try:
             answer = await asyncio.wait_for(
-                stub.rpc_layout_seal(averaging_pb2.AveragingData(group_id=round_key)), 2 * self.wait_s
+                stub.rpc_layout_seal(averaging_pb2.AveragingData(group_id=round_key)), SEALS_WAITS * self.wait_s
             )
         except Exception as e:  # noqa: BLE001 - a silent member seals nothing; a majority is enough
             logger.warning("two levels: no layout seal from %s: %s", member, type(e).__name__)

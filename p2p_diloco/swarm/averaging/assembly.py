@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
@@ -32,9 +33,10 @@ from p2p_diloco.errors import SwarmError
 from p2p_diloco.protocol import claims
 from p2p_diloco.trust.wire import WireError
 
+logger = logging.getLogger(__name__)
 SCHEMA = hashlib.sha256(b"p2p-diloco/span-assembly/v1").digest()  # hivemind's matchmaking compares it
 KEEP_SHOWN = 8  # assemblies whose claims an owner keeps for its group's members
-ASSEMBLED_WAIT = 4  # waits a member's request for an assembly's claims may wait for it to end (it ends within 3)
+SEALS_WAITS = 2  # waits an owner may spend on its members' seals before it assembles (across.py)
 
 
 @dataclass(frozen=True)
@@ -118,11 +120,15 @@ class AssemblyServicer(ServicerBase):
 class Assembly:
     """One peer's side of the span owners' assemblies: `start` once, then `assemble` per span."""
 
-    def __init__(self, p2p: P2P, dht: DHT, namespace: str, wait_s: float) -> None:
+    def __init__(self, p2p: P2P, dht: DHT, namespace: str, wait_s: float, patience_s: float | None = None) -> None:
         """`namespace`: the handler's (the run's, without '.'); `wait_s`: how long a look gathers
-        owners before its leader closes the group with whoever came."""
+        owners before its leader closes the group with whoever came; `patience_s` (3 waits if
+        None): how long an owner looks for the others at all, which should cover the spread of
+        the groups' stage-1 ends (the round's matchmaking slack: across.py)."""
         self._p2p, self._dht, self.namespace, self.wait_s = p2p, dht, namespace, wait_s
-        self.servicer = AssemblyServicer(ASSEMBLED_WAIT * wait_s)
+        self.patience_s = 3 * wait_s if patience_s is None else max(patience_s, 2 * wait_s)
+        # a member asks its owner as soon as its own stage 1 ended: the owner's seals, then its assembly
+        self.servicer = AssemblyServicer(self.patience_s + SEALS_WAITS * wait_s)
 
     async def start(self) -> None:
         await self.servicer.add_p2p_handlers(self._p2p, namespace=self.namespace)
@@ -132,13 +138,14 @@ class Assembly:
         `most` of them (the round's groups and room for claims that will not count), showing
         `claim`: every member's (peer id, claim bytes) as the leader gathered them (untrusted: for
         claims.parse_claim), or AssemblyError. The leader closes the assembly once it holds
-        `close_at` (`most` if None), or after the wait with whoever came."""
+        `close_at` (`most` if None), or after the wait with whoever came; where nobody came within
+        three waits, the list is this owner's claim alone (its group's partial makes the span)."""
         look = self._look(key, min(most, close_at or most))
         group_key = look.group_key_manager.current_key
         if group_key in self.servicer.looking:
             raise AssemblyError(f"already assembling under {key}")
         now = get_dht_time()
-        step = _Step(scheduled_time=now + self.wait_s, deadline=now + 3 * self.wait_s, data_for_gather=claim)
+        step = _Step(scheduled_time=now + self.wait_s, deadline=now + self.patience_s, data_for_gather=claim)
         self.servicer.looking[group_key] = look
         try:
             group = await look.look_for_group(cast(Any, step))
@@ -147,8 +154,14 @@ class Assembly:
         finally:
             del self.servicer.looking[group_key]
         if group is None:
-            raise AssemblyError(f"no span owners' assembly under {key} within {3 * self.wait_s:g} s")
-        shown = [(str(peer), bytes(data)) for peer, data in zip(group.peer_ids, group.gathered)]
+            # Nobody else came: this group's own partial makes the span (the other groups' members,
+            # if they assembled without it, end on another result, which agreement settles).
+            logger.warning(
+                "no other group's owner came to %s within %g s: this group's share alone", key, self.patience_s
+            )
+            shown = [(str(self._p2p.peer_id), claim)]
+        else:
+            shown = [(str(peer), bytes(data)) for peer, data in zip(group.peer_ids, group.gathered)]
         if (why := claims.unfit(shown, most)) is not None:  # the leader's list, which a follower takes as sent
             raise AssemblyError(f"the span owners' assembly under {key}: its leader showed {why}; nothing kept")
         await self.servicer.keep(key, claims.pack_shown(shown))
@@ -182,7 +195,7 @@ class Assembly:
             stub = AssemblyServicer.get_stub(self._p2p, PeerID.from_base58(owner), namespace=self.namespace)
             answer = await asyncio.wait_for(
                 stub.rpc_assembled(averaging_pb2.AveragingData(group_id=key.encode())),
-                (ASSEMBLED_WAIT + 1) * self.wait_s,
+                self.servicer.wait_s + self.wait_s,
             )
             if not answer.tensor_part.buffer:
                 raise AssemblyError(f"{owner} holds no assembly under {key}")

@@ -280,6 +280,7 @@ class DiLoCoAverager(BoundedAverager):
         max_reduce_share: float = 1.0,
         leads_only_direct: bool = False,
         stage2_wait_s: float = 5.0,
+        assembly_patience_s: float | None = None,
         **kwargs: Any,
     ):
         """`start`: as hivemind's, once the parts below exist (the averager process forks with them).
@@ -291,7 +292,8 @@ class DiLoCoAverager(BoundedAverager):
         `leads_only_direct`: as a leader, admit only peers this one holds a direct connection to (a
         private peer under hole punching: swarm/punching.py; nobody else could send it parts), and
         none while `set_leading(False)` (a public peer is live: it leads).
-        `stage2_wait_s`: the wait of a two-level round's stage 2 and assembly (across.py)."""
+        `stage2_wait_s`, `assembly_patience_s`: the wait of a two-level round's stage 2 and assembly,
+        and how long its owners look for the other groups' (across.py)."""
         self._state_provider, self._leads_only_direct = state_provider, leads_only_direct
         self._leading = True
         self._doors = Doors(*admission, self._published_certificates) if admission is not None else None
@@ -304,7 +306,7 @@ class DiLoCoAverager(BoundedAverager):
         self.gathering = Gathering(
             self.serializer.loads, self.peer_id, self._doors, self.auditor.left_out, self.auditor.bench, self._leader_of
         )
-        self.across = Across(str(self.peer_id), signer, self.prefix, stage2_wait_s, self.may_enter)
+        self.across = Across(str(self.peer_id), signer, self.prefix, stage2_wait_s, self.may_enter, assembly_patience_s)
         self.reduction = Reduction(
             self.serializer, self.gathering, self.auditor, signer, aggregation, max_reduce_share, residual
         )

@@ -212,8 +212,11 @@ class Stage2(_Rounds):
         assert r is not None  # a planned round is always kept
         group = plan.owners.index(self.me)
         started = time.monotonic()
-        if plan.groups == 1:
-            return [twolevel.reduce_sub_span(plan.span, 0, (0, plan.numel), {0: partial}, self.me)]
+        if plan.groups == 1:  # its group alone: its own sum, decided here for its group's members
+            output = twolevel.reduce_sub_span(plan.span, 0, (0, plan.numel), {0: partial}, self.me)
+            decided = (output.statement(), seal(self._signer, plan.round_key, output.statement()))
+            await self._note(r, lambda: r.decided.setdefault(0, decided))
+            return [output]
         sends = [self._send_partial(r, plan, group, sub, partial) for sub in range(plan.groups)]
         roles = [self._as_primary(r, plan, group, started), self._as_secondary(r, plan, group - 1, started)]
         await asyncio.gather(*sends, *roles)
