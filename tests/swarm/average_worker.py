@@ -28,7 +28,9 @@ With `two-level` the peer prints "ready PEER_ID" and waits for "go ROUND_KEY_HEX
 GROUP_SIZE": it then averages in a two-level round of those levels (docs/design.md §3, "Past one
 group"), in the group of its bucket, expecting GROUP_SIZE members there. With `die-in-stage2` as
 well, it SIGKILLs itself (its averager process, then its main process) as a stage-2 primary that
-summed a sub-span and is about to push it: a span owner dying in the middle of stage 2.
+summed a sub-span and is about to push it: a span owner dying in the middle of stage 2. Where
+the test wrote a number of seconds into RUN_DIR/late before "go", the peer starts its step that
+much later (a delay hook: a slower inner phase), and its group's stage 1 ends that much later.
 """
 
 import hashlib
@@ -37,6 +39,7 @@ import os
 import select
 import signal
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -162,6 +165,9 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
         if two_level:
             levels, expected = Levels(0, bytes.fromhex(go[1]), int(go[2]), int(go[3])), int(go[4])
         delta = known_delta(index, numel)
+        late = Path(run_dir) / "late"
+        if late.exists():
+            time.sleep(float(late.read_text()))  # the delay hook above, not a synchronisation
         try:
             result = swarm.average(
                 delta, weight, round_=0, exact=known_exact(index), expected_group=expected, levels=levels
@@ -226,5 +232,6 @@ if __name__ == "__main__":
         vouch_for_all()
     if "die-in-stage2" in sys.argv:
         die_in_stage2()
+
     numel = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6].isdigit() else NUMEL
     main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5], numel)

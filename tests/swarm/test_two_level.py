@@ -113,6 +113,28 @@ def test_owners_nobody_met_across_groups_end_with_their_group_s_average(swarm):
 
 
 @pytest.mark.timeout(240)
+def test_a_group_whose_stage_1_ends_later_within_the_slack_still_counts(swarm):
+    # One group's members start their step 6 s late (a slower inner phase): the other group's
+    # owners wait for them in their assemblies (3 x the matchmaking slack, 12 s here) instead of
+    # making their spans alone, so every peer ends with the weighted mean of all four. Before, an
+    # owner looked for 3 stage-2 waits (5 s here) and ended alone: a run of six peers split so.
+    weights = [1.0, 2.0, 1.0, 3.0]
+    workers, peers = start(swarm, weights)
+    key = round_key_splitting(peers, 2)
+    late = next(b for b in twolevel.buckets(key.hex(), peers, 2))
+    for peer in late:
+        (swarm.folder / f"w{peers.index(peer)}" / "late").write_text("6")
+    go(workers, key)
+    results = [json.loads(read_line(w, 120)) for w in workers]
+    for w in workers:
+        w.stdin.close()
+        assert w.wait(timeout=60) == 0
+    assert all("error" not in r for r in results), [r.get("error") for r in results]
+    assert [r["groups"] for r in results] == [2, 2, 2, 2] and len({r["sha256"] for r in results}) == 1
+    torch.testing.assert_close(torch.tensor(results[0]["values"]), ramp_mean([0, 1, 2, 3], weights), rtol=1e-6, atol=0)
+
+
+@pytest.mark.timeout(240)
 def test_a_span_owner_killed_in_stage_2_leaves_no_survivor_with_a_result_others_do_not_hold(swarm):
     # Peer 0 dies as a stage-2 primary about to push its first sum. Its group's other member
     # cannot get the spans peer 0 owned, and fails; the other group ends alike, either failing too
