@@ -79,7 +79,10 @@ def summary(records: dict, veth: dict, logs: dict, codes: dict, wall_s: float) -
     def median(values: list[float]) -> float | None:
         return round(statistics.median(values), 3) if values else None
 
-    trained = {host: [recs[r] for r in rounds if r in recs] for host, recs in records.items()}
+    # a round a peer adopted from the others ends with a record of its own, of no all-reduce
+    trained = {
+        host: [recs[r] for r in rounds if r in recs and "bytes_sent" in recs[r]] for host, recs in records.items()
+    }
     payload = [rec["bytes_sent"] + rec["bytes_received"] for recs in trained.values() for rec in recs]
     across = [sum(rec.get("across_bytes", [0, 0])) for recs in trained.values() for rec in recs]
     return {

@@ -1,15 +1,16 @@
-"""A two-level round's handlers in-process (swarm/averaging/across.py, assembly.py): a member's layout
-seal and an owner's assembly are served once they exist, within the wait, and a request that
-comes before them waits for them instead of reading as "none"."""
+"""A two-level round's handlers in-process (swarm/averaging/across.py, assembly.py): an owner keeps
+the layout seals its members push for the round and attempt it expects, and an owner's assembly is
+served once it exists, within the wait: a request that comes before it waits for it instead of
+reading as "none"."""
 
 import asyncio
 import time
 from types import SimpleNamespace
 
 import torch
-from hivemind.proto import averaging_pb2
+from hivemind.proto import averaging_pb2, runtime_pb2
 
-from p2p_diloco.swarm.averaging.across import MAX_ROUND_KEY, AcrossServicer, _shaped
+from p2p_diloco.swarm.averaging.across import AcrossServicer, _shaped
 from p2p_diloco.swarm.averaging.assembly import AssemblyServicer
 
 KEY = b"round key"
@@ -21,39 +22,41 @@ async def door(peer: str, which: str) -> bool:
     return peer != "outsider"
 
 
-def ask_seal(servicer: AcrossServicer, key: bytes = KEY, context=MEMBER):
-    return servicer.rpc_layout_seal(averaging_pb2.AveragingData(group_id=key), context)
+def push(servicer: AcrossServicer, key: bytes = KEY, context=MEMBER, statement=b"layout", seal=b"seal"):
+    request = averaging_pb2.AveragingData(group_id=key, tensor_part=runtime_pb2.Tensor(buffer=statement), peer_id=seal)
+    return servicer.rpc_layout_seal(request, context)
 
 
-def test_a_layout_seal_asked_before_it_is_made_is_answered_once_it_is():
+def test_an_owner_takes_the_seals_its_members_push_for_the_round_it_expects():
     async def scenario():
-        servicer = AcrossServicer(wait_s=5.0)
-        asked = asyncio.create_task(ask_seal(servicer))
-        await asyncio.sleep(0)  # the request is waiting
-        assert not asked.done()
-        await servicer.offer(KEY, b"layout", b"seal")
-        answer = await asyncio.wait_for(asked, 1.0)
-        assert answer.tensor_part.buffer == b"layout" and answer.peer_id == b"seal"
+        servicer = AcrossServicer(door)
+        await push(servicer)  # before the step's levels are set: not kept
+        assert servicer.seals == {}
+        servicer.expect(KEY)
+        waiting = asyncio.create_task(servicer.wait_for(KEY, ["member", "other"], 5.0))
+        await push(servicer)
+        await push(servicer, b"another round", SimpleNamespace(remote_id="other"))  # not this round's
+        await push(servicer, context=OUTSIDER)  # not let in
+        await asyncio.sleep(0)
+        assert not waiting.done()  # "other" has not pushed for this round yet
+        await push(servicer, context=SimpleNamespace(remote_id="other"), statement=b"its layout", seal=b"its seal")
+        seals = await asyncio.wait_for(waiting, 1.0)
+        assert seals == {"member": (b"layout", b"seal"), "other": (b"its layout", b"its seal")}
+        servicer.expect(KEY + b"2")  # a retry: the attempt's own seals only
+        assert servicer.seals == {}
 
     asyncio.run(scenario())
 
 
-def test_no_seal_within_the_wait_or_for_an_oversized_key_is_an_empty_answer():
+def test_an_owner_stops_waiting_for_seals_at_its_deadline_with_what_came():
     async def scenario():
-        servicer = AcrossServicer(wait_s=0.2)
-        await servicer.offer(KEY, b"layout", b"seal")
+        servicer = AcrossServicer(door)
+        servicer.expect(KEY)
+        await push(servicer)
         started = time.monotonic()
-        other = await ask_seal(servicer, b"another round")
-        assert other.tensor_part.buffer == b"" and other.peer_id == b""
+        assert await servicer.wait_for(KEY, ["member", "silent"], 0.2) == {"member": (b"layout", b"seal")}
         assert 0.2 <= time.monotonic() - started < 1.0
-        assert (await ask_seal(servicer, b"k" * (MAX_ROUND_KEY + 1))).tensor_part.buffer == b""
-        for r in range(10):  # only the last few rounds' seals are kept
-            await servicer.offer(bytes([r]), b"layout", b"seal")
-        assert list(servicer.sealed) == [bytes([r]) for r in range(6, 10)]
-        guarded = AcrossServicer(wait_s=5.0, door=door)
-        await guarded.offer(KEY, b"layout", b"seal")
-        assert (await ask_seal(guarded)).peer_id == b"seal"
-        assert (await ask_seal(guarded, context=OUTSIDER)).peer_id == b""  # at once, not after the wait
+        assert await servicer.wait_for(b"other key", [], 0.1) == {}
 
     asyncio.run(scenario())
 

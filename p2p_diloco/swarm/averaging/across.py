@@ -6,7 +6,8 @@ group's average of the whole vector. Then, before anything is applied:
 
 1. *The layout.* Every member computes its group's layout alike from the all-gather: the members
    in group order and the owner of each of the round's s fixed spans (twolevel.owners, among the
-   members others can dial), and seals it; `AcrossServicer.rpc_layout_seal` serves that seal.
+   members others can dial), seals it and pushes the seal to each of the span owners
+   (`AcrossServicer.rpc_layout_seal` takes it, for the round and attempt it expects).
 2. *Stage 2.* The owner of span k collects its members' seals (its claim, protocol/claims.py),
    meets the span-k owners of the other groups (assembly.py) and runs stage 2 of span k
    (stage2.py) with its group's partial: the group's average of span k times the group's weight
@@ -31,7 +32,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -53,8 +53,6 @@ from p2p_diloco.trust import robust
 from p2p_diloco.trust.wire import WireError
 
 logger = logging.getLogger(__name__)
-KEEP_SEALED = 4  # rounds whose layout seal a member keeps for its group's owners
-MAX_ROUND_KEY = 64  # bytes of a round key in a request
 
 
 class AcrossError(SwarmError):
@@ -142,41 +140,49 @@ class SpanServicer(Stage2Servicer):
 
 
 class AcrossServicer(ServicerBase):
-    """Serves this member's seal over its group's layout of a round to the group's span owners."""
+    """Takes the layout seals the group's members push to this peer, one of their span owners."""
 
-    def __init__(self, wait_s: float, door: Door = _open) -> None:
-        self.wait_s, self._door = wait_s, door
-        self.sealed: OrderedDict[bytes, tuple[bytes, bytes]] = OrderedDict()  # round key -> (statement, seal)
-        self._offered: asyncio.Condition | None = None  # made in the averager's loop, at the first use
+    def __init__(self, door: Door = _open) -> None:
+        self._door = door
+        self.expected: bytes | None = None  # the key of the round and attempt this peer is in (Levels.key)
+        self.seals: dict[str, tuple[bytes, bytes]] = {}  # member -> (statement, seal) under `expected`
+        self._pushed: asyncio.Condition | None = None  # made in the averager's loop, at the first use
 
     @property
-    def offered(self) -> asyncio.Condition:
-        if self._offered is None:
-            self._offered = asyncio.Condition()
-        return self._offered
+    def pushed(self) -> asyncio.Condition:
+        if self._pushed is None:
+            self._pushed = asyncio.Condition()
+        return self._pushed
 
-    async def offer(self, round_key: bytes, statement: bytes, seal: bytes) -> None:
-        async with self.offered:
-            self.sealed[round_key] = (statement, seal)
-            while len(self.sealed) > KEEP_SEALED:
-                self.sealed.popitem(last=False)
-            self.offered.notify_all()
+    def expect(self, key: bytes | None) -> None:
+        """Keep the seals of round and attempt `key` from now on (before its step starts)."""
+        if key != self.expected:
+            self.expected, self.seals = key, {}
 
     async def rpc_layout_seal(
         self, request: averaging_pb2.AveragingData, context: P2PContext
     ) -> averaging_pb2.AveragingData:
-        """This member's layout of the round named in `group_id` and its seal over it, once it has
-        one (within the wait); empty where it has none."""
-        key = request.group_id
-        if len(key) > MAX_ROUND_KEY or not await self._door(str(context.remote_id), "layout seal"):
-            return averaging_pb2.AveragingData()
-        async with self.offered:
+        """A member's seal over its layout of the round and attempt named in `group_id`: kept (one
+        per member, by the peer id that sent it) where it is this peer's, checked when it is used."""
+        member = str(context.remote_id)
+        statement, seal = request.tensor_part.buffer, request.peer_id
+        fits = len(statement) <= claims.MAX_CLAIM and len(seal) <= stage2.MAX_SEAL
+        if request.group_id == self.expected and fits and await self._door(member, "layout seal"):
+            async with self.pushed:
+                if len(self.seals) < claims.MAX_MEMBERS or member in self.seals:
+                    self.seals[member] = (statement, seal)
+                self.pushed.notify_all()
+        return averaging_pb2.AveragingData(group_id=request.group_id)
+
+    async def wait_for(self, key: bytes, members: Sequence[str], deadline_s: float) -> dict[str, tuple[bytes, bytes]]:
+        """The seals pushed under `key` once every one of `members` pushed one, or the deadline passed."""
+        async with self.pushed:
             try:
-                await asyncio.wait_for(self.offered.wait_for(lambda: key in self.sealed), self.wait_s)
+                ready = lambda: self.expected == key and all(m in self.seals for m in members)  # noqa: E731
+                await asyncio.wait_for(self.pushed.wait_for(ready), deadline_s)
             except asyncio.TimeoutError:
-                return averaging_pb2.AveragingData(group_id=key)
-            statement, seal = self.sealed[key]
-        return averaging_pb2.AveragingData(group_id=key, tensor_part=runtime_pb2.Tensor(buffer=statement), peer_id=seal)
+                pass
+            return dict(self.seals) if self.expected == key else {}
 
 
 class Across:
@@ -199,13 +205,23 @@ class Across:
         member of a claim."""
         self.me, self._signer, self.namespace, self.wait_s = me, signer, namespace.replace(".", "_"), wait_s
         self._door, self._patience_s = door, patience_s
-        self.levels: Levels | None = None
-        self.servicer = AcrossServicer(wait_s, door)
+        self._levels: Levels | None = None
+        self.servicer = AcrossServicer(door)
         self._p2p: P2P | None = None
         self.traffic = _Traffic()
         self.stage2 = Stage2(me, signer, self._stage2_stub, wait_s)
         self.assembly: Assembly | None = None
         self.last: AcrossStats | None = None  # the last `finish`'s, once it ended with a result
+
+    @property
+    def levels(self) -> Levels | None:
+        return self._levels
+
+    @levels.setter
+    def levels(self, levels: Levels | None) -> None:
+        """The next step's levels; from now on its members' seals are kept."""
+        self._levels = levels
+        self.servicer.expect(None if levels is None else levels.key)
 
     async def start(self, p2p: P2P, dht: DHT, serves: bool) -> None:
         """The handlers, where others can dial this peer; a client only fetches."""
@@ -235,11 +251,10 @@ class Across:
         flat = torch.cat([r.reshape(-1).float() for r in results])
         owners = twolevel.owners(levels.seed, group.members, levels.spans, group.dialable.__contains__)
         layout = GroupLayout(levels.key, group.members, tuple(owners))
-        statement = layout.statement()
-        await self.servicer.offer(levels.key, statement, stage2.seal(self._signer, levels.key, statement))
+        own = stage2.seal(self._signer, levels.key, layout.statement())
+        await asyncio.gather(*(self._push(owner, levels.key, layout, own) for owner in set(owners) - {self.me}))
         weight = twolevel.group_weight(group.weights, how, cap)
-        mine = self.me in owners
-        seals = await self._seals(levels.key, layout) if mine else {}
+        seals = await self._seals(levels.key, layout, own) if self.me in owners else {}
         work = []
         for span, ((start, end), owner) in enumerate(zip(twolevel.spans(flat.numel(), levels.spans), owners)):
             if owner == self.me:
@@ -260,31 +275,32 @@ class Across:
         self.last = AcrossStats(took, *traffic, max(len(o.groups) for o in outputs))
         return _shaped(twolevel.final(outputs), results)
 
-    async def _seals(self, round_key: bytes, layout: GroupLayout) -> dict[str, bytes]:
-        """The seals of the members whose own layout is this one (this member's own among them)."""
-        statement = layout.statement()
-        seals = {self.me: stage2.seal(self._signer, round_key, statement)}
-        asks = [self._seal_of(member, round_key, statement) for member in layout.members if member != self.me]
-        for member, seal in zip([m for m in layout.members if m != self.me], await asyncio.gather(*asks)):
-            if seal is not None:
+    async def _push(self, owner: str, round_key: bytes, layout: GroupLayout, seal: bytes) -> None:
+        """This member's seal over its group's layout to one of the group's span owners (members
+        dial out: one behind a home router's NAT seals too)."""
+        assert self._p2p is not None
+        stub = AcrossServicer.get_stub(self._p2p, PeerID.from_base58(owner), namespace=self.namespace)
+        request = averaging_pb2.AveragingData(
+            group_id=round_key, tensor_part=runtime_pb2.Tensor(buffer=layout.statement()), peer_id=seal
+        )
+        try:
+            await asyncio.wait_for(stub.rpc_layout_seal(request), SEALS_WAITS * self.wait_s)
+        except Exception as e:  # noqa: BLE001 - that owner's claim counts without this seal, or not at all
+            logger.warning("two levels: layout seal to %s: %s", owner, type(e).__name__)
+
+    async def _seals(self, round_key: bytes, layout: GroupLayout, own: bytes) -> dict[str, bytes]:
+        """The seals of the members whose own layout is this one (this member's own among them), as
+        they pushed them within the wait."""
+        statement, others = layout.statement(), [m for m in layout.members if m != self.me]
+        pushed = await self.servicer.wait_for(round_key, others, SEALS_WAITS * self.wait_s)
+        seals = {self.me: own}
+        for member in others:
+            theirs, seal = pushed.get(member, (b"", b""))
+            if theirs != statement:
+                logger.warning("two levels: %s sealed %s layout of this group", member, "another" if theirs else "no")
+            elif stage2.sealed_by(member, round_key, statement, seal):
                 seals[member] = seal
         return seals
-
-    async def _seal_of(self, member: str, round_key: bytes, statement: bytes) -> bytes | None:
-        assert self._p2p is not None
-        stub = AcrossServicer.get_stub(self._p2p, PeerID.from_base58(member), namespace=self.namespace)
-        try:
-            answer = await asyncio.wait_for(
-                stub.rpc_layout_seal(averaging_pb2.AveragingData(group_id=round_key)), SEALS_WAITS * self.wait_s
-            )
-        except Exception as e:  # noqa: BLE001 - a silent member seals nothing; a majority is enough
-            logger.warning("two levels: no layout seal from %s: %s", member, type(e).__name__)
-            return None
-        if answer.tensor_part.buffer != statement:
-            logger.warning("two levels: %s sealed another layout of this group", member)
-            return None
-        seal = answer.peer_id
-        return seal if stage2.sealed_by(member, round_key, statement, seal) else None
 
     async def _own(self, levels: Levels, span: int, claim: Claim, values: torch.Tensor, weight: float) -> list[Output]:
         """Span `span` as this member, its group's owner of it, runs it: assembly, then stage 2."""
