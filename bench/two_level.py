@@ -6,8 +6,8 @@ invocation:
 - **two levels**: swarm.group_size S: each round's peers average in groups of their bucket, then
   across groups (docs/design.md §3, "Past one group");
 - **faults** (two levels): one peer is SIGKILLed in its third all-reduce at its first part (a stage-1
-  member mid-transfer), another at its fourth stage-2 push (a span owner, a replica of other
-  groups' partials, mid-stage 2): tests/swarm/faulty_peer.py's `allreduce:3:KILL` and `stage2:4:KILL`.
+  member mid-transfer), another at its second stage-2 push (a span owner, a replica of other
+  groups' partials, mid-stage 2): tests/swarm/faulty_peer.py's `allreduce:3:KILL` and `stage2:2:KILL`.
 
 Reported per run: exit codes, whether every peer that recorded a round holds the same digest of
 it, per round the groups the results counted and the stage-1 group sizes, each peer's median bytes
@@ -118,7 +118,7 @@ def main() -> int:
     settings = {
         "flat": (1024, {}),
         "two-level": (args.group_size, {}),
-        "faults": (args.group_size, {0: "allreduce:3:KILL", 1: "stage2:4:KILL"}),
+        "faults": (args.group_size, {0: "allreduce:3:KILL", 1: "stage2:2:KILL"}),
     }
     results = {}
     for name in args.runs:
