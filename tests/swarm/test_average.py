@@ -23,33 +23,27 @@ def read_line(proc, timeout_s):
     return proc.stdout.readline().strip()
 
 
+def spawn_worker(swarm, *args: str) -> subprocess.Popen:
+    """One average_worker process (its arguments after the module), ended with the swarm fixture."""
+    worker = subprocess.Popen(
+        [sys.executable, "-m", "tests.swarm.average_worker", swarm.maddr, *args],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=ENV,
+        start_new_session=True,
+    )
+    swarm.procs.append(worker)
+    swarm.sessions.add(worker.pid)
+    return worker
+
+
 def start_workers(swarm, weights, codec, *extra_by_worker):
     """One average_worker process per weight, all joined and then released together."""
     workers = []
     for i, w in enumerate(weights):
         extra = list(extra_by_worker[i]) if i < len(extra_by_worker) else []
-        workers.append(
-            subprocess.Popen(
-                [
-                    sys.executable,
-                    "-m",
-                    "tests.swarm.average_worker",
-                    swarm.maddr,
-                    str(i),
-                    str(w),
-                    codec,
-                    str(swarm.folder / f"w{i}"),
-                    *extra,
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=ENV,
-                start_new_session=True,
-            )
-        )
-        swarm.procs.append(workers[-1])
-        swarm.sessions.add(workers[-1].pid)
+        workers.append(spawn_worker(swarm, str(i), str(w), codec, str(swarm.folder / f"w{i}"), *extra))
     for w in workers:
         assert read_line(w, 90) == "ready"
     for w in workers:

@@ -13,9 +13,9 @@ import torch
 
 from p2p_diloco.protocol import twolevel
 from tests.swarm.average_worker import EXACT, NUMEL
-from tests.swarm.conftest import ENV, unexplained_alarms, wait_until
+from tests.swarm.conftest import unexplained_alarms, wait_until
 from tests.swarm.round_gate import open_gate
-from tests.swarm.test_average import read_line
+from tests.swarm.test_average import read_line, spawn_worker
 
 SPANS = 4  # s: spans per group (16 in a real run); two members own two each
 
@@ -34,20 +34,8 @@ def round_key_splitting(peers: list[str], groups: int, sizes: list[int] | None =
 def start(swarm, weights: list[float], *flags: list[str]) -> tuple[list[subprocess.Popen], list[str]]:
     workers = []
     for i, w in enumerate(weights):
-        args = [swarm.maddr, str(i), str(w), "fp32", str(swarm.folder / f"w{i}"), str(NUMEL), "mean", "two-level"]
-        args += flags[i] if i < len(flags) else []
-        workers.append(
-            subprocess.Popen(
-                [sys.executable, "-m", "tests.swarm.average_worker", *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-                env=ENV,
-                start_new_session=True,
-            )
-        )
-        swarm.procs.append(workers[-1])
-        swarm.sessions.add(workers[-1].pid)
+        args = [str(i), str(w), "fp32", str(swarm.folder / f"w{i}"), str(NUMEL), "mean", "two-level"]
+        workers.append(spawn_worker(swarm, *args, *(flags[i] if i < len(flags) else [])))
     peers = []
     for w in workers:
         ready = read_line(w, 90).split()
