@@ -29,6 +29,8 @@ import tempfile
 from collections import Counter
 from pathlib import Path
 
+from p2p_diloco.swarm.transport import leftovers
+
 from netlab import NetLab, available
 from netswarm import NetSwarm
 
@@ -65,6 +67,7 @@ def run(args: argparse.Namespace, group_size: int, faults: dict[int, str], folde
         veth = {host: sum(lab.link_bytes(host)) for host in range(n)}
         records = {host: swarm.records(host) for host in range(n)}
         logs = {host: (folder / f"peer{host}.log").read_text(errors="replace") for host in range(n)}
+    leftovers.sweep_below(folder)  # the shared memory the lab's peers left (leftovers.py)
     return summary(records, veth, logs, swarm.codes, wall) | {"group_size": group_size, "faults": faults}
 
 
