@@ -73,7 +73,7 @@ class HivemindSwarm:
     ):
         """`numel` values travel through the run's codec, `exact_numel` more (norms, biases) exact."""
         sc = config.swarm
-        self.config = config
+        self.config, self._run_dir = config, run_dir
         _sweep_leftovers(run_dir)
         identity = Path(sc.identity_path) if sc.identity_path else run_dir / "identity.key"
         # Admission first: a peer that a certified run would refuse stops before it touches the network.
@@ -354,13 +354,21 @@ class HivemindSwarm:
 
     def close(self) -> None:
         """Leave the swarm: stop the averager and the DHT processes, in that order (also on errors
-        and on a half-built swarm)."""
+        and on a half-built swarm), then unlink the shared memory they and this process made."""
         for part in self._started:
             if isinstance(part, Heartbeat | Punching):
                 part.stop()
             else:
                 stop_process(part, "averaging process" if part is not self.dht else "DHT process")
         self._started = []
+        _release_shared_memory(self._run_dir)
+
+
+def _release_shared_memory(run_dir: Path) -> None:
+    """At a clean end, once the averager and DHT processes ended: unlink what they made (the
+    run dir's noted processes that are gone) and what this process made (leftovers.py)."""
+    leftovers.sweep(run_dir)
+    leftovers.release_own()
 
 
 def _sweep_leftovers(run_dir: Path) -> None:

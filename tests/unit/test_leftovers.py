@@ -65,3 +65,16 @@ def test_sweep_below_reaches_every_noted_run_dir_under_a_folder(tmp_path):
         (shm / f"torch_{pids[-1]}_1_0").write_bytes(b"x" * 10)
     assert leftovers.sweep_below(tmp_path / "runs", shm) == (2, 20)
     assert list(shm.iterdir()) == []
+
+
+def test_a_clean_end_unlinks_the_segments_named_after_this_process_only(tmp_path):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    mine = [shm / f"torch_{os.getpid()}_7_0", shm / f"torch_{os.getpid()}_7_1"]
+    others = [shm / f"torch_{os.getpid()}0_1_0", shm / f"torch_{os.getpid() + 1}_1_0", shm / f"other_{os.getpid()}_1"]
+    mine[0].write_bytes(b"x" * 1000)
+    mine[1].write_bytes(b"x" * 80)
+    for path in others:
+        path.write_bytes(b"y")
+    assert leftovers.release_own(shm) == (2, 1080)
+    assert sorted(p.name for p in shm.iterdir()) == sorted(p.name for p in others)
