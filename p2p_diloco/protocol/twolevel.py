@@ -84,9 +84,7 @@ def group_weight(weights: Sequence[float], how: robust.Aggregator, cap: float) -
     weigh them (robust.combine): all of them under `mean`, each capped at `cap` × the lower median
     under the clipping aggregators, at most the lower median under `trimmed-mean`. A part that
     aligned-clip dropped still counts its sender's weight: the group's estimate stands for all of it."""
-    if how == "mean":
-        return math.fsum(max(0.0, float(w)) for w in weights)
-    return math.fsum(robust.cap_weights(weights, 1.0 if how == "trimmed-mean" else cap))
+    return math.fsum(robust.weighed(weights, how, cap))
 
 
 def _rank(seed: str, peer: str) -> int:

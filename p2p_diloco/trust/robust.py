@@ -61,10 +61,14 @@ def weighed_tokens(tokens: Sequence[int], how: Aggregator, weight_cap: float) ->
     under `clip`, `aligned-clip` and `centered-clip` (`cap_weights`, as the reducer caps them);
     under `trimmed-mean`, where every sender of positive weight counts once, at most the lower
     median. A part that aligned-clip dropped is not known here: it is credited as weighed."""
+    return [int(w) for w in weighed(tokens, how, weight_cap)]
+
+
+def weighed(weights: Sequence[float], how: Aggregator, weight_cap: float) -> list[float]:
+    """Each member's weight as a group's reducers weigh it (`weighed_tokens`' rule, in weights)."""
     if how == "mean":
-        return [max(0, int(t)) for t in tokens]
-    capped = cap_weights(tokens, 1.0 if how == "trimmed-mean" else weight_cap)
-    return [int(w) for w in capped]
+        return [max(0.0, float(w)) for w in weights]
+    return cap_weights(weights, 1.0 if how == "trimmed-mean" else weight_cap)
 
 
 def trim_count(k: int) -> int:

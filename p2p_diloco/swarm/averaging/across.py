@@ -47,7 +47,7 @@ from p2p_diloco.protocol import claims, twolevel
 from p2p_diloco.protocol.claims import Claim, GroupLayout
 from p2p_diloco.protocol.twolevel import Levels, Output, Partial
 from p2p_diloco.swarm.averaging import stage2
-from p2p_diloco.swarm.averaging.assembly import SEALS_WAITS, Assembly, AssemblyError, Door, _open
+from p2p_diloco.swarm.averaging.assembly import SEALS_WAITS, Assembly, AssemblyError, Door, open_door
 from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2, Stage2Error, Stage2Servicer
 from p2p_diloco.trust import robust
 from p2p_diloco.trust.wire import WireError
@@ -142,7 +142,7 @@ class SpanServicer(Stage2Servicer):
 class AcrossServicer(ServicerBase):
     """Takes the layout seals the group's members push to this peer, one of their span owners."""
 
-    def __init__(self, door: Door = _open) -> None:
+    def __init__(self, door: Door = open_door) -> None:
         self._door = door
         self.expected: bytes | None = None  # the key of the round and attempt this peer is in (Levels.key)
         self.seals: dict[str, tuple[bytes, bytes]] = {}  # member -> (statement, seal) under `expected`
@@ -195,7 +195,7 @@ class Across:
         signer: RSAPrivateKey,
         namespace: str,
         wait_s: float,
-        door: Door = _open,
+        door: Door = open_door,
         patience_s: float | None = None,
     ) -> None:
         """`namespace`: the run's, for the handlers; `wait_s`: stage 2's and the assembly's wait;

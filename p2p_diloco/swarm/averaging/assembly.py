@@ -55,7 +55,8 @@ class _Step:
 Door = Callable[[str, str], Awaitable[bool]]  # (peer, which door) -> whether it may come in
 
 
-async def _open(peer: str, door: str) -> bool:
+async def open_door(peer: str, door: str) -> bool:
+    """The door of a peer with no doors (tests, a bare assembly): everyone comes in."""
     return True
 
 
@@ -73,7 +74,7 @@ class AssemblyServicer(ServicerBase):
         self.shown: OrderedDict[str, bytes] = OrderedDict()  # assembly key -> claims.pack_shown of what it showed
         self.wait_s = wait_s
         self._kept: asyncio.Condition | None = None  # made in the serving loop, at the first use
-        self.door: Door = _open  # whether a peer may come in (the averager's: admission, audits)
+        self.door: Door = open_door  # whether a peer may come in (the averager's: admission, audits)
 
     @property
     def kept(self) -> asyncio.Condition:
