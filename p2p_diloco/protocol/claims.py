@@ -31,26 +31,31 @@ from dataclasses import dataclass
 from p2p_diloco.protocol import twolevel
 from p2p_diloco.trust.wire import WireError
 
-LAYOUT_TAG = b"p2p-diloco/group-layout/v1"
+LAYOUT_TAG = b"p2p-diloco/group-layout/v2"
 CLAIM_TAG = b"p2p-diloco/span-claim/v1"
 MAX_MEMBERS = 4 * twolevel.GROUP_SIZE  # a merged group is under 2 s; more is not a group of ours
 MAX_ID = 128  # bytes of a peer id in base58 (46 for today's RSA keys)
 MAX_SEAL = 4096  # bytes of one member's seal (signature and key)
+ROOT_BYTES = 32  # a span's partial's root (partials.root)
 
 Holds = Callable[[str, bytes, bytes], bool]  # (member, statement, seal) -> the seal is the member's over it
 
 
 @dataclass(frozen=True)
 class GroupLayout:
-    """A stage-1 group of one round: its members in group order and each span's owner."""
+    """A stage-1 group of one round: its members in group order, each span's owner, and each
+    span's partial as the members computed it (partials.root: 32 bytes a span)."""
 
     round_key: bytes
     members: tuple[str, ...]
     span_owners: tuple[str, ...]
+    roots: tuple[bytes, ...]
 
     def statement(self) -> bytes:
-        """What each member signs (`parse_layout` reads it): the round's key, the members, and each
-        span's owner as an index into the members."""
+        """What each member signs (`parse_layout` reads it): the round's key, the members, each
+        span's owner as an index into the members, and each span's partial's root."""
+        if len(self.roots) != len(self.span_owners) or any(len(r) != ROOT_BYTES for r in self.roots):
+            raise ValueError(f"a layout needs a root of {ROOT_BYTES} bytes per span")
         index = {m: i for i, m in enumerate(self.members)}
         out = [LAYOUT_TAG, struct.pack(">H", len(self.round_key)), self.round_key]
         out.append(struct.pack(">HH", len(self.members), len(self.span_owners)))
@@ -58,7 +63,7 @@ class GroupLayout:
             raw = member.encode()
             out += [struct.pack(">B", len(raw)), raw]
         out.append(struct.pack(f">{len(self.span_owners)}H", *(index[o] for o in self.span_owners)))
-        return b"".join(out)
+        return b"".join(out + list(self.roots))
 
     def buckets(self, seed: str, count: int) -> frozenset[int]:
         """The buckets of the round (of `count`) that this group's members hash into."""
@@ -107,7 +112,8 @@ class _Reader:
 def parse_layout(raw: object, round_key: bytes, spans: int) -> GroupLayout:
     """A `GroupLayout.statement()` from another node (untrusted), of this round and `spans` spans:
     the layout, or WireError. Valid: the tag, this round's key, 1 to MAX_MEMBERS distinct peer ids
-    of 1 to MAX_ID bytes of ASCII, exactly `spans` owners, each a member, and nothing more."""
+    of 1 to MAX_ID bytes of ASCII, exactly `spans` owners, each a member, a root of ROOT_BYTES
+    per span, and nothing more."""
     if not isinstance(raw, bytes) or not raw.startswith(LAYOUT_TAG):
         raise WireError("not a group layout")
     read = _Reader(raw[len(LAYOUT_TAG) :], "group layout")
@@ -120,10 +126,11 @@ def parse_layout(raw: object, round_key: bytes, spans: int) -> GroupLayout:
     if len(set(members)) != count:
         raise WireError("group layout: a member named twice")
     indices = read.unpack(f">{spans}H")
+    roots = tuple(read.take(ROOT_BYTES) for _ in range(spans))
     read.end()
     if any(i >= count for i in indices):
         raise WireError("group layout: a span owned by no member")
-    return GroupLayout(round_key, members, tuple(members[i] for i in indices))
+    return GroupLayout(round_key, members, tuple(members[i] for i in indices), roots)
 
 
 def _peer_id(raw: bytes) -> str:
@@ -157,26 +164,31 @@ def signers(claim: Claim, holds: Holds) -> frozenset[str]:
     return frozenset(m for m, seal in claim.seals.items() if m in members and holds(m, statement, seal))
 
 
-def plan_owners(seed: str, count: int, span: int, claims: Sequence[Claim], holds: Holds) -> tuple[str, ...]:
-    """Span `span`'s owner in each group that counts, in group order (`Plan.owners`), from the claims
-    the assembly showed every owner alike, in a round of `count` buckets: the module's rules."""
-    counted: list[tuple[int, bytes, Claim]] = []
+def counted(seed: str, count: int, span: int, claims: Sequence[Claim], holds: Holds) -> tuple[Claim, ...]:
+    """The claims that count for span `span`, one per group, in group order, from the claims the
+    assembly showed every owner alike, in a round of `count` buckets: the module's rules."""
+    ranked: list[tuple[int, bytes, Claim]] = []
     for claim in claims:
         layout = claim.layout
         if span >= len(layout.span_owners) or layout.span_owners[span] != claim.by:
             continue
         signed = len(signers(claim, holds))
         if 2 * signed > len(layout.members):
-            counted.append((-signed, hashlib.sha256(layout.statement()).digest(), claim))
-    taken: list[tuple[int, str]] = []  # (lowest bucket, owner)
+            ranked.append((-signed, hashlib.sha256(layout.statement()).digest(), claim))
+    taken: list[tuple[int, Claim]] = []  # (lowest bucket, claim)
     covered: set[int] = set()
-    for _, _, claim in sorted(counted, key=lambda c: (c[0], c[1])):
+    for _, _, claim in sorted(ranked, key=lambda c: (c[0], c[1])):
         buckets = claim.layout.buckets(seed, count)
         if buckets & covered:
             continue
         covered |= buckets
-        taken.append((min(buckets), claim.by))
-    return tuple(owner for _, owner in sorted(taken))
+        taken.append((min(buckets), claim))
+    return tuple(claim for _, claim in sorted(taken, key=lambda t: t[0]))
+
+
+def plan_owners(seed: str, count: int, span: int, claims: Sequence[Claim], holds: Holds) -> tuple[str, ...]:
+    """Span `span`'s owner in each group that counts, in group order (`Plan.owners`)."""
+    return tuple(claim.by for claim in counted(seed, count, span, claims, holds))
 
 
 def plan_key(round_key: bytes, span: int, claims: Sequence[Claim]) -> bytes:
@@ -237,10 +249,11 @@ def unpack_shown(raw: object) -> list[tuple[str, bytes]]:
 
 def plan_for_member(
     shown: Sequence[Claim], owner: str, sealed: GroupLayout, seed: str, count: int, span: int, holds: Holds
-) -> tuple[tuple[str, ...], bytes]:
-    """Stage 3, for a member that owns nothing of `span`: (the span's owners, stage 2's key) from
-    what its group's owner passed on of the assembly, or WireError where the owner showed no claim
-    of the layout this member sealed (`sealed`), which it cannot have been honest about."""
+) -> tuple[tuple[Claim, ...], bytes]:
+    """Stage 3, for a member that owns nothing of `span`: (the claims that count, in group order,
+    and stage 2's key) from what its group's owner passed on of the assembly, or WireError where the
+    owner showed no claim of the layout this member sealed (`sealed`), which it cannot have been
+    honest about."""
     if not any(c.by == owner and c.layout == sealed for c in shown):
         raise WireError(f"{owner} showed the assembly no claim of the layout this member sealed")
-    return plan_owners(seed, count, span, shown, holds), plan_key(sealed.round_key, span, shown)
+    return counted(seed, count, span, shown, holds), plan_key(sealed.round_key, span, shown)

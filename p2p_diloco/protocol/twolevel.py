@@ -24,7 +24,7 @@ from p2p_diloco.trust.wire import WireError
 
 GROUP_SIZE = 16  # s: the target group size; spans per group
 OUTPUT_TAG = b"p2p-diloco/sub-span/v1"
-PARTIAL_TAG = b"p2p-diloco/partial-sub-span/v1"
+PARTIAL_TAG = b"p2p-diloco/partial-sub-span/v2"
 
 
 @dataclass(frozen=True)
@@ -227,6 +227,7 @@ class Partial:
 
     values: torch.Tensor  # fp32
     weight: float
+    digests: tuple[bytes, ...] = ()  # the whole span's pieces' digests, as its group sealed them (partials.py)
 
 
 def partial(
@@ -295,17 +296,20 @@ def parse_output(raw: bytes, by: str, groups: int, spans: int, numel: int) -> Ou
     return Output(span, sub, tuple(named), values, weight, by)
 
 
-def partial_statement(round_key: bytes, span: int, sub: int, group: int, weight: float, values: torch.Tensor) -> bytes:
-    """What a span's owner signs and sends each replica: its group's partial of one sub-span
-    (`parse_partial`), bound to the round by `round_key` (the agreed seed)."""
-    head = struct.pack(">H", len(round_key)) + round_key + struct.pack(">IIId", span, sub, group, weight)
-    return PARTIAL_TAG + head + values.numpy().astype(">f4").tobytes()
+def partial_statement(round_key: bytes, span: int, sub: int, group: int, piece: Partial) -> bytes:
+    """What a span's owner signs and sends each replica: its group's partial of one sub-span, with
+    the whole span's pieces' digests (`parse_partial`), bound to the round by `round_key`."""
+    fields = struct.pack(">IIIdI", span, sub, group, piece.weight, len(piece.digests))
+    head = struct.pack(">H", len(round_key)) + round_key + fields
+    return PARTIAL_TAG + head + b"".join(piece.digests) + piece.values.numpy().astype(">f4").tobytes()
 
 
-def parse_partial(raw: bytes, round_key: bytes, groups: int, spans: int, numel: int) -> tuple[int, int, int, Partial]:
+def parse_partial(
+    raw: bytes, round_key: bytes, groups: int, spans: int, numel: int, pieces: int
+) -> tuple[int, int, int, Partial]:
     """A `partial_statement` from another node (untrusted): (span, sub-span, group, partial), or
     WireError. Valid: the tag, this round's key, span, sub-span and group in range, a finite
-    weight >= 0, exactly `numel` finite values (the sub-span's)."""
+    weight >= 0, exactly `pieces` digests of 32 bytes, exactly `numel` finite values (the sub-span's)."""
     if not isinstance(raw, bytes) or not raw.startswith(PARTIAL_TAG):
         raise WireError("not a partial sub-span")
     at = len(PARTIAL_TAG)
@@ -315,16 +319,18 @@ def parse_partial(raw: bytes, round_key: bytes, groups: int, spans: int, numel: 
     if raw[at + 2 : at + 2 + key_len] != round_key:
         raise WireError("partial sub-span: of another round")
     at += 2 + key_len
-    if len(raw) != at + 20 + 4 * numel:
-        raise WireError(f"partial sub-span: {len(raw)} bytes for {numel} values")
-    span, sub, group, weight = struct.unpack_from(">IIId", raw, at)
-    if span >= spans or sub >= groups or group >= groups:
-        raise WireError(f"partial sub-span: span {span}, sub-span {sub}, group {group} out of range")
+    if len(raw) != at + 24 + 32 * pieces + 4 * numel:
+        raise WireError(f"partial sub-span: {len(raw)} bytes for {pieces} digests and {numel} values")
+    span, sub, group, weight, count = struct.unpack_from(">IIIdI", raw, at)
+    if span >= spans or sub >= groups or group >= groups or count != pieces:
+        raise WireError(f"partial sub-span: span {span}, sub-span {sub}, group {group}, {count} digests out of range")
     wire.real(weight, lo=0.0)
-    values = torch.from_numpy(np.frombuffer(raw, dtype=">f4", offset=at + 20).astype(np.float32))
+    at += 24
+    digests = tuple(raw[at + 32 * i : at + 32 * (i + 1)] for i in range(pieces))
+    values = torch.from_numpy(np.frombuffer(raw, dtype=">f4", offset=at + 32 * pieces).astype(np.float32))
     if not bool(torch.isfinite(values).all()):
         raise WireError("partial sub-span: values that are not finite")
-    return span, sub, group, Partial(values, weight)
+    return span, sub, group, Partial(values, weight, digests)
 
 
 def reduce_sub_span(span: int, sub: int, bounds: tuple[int, int], partials: Mapping[int, Partial], by: str) -> Output:

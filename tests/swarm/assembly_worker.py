@@ -12,11 +12,12 @@ Owner 0 is the DHT's first node and writes FOLDER/0.addr; every owner writes FOL
 once its DHT and handlers are up and waits for every owner's, assembles under the span's key, and,
 where the owners `claims.plan_owners` made of the assembly include it, runs stage 2 of span 0 with
 `claims.plan_key` as its key and its group's partial (tests/swarm/stage2_worker.py's `partial_of`
-of its group index in the plan). It writes FOLDER/INDEX.json: the assembly's members, the owners,
-the key, and each sub-span's decided statement's sha256, the groups it names and the average; or
-the error. It then serves until FOLDER/done. With TOLD_LESS in its environment, it computes the
-stage-2 key as if the leader had not shown it the claims that count for nothing (a leader that
-tells owners different things): the same owners, another key.
+of its bucket, which is its group's index in the plan; its layout seals that partial's root). It
+writes FOLDER/INDEX.json: the assembly's members, the owners, the key, and each sub-span's decided
+statement's sha256, the groups it names and the average; or the error. It then serves until
+FOLDER/done. With TOLD_LESS in its environment, it computes the stage-2 key as if the leader had
+not shown it the claims that count for nothing (a leader that tells owners different things): the
+same owners, another key.
 """
 
 import asyncio
@@ -38,7 +39,7 @@ from p2p_diloco.swarm.averaging.assembly import Assembly, AssemblyError
 from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2, Stage2Error, Stage2Servicer
 from p2p_diloco.swarm.transport import identity
 from p2p_diloco.trust.wire import WireError
-from tests.swarm.stage2_worker import partial_of, wait_for_files
+from tests.swarm.stage2_worker import partial_of, root_of, wait_for_files
 
 NO_NAT = {"auto_nat": False, "nat_port_map": False, "use_relay": False, "use_auto_relay": False}
 ROUND_KEY = b"round 7 digest"
@@ -64,7 +65,8 @@ def make_claim(folder: Path, me: tuple[Path, str], bucket: int, groups: int, for
     if bucket == 0 and not forge and os.environ.get("WITH_MEMBER"):  # the member process, in group 0
         wait_for_files([folder.parent / "member.key", folder.parent / "member.peer"])
         members[-1] = (Path((folder.parent / "member.key").read_text()), (folder.parent / "member.peer").read_text())
-    layout = GroupLayout(ROUND_KEY, tuple(p for _, p in members), (me[1],) * SPANS)
+    roots = (root_of(bucket, NUMEL),) + (bytes(32),) * (SPANS - 1)  # span 0's partial: its bucket's
+    layout = GroupLayout(ROUND_KEY, tuple(p for _, p in members), (me[1],) * SPANS, roots)
     seals = {peer: stage2.seal(identity.load_identity(path), ROUND_KEY, layout.statement()) for path, peer in members}
     return Claim(me[1], layout, seals)
 
@@ -73,8 +75,8 @@ def holds(member: str, statement: bytes, seal: bytes) -> bool:
     return stage2.sealed_by(member, ROUND_KEY, statement, seal)
 
 
-async def assemble(assembly: Assembly, claim: bytes, owners: int, groups: int) -> tuple[list, list[str], bytes]:
-    """(the members' peer ids, the stage-2 owners made of what they showed, the stage-2 key)."""
+async def assemble(assembly: Assembly, claim: bytes, owners: int, groups: int) -> tuple[list, tuple, bytes]:
+    """(the members' peer ids, the claims that count of what they showed, the stage-2 key)."""
     gathered = await assembly.assemble(KEY, claim, owners)
     shown = []
     for by, raw in gathered:
@@ -82,10 +84,10 @@ async def assemble(assembly: Assembly, claim: bytes, owners: int, groups: int) -
             shown.append(claims.parse_claim(raw, by, ROUND_KEY, SPANS))
         except WireError:
             pass
-    plan = claims.plan_owners(SEED, groups, 0, shown, holds)
+    counted = claims.counted(SEED, groups, 0, shown, holds)
     if os.environ.get("TOLD_LESS"):  # as if the leader had not shown it the made-up claim (which counts for nothing)
-        shown = [c for c in shown if c.layout.span_owners[0] in plan]
-    return sorted(by for by, _ in gathered), list(plan), claims.plan_key(ROUND_KEY, 0, shown)
+        shown = [c for c in shown if c in counted]
+    return sorted(by for by, _ in gathered), counted, claims.plan_key(ROUND_KEY, 0, shown)
 
 
 async def wait_for(paths: list[Path]) -> None:
@@ -109,11 +111,11 @@ async def run(
     await wait_for([folder / f"{i}.ready" for i in range(owners)])
     result: dict = {}
     try:
-        result["members"], result["owners"], key = await assemble(assembly, claim, owners, groups)
-        result["plan_key"] = key.hex()
+        result["members"], counted, key = await assemble(assembly, claim, owners, groups)
+        result["owners"], result["plan_key"] = [c.by for c in counted], key.hex()
         if me[1] in result["owners"]:
-            plan = Plan(key, 0, SPANS, tuple(result["owners"]), NUMEL)
-            outputs = await desk.run(plan, partial_of(result["owners"].index(me[1]), NUMEL))
+            plan = Plan.of(key, 0, SPANS, counted, NUMEL)
+            outputs = await desk.run(plan, partial_of(index % groups, NUMEL))
             result["subs"] = [hashlib.sha256(o.statement()).hexdigest() for o in outputs]
             result["groups"] = [list(o.groups) for o in outputs]
             result["average"] = twolevel.final(outputs).tolist()
@@ -155,9 +157,9 @@ async def run_member(dht: hivemind.DHT, me: tuple[Path, str], owners: int, group
                 shown.append(claims.parse_claim(raw, by, ROUND_KEY, SPANS))
             except WireError:
                 pass
-        owners_, key = claims.plan_for_member(shown, owner, sealed, SEED, groups, 0, holds)
-        result["owners"], result["plan_key"] = list(owners_), key.hex()
-        outputs = await desk.fetch_decided(Plan(key, 0, SPANS, tuple(result["owners"]), NUMEL), via=owner)
+        counted, key = claims.plan_for_member(shown, owner, sealed, SEED, groups, 0, holds)
+        result["owners"], result["plan_key"] = [c.by for c in counted], key.hex()
+        outputs = await desk.fetch_decided(Plan.of(key, 0, SPANS, counted, NUMEL), via=owner)
         result["asked"] = sorted(asked)
         result["subs"] = [hashlib.sha256(o.statement()).hexdigest() for o in outputs]
         result["average"] = twolevel.final(outputs).tolist()

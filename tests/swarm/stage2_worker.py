@@ -10,7 +10,8 @@ fp32) and writes FOLDER/INDEX.json: each sub-span's decided statement's sha256 a
 names, the average, and whom it convicted; or the error. FAULT (environment):
 - `lie`: as a primary, the sum it pushes is 100 times the true one (it checks the decision honestly);
 - `kill`: as a primary, it SIGKILLs its p2pd and itself just before it pushes its sum;
-- `kill-decider`: the same, as a decider, once it decided a sub-span and before it told anyone.
+- `kill-decider`: the same, as a decider, once it decided a sub-span and before it told anyone;
+- `forge`: it sends its replicas 100 times its group's partial, with the digests its group sealed.
 """
 
 import asyncio
@@ -27,7 +28,7 @@ from hivemind.p2p import P2P, PeerID
 from hivemind.utils.multiaddr import Multiaddr
 
 from p2p_diloco import faults
-from p2p_diloco.protocol import twolevel
+from p2p_diloco.protocol import partials, twolevel
 from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2, Stage2Error, Stage2Servicer
 from p2p_diloco.swarm.transport import identity
 
@@ -38,7 +39,15 @@ LINGER_S = 4 * WAIT_S  # past every wait of stage 2 (stage2.FETCH_UNTIL of them)
 
 
 def partial_of(group: int, numel: int) -> twolevel.Partial:
-    return twolevel.Partial((group + 1) * torch.arange(1, numel + 1, dtype=torch.float32) / 8, float(group + 1))
+    """Group `group`'s partial of span 0, with its pieces' digests as its members sealed them."""
+    values = (group + 1) * torch.arange(1, numel + 1, dtype=torch.float32) / 8
+    return twolevel.Partial(values, float(group + 1), partials.digests(values))
+
+
+def root_of(group: int, numel: int) -> bytes:
+    """The root group `group`'s members sealed of its partial of span 0 (in its layout)."""
+    partial = partial_of(group, numel)
+    return partials.root(0, partial.weight, partial.digests)
 
 
 def wait_for_files(paths: list[Path]) -> None:
@@ -91,10 +100,13 @@ async def main(index: int, groups: int, numel: int, folder: Path) -> None:
     install_fault(os.environ.get("FAULT", ""), p2p, me)
     (folder / f"{index}.ready").write_text("")
     wait_for_files([folder / f"{g}.ready" for g in range(groups)])
-    plan = Plan(b"round 7", 0, 1, tuple(owners), numel)
+    plan = Plan(b"round 7", 0, 1, tuple(owners), numel, tuple(root_of(g, numel) for g in range(groups)))
     result: dict = {"id": me}
+    partial = partial_of(index, numel)
+    if os.environ.get("FAULT") == "forge":  # its group's digests, with values its group did not compute
+        partial = twolevel.Partial(partial.values * 100, partial.weight, partial.digests)
     try:
-        outputs = await desk.run(plan, partial_of(index, numel))
+        outputs = await desk.run(plan, partial)
         result["subs"] = [
             {"sha256": hashlib.sha256(o.statement()).hexdigest(), "groups": list(o.groups)} for o in outputs
         ]

@@ -1,6 +1,7 @@
 """Stage 2 of a two-level round (swarm/averaging/stage2.py) between real processes: three owners of
 one span, each its own process and p2pd on 127.0.0.1 (tests/swarm/stage2_worker.py), with a
-primary that lies and one that is SIGKILLed as it would push its sum."""
+primary that lies, an owner that sends a partial its group did not seal, and one that is
+SIGKILLed as it would push its sum."""
 
 import json
 import os
@@ -68,6 +69,17 @@ def test_three_owners_end_with_the_same_average_and_a_lying_primary_is_convicted
     assert lied[2]["convicted"] == [liar]  # sub-span 1's decider checked the sum and took its own
     assert len({json.dumps(r["subs"]) for r in lied.values()}) == 1, lied  # the liar too gets the decided bytes
     assert lied[0]["average"] == reference([0, 1, 2])
+
+    # An owner that sends 100 times its group's partial under the digests its group sealed: every
+    # replica it sent to refuses it and convicts it, and its group counts in no sub-span, on
+    # every owner alike (its own primary's sum names its group, which the decider does not hold).
+    (tmp_path / "forge").mkdir()
+    forged = run_owners(tmp_path / "forge", {1: "forge"})
+    forger = forged[1]["id"]
+    assert forged[0]["convicted"] == forged[2]["convicted"] == [forger], forged
+    assert len({json.dumps(r["subs"]) for r in forged.values()}) == 1, forged
+    assert all(s["groups"] == [0, 2] for s in forged[0]["subs"])
+    assert forged[0]["average"] == reference([0, 2]) == [v / 8 for v in range(1, 11)]  # (1 + 3) v / 8 / 4
 
 
 @pytest.mark.timeout(120)

@@ -93,8 +93,37 @@ def test_a_claim_keeps_only_the_seals_of_members_that_may_come_in():
     from p2p_diloco.swarm.averaging.across import Across
 
     across = Across("me", RSAPrivateKey(), "run.x", 1.0, door)
-    layout = GroupLayout(KEY, ("a", "b", "outsider"), ("a", "b"))
+    layout = GroupLayout(KEY, ("a", "b", "outsider"), ("a", "b"), (bytes(32), bytes(32)))
     seals = {"a": b"sa", "b": b"sb", "outsider": b"so"}
     claims = [Claim("a", layout, seals), Claim("outsider", layout, seals)]
     kept = asyncio.run(across._admitted(claims))
     assert kept == [Claim("a", layout, {"a": b"sa", "b": b"sb"})]  # the outsider's claim and seal are gone
+
+
+def test_a_replica_holds_what_a_group_sealed_and_convicts_an_owner_that_sends_anything_else(tmp_path):
+    from p2p_diloco.protocol import partials, twolevel
+    from p2p_diloco.swarm.averaging import stage2
+    from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2
+    from p2p_diloco.swarm.transport import identity
+
+    paths = [tmp_path / f"{i}.key" for i in range(2)]
+    ids, keys = [identity.peer_id_of(p) for p in paths], [identity.load_identity(p) for p in paths]
+    groups = [partials.of_group(torch.arange(6.0) * (g + 1), 2.0) for g in range(2)]
+    plan = Plan(b"key", 0, 1, tuple(ids), 6, tuple(partials.root(0, p.weight, p.digests) for p in groups))
+    told: list[str] = []
+    replica = Stage2(ids[0], keys[0], lambda peer: None, 1.0, convicted=told.append)
+    kept = replica._round(plan.key, plan)
+    start, end = plan.bounds(1)  # group 1's sub-span 1 (values 3-5): replica 0 is its secondary
+
+    def sent(values: torch.Tensor) -> averaging_pb2.AveragingData:
+        piece = twolevel.Partial(values, 2.0, groups[1].digests)
+        statement = twolevel.partial_statement(plan.round_key, 0, 1, 1, piece)
+        return stage2._message(plan.key, 1, statement, stage2.seal(keys[1], plan.round_key, statement))
+
+    sender = SimpleNamespace(remote_id=ids[1])
+    answer = asyncio.run(replica.take_partial(sent(groups[1].values[start:end] * 100), sender))
+    assert answer.tensor_part.buffer == b"" and kept.held == {}
+    assert told == [ids[1]] and replica.convicted == {ids[1]}
+    answer = asyncio.run(replica.take_partial(sent(groups[1].values[start:end].clone()), sender))
+    assert answer.tensor_part.buffer == b"held" and torch.equal(kept.held[1][1].values, groups[1].values[3:6])
+    assert told == [ids[1]]  # the sealed partial convicts nobody

@@ -20,6 +20,7 @@ from p2p_diloco.trust.wire import WireError
 ROUND_KEY = b"digest of theta(r)"
 SEED = ROUND_KEY.hex()
 SPANS = 4
+ROOTS = tuple(hashlib.sha256(b"partial of span %d" % k).digest() for k in range(SPANS))
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +37,7 @@ def holds(member: str, statement: bytes, seal: bytes) -> bool:
 
 
 def layout_of(group) -> GroupLayout:
-    return GroupLayout(ROUND_KEY, tuple(group), tuple(twolevel.owners(SEED, group, SPANS)))
+    return GroupLayout(ROUND_KEY, tuple(group), tuple(twolevel.owners(SEED, group, SPANS)), ROOTS)
 
 
 def claim(layout: GroupLayout, keys, span: int, signed_by=None, by=None) -> Claim:
@@ -77,8 +78,14 @@ def test_a_claim_counts_only_from_the_spans_owner_and_with_more_than_half_of_its
     swapped[peers[2]] = good.seals[peers[3]]
     swapped[peers[1]] = good.seals[peers[0]]
     assert claims.signers(Claim(owner, layout, swapped), holds) == {peers[0]}
-    moved = GroupLayout(ROUND_KEY, layout.members, (other,) * SPANS)
+    moved = GroupLayout(ROUND_KEY, layout.members, (other,) * SPANS, ROOTS)
     assert claims.plan_owners(SEED, 1, 0, [Claim(other, moved, good.seals)], holds) == ()
+    # Its members' seals shown with the root of a partial they did not compute (step (3)): none holds.
+    forged = GroupLayout(ROUND_KEY, layout.members, layout.span_owners, (bytes(32),) + ROOTS[1:])
+    assert claims.signers(Claim(owner, forged, good.seals), holds) == frozenset()
+    assert claims.plan_owners(SEED, 1, 0, [Claim(owner, forged, good.seals)], holds) == ()
+    with pytest.raises(ValueError, match="root"):
+        GroupLayout(ROUND_KEY, layout.members, layout.span_owners, ROOTS[1:]).statement()
     # Seals of peers outside the group do not make a majority.
     outsiders = sorted(keys)[4:8]
     padded = {**claim(layout, keys, 0, signed_by=peers[:1]).seals}
@@ -95,7 +102,7 @@ def test_of_two_claims_over_one_bucket_the_one_more_members_signed_counts(keys):
     real = claim(whole, keys, 0)
     lower = 0
     for pair in itertools.combinations(peers, 2):
-        made_up = GroupLayout(ROUND_KEY, pair, (pair[0],) * SPANS)
+        made_up = GroupLayout(ROUND_KEY, pair, (pair[0],) * SPANS, ROOTS)
         lower += hashlib.sha256(made_up.statement()).digest() < hashlib.sha256(whole.statement()).digest()
         for shown in ([claim(made_up, keys, 0), real], [real, claim(made_up, keys, 0)]):
             assert claims.plan_owners(SEED, 1, 0, shown, holds) == (whole.span_owners[0],)
@@ -125,7 +132,7 @@ def test_a_claim_travels_and_reads_back_whole(keys):
 
 def test_a_malformed_layout_or_claim_is_a_wire_error(keys):
     members = sorted(keys)[:3]
-    layout = GroupLayout(ROUND_KEY, tuple(members), (members[0], members[1], members[2], members[0]))
+    layout = GroupLayout(ROUND_KEY, tuple(members), (members[0], members[1], members[2], members[0]), ROOTS)
     raw = layout.statement()
     with pytest.raises(WireError, match="another round"):
         claims.parse_layout(raw, b"another key", SPANS)
@@ -136,12 +143,13 @@ def test_a_malformed_layout_or_claim_is_a_wire_error(keys):
     with pytest.raises(WireError, match="cut short"):
         claims.parse_layout(raw[:-1], ROUND_KEY, SPANS)
     with pytest.raises(WireError, match="owned by no member"):
-        claims.parse_layout(raw[:-2] + struct.pack(">H", 3), ROUND_KEY, SPANS)
-    twice = GroupLayout(ROUND_KEY, (members[0], members[1], members[0]), (members[0],) * SPANS)
+        roots = 32 * SPANS  # the last owner index sits before the roots
+        claims.parse_layout(raw[: -roots - 2] + struct.pack(">H", 3) + raw[-roots:], ROUND_KEY, SPANS)
+    twice = GroupLayout(ROUND_KEY, (members[0], members[1], members[0]), (members[0],) * SPANS, ROOTS)
     with pytest.raises(WireError, match="named twice"):
         claims.parse_layout(twice.statement(), ROUND_KEY, SPANS)
     with pytest.raises(WireError, match="not a peer id"):
-        claims.parse_layout(GroupLayout(ROUND_KEY, ("a/b",), ("a/b",) * SPANS).statement(), ROUND_KEY, SPANS)
+        claims.parse_layout(GroupLayout(ROUND_KEY, ("a/b",), ("a/b",) * SPANS, ROOTS).statement(), ROUND_KEY, SPANS)
     with pytest.raises(WireError, match="not a group layout"):
         claims.parse_layout(b"nonsense", ROUND_KEY, SPANS)
     encoded = claim(layout, keys, 0).encode()
@@ -186,13 +194,14 @@ def test_a_member_makes_the_owners_plan_only_from_a_list_that_holds_the_layout_i
     a, b = layout_of(peers[:4]), layout_of(peers[4:8])
     shown = [claim(a, keys, 0), claim(b, keys, 0)]
     count = 1  # one bucket: the larger claim counts (a tie here: the lower layout hash)
-    owners, key = claims.plan_for_member(shown, a.span_owners[0], a, SEED, count, 0, holds)
+    counted, key = claims.plan_for_member(shown, a.span_owners[0], a, SEED, count, 0, holds)
+    owners = tuple(c.by for c in counted)
     assert (owners, key) == (claims.plan_owners(SEED, count, 0, shown, holds), claims.plan_key(ROUND_KEY, 0, shown))
     # Its owner passed on a list without its group's layout, or with another layout of its group
     # (a member left out): the member makes no plan of it.
     with pytest.raises(WireError, match="no claim of the layout this member sealed"):
         claims.plan_for_member(shown[1:], a.span_owners[0], a, SEED, count, 0, holds)
-    fewer = GroupLayout(ROUND_KEY, a.members[:3], tuple(a.members[0] for _ in range(SPANS)))
+    fewer = GroupLayout(ROUND_KEY, a.members[:3], tuple(a.members[0] for _ in range(SPANS)), ROOTS)
     with pytest.raises(WireError, match="no claim of the layout this member sealed"):
         claims.plan_for_member([claim(fewer, keys, 0), shown[1]], fewer.span_owners[0], a, SEED, count, 0, holds)
 

@@ -504,20 +504,26 @@ def test_any_bytes_give_an_output_or_a_wire_error(raw):
 
 
 def test_a_partial_goes_through_the_wire_and_back_and_anything_else_is_one_clear_wire_error():
-    raw = twolevel.partial_statement(b"round 7", 3, 5, 2, 6.5, torch.tensor([1.5, -2.0, 3.25e-7]))
-    span, sub, group, back = twolevel.parse_partial(raw, b"round 7", groups=8, spans=16, numel=3)
-    assert (span, sub, group, back.weight) == (3, 5, 2, 6.5)
+    digests = (b"a" * 32, b"b" * 32)
+    sent = twolevel.Partial(torch.tensor([1.5, -2.0, 3.25e-7]), 6.5, digests)
+    raw = twolevel.partial_statement(b"round 7", 3, 5, 2, sent)
+    span, sub, group, back = twolevel.parse_partial(raw, b"round 7", groups=8, spans=16, numel=3, pieces=2)
+    assert (span, sub, group, back.weight, back.digests) == (3, 5, 2, 6.5, digests)
     assert torch.equal(back.values, torch.tensor([1.5, -2.0, 3.25e-7]))
 
-    def bad(round_key=b"round 7", span=3, sub=5, group=2, weight=6.5, values=(1.0, 2.0, 3.0)):
-        return twolevel.partial_statement(round_key, span, sub, group, weight, torch.tensor(values))
+    def bad(round_key=b"round 7", span=3, sub=5, group=2, weight=6.5, values=(1.0, 2.0, 3.0), digests=digests):
+        return twolevel.partial_statement(
+            round_key, span, sub, group, twolevel.Partial(torch.tensor(values), weight, digests)
+        )
 
     for raw, why in [
         (bad()[:10], "not a partial"),
         (bad(round_key=b"round 8"), "another round"),
         (bad(round_key=b"round 77"), "another round"),
-        (bad()[:-1], "bytes for 3 values"),
-        (bad() + b"\0", "bytes for 3 values"),
+        (bad()[:-1], "bytes for 2 digests and 3 values"),
+        (bad() + b"\0", "bytes for 2 digests and 3 values"),
+        (bad(digests=digests[:1]), "bytes for 2 digests"),
+        (bad(digests=digests[:1], values=(1.0, 2.0, 3.0, 4.0, 5.0, 6.0, 7.0, 8.0, 9.0, 10.0, 11.0)), "1 digests"),
         (bad(span=16), "out of range"),
         (bad(sub=8), "out of range"),
         (bad(group=8), "out of range"),
@@ -526,7 +532,7 @@ def test_a_partial_goes_through_the_wire_and_back_and_anything_else_is_one_clear
         (bad(values=(1.0, math.inf, 3.0)), "not finite"),
     ]:
         with pytest.raises(twolevel.WireError, match=why):
-            twolevel.parse_partial(raw, b"round 7", groups=8, spans=16, numel=3)
+            twolevel.parse_partial(raw, b"round 7", groups=8, spans=16, numel=3, pieces=2)
 
 
 @settings(max_examples=300, deadline=None, derandomize=True)
@@ -535,11 +541,12 @@ def test_any_bytes_give_a_partial_or_a_wire_error(raw):
     head = twolevel.PARTIAL_TAG + b"\x00\x01k"
     for candidate in (raw, twolevel.PARTIAL_TAG + raw, head + raw):
         try:
-            span, sub, group, partial = twolevel.parse_partial(candidate, b"k", groups=4, spans=4, numel=2)
+            span, sub, group, partial = twolevel.parse_partial(candidate, b"k", groups=4, spans=4, numel=2, pieces=1)
         except twolevel.WireError:
             continue
         assert span < 4 and sub < 4 and group < 4 and partial.weight >= 0
         assert partial.values.shape == (2,) and bool(torch.isfinite(partial.values).all())
+        assert len(partial.digests) == 1 and len(partial.digests[0]) == 32
 
 
 # --- fixed spans on hivemind's partition ---------------------------------------------------------

@@ -32,7 +32,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -43,7 +43,7 @@ from hivemind.proto import averaging_pb2, runtime_pb2
 from hivemind.utils.crypto import RSAPrivateKey
 
 from p2p_diloco.errors import SwarmError
-from p2p_diloco.protocol import claims, twolevel
+from p2p_diloco.protocol import claims, partials, twolevel
 from p2p_diloco.protocol.claims import Claim, GroupLayout
 from p2p_diloco.protocol.twolevel import Levels, Output, Partial
 from p2p_diloco.swarm.averaging import stage2
@@ -197,19 +197,20 @@ class Across:
         wait_s: float,
         door: Door = open_door,
         patience_s: float | None = None,
+        convicted: Callable[[str], None] = lambda peer: None,
     ) -> None:
         """`namespace`: the run's, for the handlers; `wait_s`: stage 2's and the assembly's wait;
         `patience_s`: how long an owner looks for the other groups' owners (Assembly's);
         `door(peer, which)`: whether a peer may come in (the averager's `may_enter`: admission in
         certified runs, and no peer this one's audits left out), at every handler and for every
-        member of a claim."""
+        member of a claim; `convicted(peer)`: told of every peer stage 2 convicts here."""
         self.me, self._signer, self.namespace, self.wait_s = me, signer, namespace.replace(".", "_"), wait_s
         self._door, self._patience_s = door, patience_s
         self._levels: Levels | None = None
         self.servicer = AcrossServicer(door)
         self._p2p: P2P | None = None
         self.traffic = _Traffic()
-        self.stage2 = Stage2(me, signer, self._stage2_stub, wait_s)
+        self.stage2 = Stage2(me, signer, self._stage2_stub, wait_s, convicted)
         self.assembly: Assembly | None = None
         self.last: AcrossStats | None = None  # the last `finish`'s, once it ended with a result
 
@@ -250,15 +251,16 @@ class Across:
         started, sent, received = time.perf_counter(), self.traffic.sent, self.traffic.received
         flat = torch.cat([r.reshape(-1).float() for r in results])
         owners = twolevel.owners(levels.seed, group.members, levels.spans, group.dialable.__contains__)
-        layout = GroupLayout(levels.key, group.members, tuple(owners))
+        weight = twolevel.group_weight(group.weights, how, cap)
+        roots, mine = _partials(flat, weight, owners, self.me)
+        layout = GroupLayout(levels.key, group.members, tuple(owners), roots)
         own = stage2.seal(self._signer, levels.key, layout.statement())
         await asyncio.gather(*(self._push(owner, levels.key, layout, own) for owner in set(owners) - {self.me}))
-        weight = twolevel.group_weight(group.weights, how, cap)
         seals = await self._seals(levels.key, layout, own) if self.me in owners else {}
         work = []
-        for span, ((start, end), owner) in enumerate(zip(twolevel.spans(flat.numel(), levels.spans), owners)):
-            if owner == self.me:
-                work.append(self._own(levels, span, Claim(self.me, layout, seals), flat[start:end], weight))
+        for span, (start, end) in enumerate(twolevel.spans(flat.numel(), levels.spans)):
+            if span in mine:
+                work.append(self._own(levels, span, Claim(self.me, layout, seals), mine[span]))
             else:
                 work.append(self._fetched(levels, span, layout, end - start))
         done = await asyncio.gather(*work, return_exceptions=True)
@@ -302,17 +304,18 @@ class Across:
                 seals[member] = seal
         return seals
 
-    async def _own(self, levels: Levels, span: int, claim: Claim, values: torch.Tensor, weight: float) -> list[Output]:
-        """Span `span` as this member, its group's owner of it, runs it: assembly, then stage 2."""
+    async def _own(self, levels: Levels, span: int, claim: Claim, partial: Partial) -> list[Output]:
+        """Span `span` as this member, its group's owner of it, runs it: assembly, then stage 2 with
+        its group's `partial` of the span."""
         assert self.assembly is not None
         key = levels.assembly_key(self.namespace, span)
         gathered = await self.assembly.assemble(key, claim.encode(), 2 * levels.groups, levels.met or levels.groups)
         shown = await self._admitted(_parsed(gathered, levels))
-        owners = claims.plan_owners(levels.seed, levels.groups, span, shown, self._holds(levels.key))
-        if self.me not in owners:
+        counted = claims.counted(levels.seed, levels.groups, span, shown, self._holds(levels.key))
+        plan = Plan.of(claims.plan_key(levels.key, span, shown), span, levels.spans, counted, partial.values.numel())
+        if self.me not in plan.owners:
             raise AcrossError(f"span {span}: the owners' assembly did not count this group's claim")
-        plan = Plan(claims.plan_key(levels.key, span, shown), span, levels.spans, owners, values.numel())
-        return await self.stage2.run(plan, Partial((values * weight).float(), weight))
+        return await self.stage2.run(plan, partial)
 
     async def _fetched(self, levels: Levels, span: int, layout: GroupLayout, numel: int) -> list[Output]:
         """Span `span`, owned by another member of the group: stage 3."""
@@ -322,8 +325,8 @@ class Across:
             _parsed(await self.assembly.shown_by(owner, levels.assembly_key(self.namespace, span)), levels)
         )
         holds = self._holds(levels.key)
-        owners, key = claims.plan_for_member(shown, owner, layout, levels.seed, levels.groups, span, holds)
-        return await self.stage2.fetch_decided(Plan(key, span, levels.spans, owners, numel), via=owner)
+        counted, key = claims.plan_for_member(shown, owner, layout, levels.seed, levels.groups, span, holds)
+        return await self.stage2.fetch_decided(Plan.of(key, span, levels.spans, counted, numel), via=owner)
 
     async def _admitted(self, shown: list[Claim]) -> list[Claim]:
         """The claims with only the seals of members that may come in, from claimants that may:
@@ -346,6 +349,20 @@ def _parsed(shown: Sequence[tuple[str, bytes]], levels: Levels) -> list[Claim]:
         except WireError as e:
             logger.warning("two levels: %s showed a claim that does not parse: %s", by, e)
     return out
+
+
+def _partials(
+    flat: torch.Tensor, weight: float, owners: Sequence[str], me: str
+) -> tuple[tuple[bytes, ...], dict[int, Partial]]:
+    """Every span's root of its group's partial, as this member seals them in the layout
+    (partials.root), and the partials of the spans this member owns, by span."""
+    roots, mine = [], {}
+    for span, ((start, end), owner) in enumerate(zip(twolevel.spans(flat.numel(), len(owners)), owners)):
+        partial = partials.of_group(flat[start:end], weight)
+        roots.append(partials.root(span, partial.weight, partial.digests))
+        if owner == me:
+            mine[span] = partial
+    return tuple(roots), mine
 
 
 def _shaped(flat: torch.Tensor, like: Sequence[torch.Tensor]) -> list[torch.Tensor]:

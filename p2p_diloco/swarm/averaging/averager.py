@@ -306,7 +306,8 @@ class DiLoCoAverager(BoundedAverager):
         self.gathering = Gathering(
             self.serializer.loads, self.peer_id, self._doors, self.auditor.left_out, self.auditor.bench, self._leader_of
         )
-        self.across = Across(str(self.peer_id), signer, self.prefix, stage2_wait_s, self.may_enter, assembly_patience_s)
+        two_level = (stage2_wait_s, self.may_enter, assembly_patience_s, self.auditor.convict)
+        self.across = Across(str(self.peer_id), signer, self.prefix, *two_level)
         self.reduction = Reduction(
             self.serializer, self.gathering, self.auditor, signer, aggregation, max_reduce_share, residual
         )

@@ -32,7 +32,7 @@ import asyncio
 import struct
 import time
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -43,7 +43,7 @@ from hivemind.utils.crypto import RSAPrivateKey
 
 from p2p_diloco import faults
 from p2p_diloco.errors import SwarmError
-from p2p_diloco.protocol import twolevel
+from p2p_diloco.protocol import claims, partials, twolevel
 from p2p_diloco.protocol.twolevel import Output, Partial
 from p2p_diloco.swarm.transport import identity
 from p2p_diloco.trust.wire import WireError
@@ -64,14 +64,21 @@ class Stage2Error(SwarmError):
 @dataclass(frozen=True)
 class Plan:
     """One span's stage 2, as every owner of it computes it: the round's key (the agreed seed), the
-    span, the round's span count, the span's owner in each group ('' where a group has none), and
-    the span's values."""
+    span, the round's span count, the span's owner in each group ('' where a group has none), the
+    span's values, and the root each group's members sealed of its partial (partials.root)."""
 
     round_key: bytes
     span: int
     spans: int
     owners: tuple[str, ...]
     numel: int
+    roots: tuple[bytes, ...]
+
+    @classmethod
+    def of(cls, key: bytes, span: int, spans: int, counted: Sequence[claims.Claim], numel: int) -> Plan:
+        """The plan of the claims that count (claims.counted), in group order."""
+        owners = tuple(c.by for c in counted)
+        return cls(key, span, spans, owners, numel, tuple(c.layout.roots[span] for c in counted))
 
     @property
     def groups(self) -> int:
@@ -84,7 +91,7 @@ class Plan:
 
     def bounds(self, sub: int) -> tuple[int, int]:
         """Where sub-span `sub` lies in the span."""
-        return twolevel.spans(self.numel, self.groups)[sub]
+        return partials.sub_spans(self.numel, self.groups)[sub]
 
     def piece(self, sub: int) -> tuple[int, int]:
         """Sub-span `sub` within a replica's pieces, which hold that sub-span alone."""
@@ -198,12 +205,25 @@ class Stage2(_Rounds):
     owners (`take_partial`, `take_output`, `serve`: Stage2Servicer's handlers hand them on), and
     its group's members, to whom it relays every sub-span of its span (stage 3)."""
 
-    def __init__(self, me: str, signer: RSAPrivateKey, stub: Callable[[str], Any], wait_s: float):
+    def __init__(
+        self,
+        me: str,
+        signer: RSAPrivateKey,
+        stub: Callable[[str], Any],
+        wait_s: float,
+        convicted: Callable[[str], None] = lambda peer: None,
+    ):
         """`stub(peer)`: an RPC stub with the Stage2Servicer methods for `peer`; `wait_s`: how long
-        a replica waits for the partials (its other waits are multiples of it)."""
+        a replica waits for the partials (its other waits are multiples of it); `convicted(peer)`:
+        told of every peer this one convicts (the averager then refuses it at every door)."""
         super().__init__()
-        self.me, self._signer, self._stub, self.wait_s = me, signer, stub, wait_s
-        self.convicted: set[str] = set()  # primaries whose sum did not check, as this peer decided
+        self.me, self._signer, self._stub, self.wait_s, self._told = me, signer, stub, wait_s, convicted
+        self.convicted: set[str] = set()  # owners whose partial, sum or decision did not check here
+
+    def _convict(self, peer: str, why: str) -> None:
+        self.convicted.add(peer)
+        logger.warning("stage 2: convicted %s: %s", peer, why)
+        self._told(peer)
 
     async def run(self, plan: Plan, partial: Partial) -> list[Output]:
         """Stage 2 of `plan` with this peer's group's `partial` of the span: every sub-span's
@@ -238,8 +258,8 @@ class Stage2(_Rounds):
     async def _send_partial(self, r: _Round, plan: Plan, group: int, sub: int, partial: Partial) -> None:
         """This group's partial of sub-span `sub`, signed, to both its replicas (kept here where this peer is one)."""
         start, end = plan.bounds(sub)
-        piece = Partial(partial.values[start:end].clone(), partial.weight)
-        statement = twolevel.partial_statement(plan.round_key, plan.span, sub, group, piece.weight, piece.values)
+        piece = Partial(partial.values[start:end].clone(), partial.weight, partial.digests)
+        statement = twolevel.partial_statement(plan.round_key, plan.span, sub, group, piece)
         message = _message(plan.key, sub, statement, seal(self._signer, plan.round_key, statement))
         for peer in {plan.owners[i] for i in twolevel.replicas(sub, plan.groups)} - {""}:
             if peer == self.me:
@@ -300,13 +320,7 @@ class Stage2(_Rounds):
         if own is None and output is not None and any(g not in held for g in output.groups):
             return  # cannot judge: abstain, as a dead primary would
         if own is None and (output is None or twolevel.cross_check(output, plan.piece(sub), held) is not None):
-            self.convicted.add(plan.decider(sub))
-            logger.warning(
-                "stage 2: convicted %s: its decision of span %d sub-span %d does not check",
-                plan.decider(sub),
-                plan.span,
-                sub,
-            )
+            self._convict(plan.decider(sub), f"its decision of span {plan.span} sub-span {sub} does not check")
             await self._note(r, lambda: r.contested.add(sub))
             return
         cosign = own if own is not None else seal(self._signer, plan.round_key, decided)
@@ -333,13 +347,7 @@ class Stage2(_Rounds):
         """The decider's one decision (twolevel.settle), signed; under `r.changed`."""
         settled = twolevel.settle(primary, plan.span, sub, plan.piece(sub), r.held.get(sub, {}), self.me)
         if settled.convicted is not None:
-            self.convicted.add(settled.convicted)
-            logger.warning(
-                "stage 2: convicted %s: its sum of span %d sub-span %d does not check",
-                settled.convicted,
-                plan.span,
-                sub,
-            )
+            self._convict(settled.convicted, f"its sum of span {plan.span} sub-span {sub} does not check")
         if settled.output is not None:
             statement = settled.output.statement()
             r.decided[sub] = (statement, seal(self._signer, plan.round_key, statement))
@@ -404,6 +412,8 @@ class Stage2(_Rounds):
         r, plan, sub = named
         sender = str(context.remote_id)
         value = check(plan, sub, sender, self.me, request.tensor_part.buffer, request.peer_id)
+        if isinstance(value, _Guilty):
+            self._convict(sender, f"its {what} of span {plan.span} sub-span {sub}: {value}")
         if isinstance(value, str):
             logger.warning("stage 2: %s from %s refused: %s", what, sender, value)
             return _message(plan.key, sub)
@@ -477,15 +487,22 @@ def _partial_refusal(
     if not sealed_by(sender, plan.round_key, statement, sealed):
         return "not signed by its sender"
     start, end = plan.bounds(sub)
+    pieces = len(partials.chunk_bounds(plan.numel))
     try:
         span, named_sub, group, partial = twolevel.parse_partial(
-            statement, plan.round_key, plan.groups, plan.spans, end - start
+            statement, plan.round_key, plan.groups, plan.spans, end - start, pieces
         )
     except WireError as e:
         return str(e)
     if (span, named_sub) != (plan.span, sub) or plan.owners[group] != sender:
         return f"span {span} sub-span {named_sub} of group {group}: not what its sender owns"
+    if (why := partials.refusal(partial, span, plan.numel, (start, end), plan.roots[group])) is not None:
+        return _Guilty(why)  # it signed this partial, and its claim's layout that its group sealed
     return group, partial
+
+
+class _Guilty(str):
+    """Why a statement is refused that convicts its signer."""
 
 
 def _output_from(plan: Plan, sub: int, sender: str, me: str, statement: bytes, sealed: bytes) -> Output | str:
