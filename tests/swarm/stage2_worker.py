@@ -11,7 +11,8 @@ names, the average, and whom it convicted; or the error. FAULT (environment):
 - `lie`: as a primary, the sum it pushes is 100 times the true one (it checks the decision honestly);
 - `kill`: as a primary, it SIGKILLs its p2pd and itself just before it pushes its sum;
 - `kill-decider`: the same, as a decider, once it decided a sub-span and before it told anyone;
-- `forge`: it sends its replicas 100 times its group's partial, with the digests its group sealed.
+- `forge`: it sends its replicas 100 times its group's partial, with the digests its group sealed;
+- `forge-decide`: the same, and as a decider it decides its own sum whatever its primary sent.
 """
 
 import asyncio
@@ -71,6 +72,12 @@ def install_fault(fault: str, p2p: P2P, me: str) -> None:
 
         twolevel.reduce_sub_span = sum_once_times_100
         faults.install(faults.FaultPoint.STAGE2, lambda **context: lying.append(True))  # its push's sum, only
+    elif fault == "forge-decide":  # as a decider, always its own sum (its forged partial in it)
+
+        def own_sum(primary, span, sub, bounds, held, secondary) -> twolevel.Settled:
+            return twolevel.Settled(twolevel.reduce_sub_span(span, sub, bounds, held, secondary) if held else None)
+
+        twolevel.settle = own_sum
     elif fault in ("kill", "kill-decider"):
 
         def die(**context) -> None:
@@ -103,7 +110,7 @@ async def main(index: int, groups: int, numel: int, folder: Path) -> None:
     plan = Plan(b"round 7", 0, 1, tuple(owners), numel, tuple(root_of(g, numel) for g in range(groups)))
     result: dict = {"id": me}
     partial = partial_of(index, numel)
-    if os.environ.get("FAULT") == "forge":  # its group's digests, with values its group did not compute
+    if os.environ.get("FAULT", "").startswith("forge"):  # its group's digests, values its group did not compute
         partial = twolevel.Partial(partial.values * 100, partial.weight, partial.digests)
     try:
         outputs = await desk.run(plan, partial)

@@ -107,3 +107,16 @@ def test_a_decider_killed_once_it_decided_loses_its_sub_span_alike_for_every_own
     assert ended[2] is None
     for survivor in (ended[0], ended[1]):
         assert survivor is not None and "sub-spans [1]" in survivor.get("error", ""), ended
+
+
+@pytest.mark.timeout(120)
+def test_a_forging_owner_that_decides_its_own_sum_is_refuted_by_its_primary_for_every_owner(tmp_path):
+    # Owner 1 sends forged partials and, as sub-span 0's decider, decides its own sum (its forged
+    # partial in it) instead of owner 0's. Owner 0, sub-span 0's primary, refused that partial:
+    # it refutes the decision instead of abstaining, so neither survivor applies it (before, the
+    # decider's lone decision was taken from it with the primary silent).
+    ended = run_owners(tmp_path, {1: "forge-decide"})
+    forger = ended[1]["id"]
+    for survivor in (ended[0], ended[2]):
+        assert "sub-spans [0]" in survivor.get("error", ""), ended
+        assert survivor["convicted"] == [forger]

@@ -117,6 +117,7 @@ class _Round:
     contested: set[int] = field(default_factory=set)  # sub-spans whose decision this peer, their primary, refuted
     primary_done: set[int] = field(default_factory=set)  # sub-spans whose primary this peer is, and has ended
     relayed: dict[int, tuple[bytes, bytes]] = field(default_factory=dict)  # sub-span -> (statement, every seal)
+    forged: dict[int, set[int]] = field(default_factory=dict)  # sub-span -> groups whose partial this peer refused
 
 
 def signed_bytes(round_key: bytes, statement: bytes) -> bytes:
@@ -317,6 +318,12 @@ class Stage2(_Rounds):
         or checks against the partials held here; refute it, and convict the decider, if it does
         not check; neither where a group it names is not held here."""
         output = _parsed(plan, sub, decided, plan.decider(sub))
+        if own is None and output is not None and set(output.groups) & r.forged.get(sub, set()):
+            # It names a partial this peer refused as its group did not seal it. The decider may
+            # have been sent a sealed one (its owner equivocating), so it is refuted, not convicted.
+            logger.warning("stage 2: refuted span %d sub-span %d's decision: it names a forged partial", plan.span, sub)
+            await self._note(r, lambda: r.contested.add(sub))
+            return
         if own is None and output is not None and any(g not in held for g in output.groups):
             return  # cannot judge: abstain, as a dead primary would
         if own is None and (output is None or twolevel.cross_check(output, plan.piece(sub), held) is not None):
@@ -414,6 +421,7 @@ class Stage2(_Rounds):
         value = check(plan, sub, sender, self.me, request.tensor_part.buffer, request.peer_id)
         if isinstance(value, _Guilty):
             self._convict(sender, f"its {what} of span {plan.span} sub-span {sub}: {value}")
+            await self._note(r, lambda: r.forged.setdefault(sub, set()).add(value.group))
         if isinstance(value, str):
             logger.warning("stage 2: %s from %s refused: %s", what, sender, value)
             return _message(plan.key, sub)
@@ -497,12 +505,19 @@ def _partial_refusal(
     if (span, named_sub) != (plan.span, sub) or plan.owners[group] != sender:
         return f"span {span} sub-span {named_sub} of group {group}: not what its sender owns"
     if (why := partials.refusal(partial, span, plan.numel, (start, end), plan.roots[group])) is not None:
-        return _Guilty(why)  # it signed this partial, and its claim's layout that its group sealed
+        return _Guilty(why, group)  # it signed this partial, and its claim's layout that its group sealed
     return group, partial
 
 
 class _Guilty(str):
-    """Why a statement is refused that convicts its signer."""
+    """Why a partial is refused that convicts its signer, group `group`'s owner."""
+
+    group: int
+
+    def __new__(cls, why: str, group: int) -> _Guilty:
+        made = super().__new__(cls, why)
+        made.group = group
+        return made
 
 
 def _output_from(plan: Plan, sub: int, sender: str, me: str, statement: bytes, sealed: bytes) -> Output | str:
