@@ -359,6 +359,18 @@ def cross_check(output: Output, bounds: tuple[int, int], partials: Mapping[int, 
     return None
 
 
+def lone_refusal(output: Output, group: int, bounds: tuple[int, int], own: Partial) -> str | None:
+    """Why `output`, a sub-span's sum that names group `group` alone, is not that group's partial
+    `own` of the span (whose sub-span it is: `bounds`), or None: it is, or it names other groups too
+    (then the group's members cannot tell its share). A sum of one partial is that partial, bit for bit."""
+    start, end = bounds
+    if output.groups != (group,):
+        return None
+    if output.weight != own.weight or not torch.equal(output.values, own.values[start:end]):
+        return f"{output.by}'s sum of sub-span {output.sub} of span {output.span} is not this group's partial"
+    return None
+
+
 def equivocation(a: Output, b: Output) -> str | None:
     """Why two outputs one replica signed convict it (two different sums of one sub-span), or None."""
     if a.by == b.by and (a.span, a.sub) == (b.span, b.sub) and a.statement() != b.statement():

@@ -46,12 +46,13 @@ import torch
 
 from p2p_diloco import config, faults
 from p2p_diloco.errors import AveragingError, SwarmError
-from p2p_diloco.protocol import codecs
+from p2p_diloco.protocol import codecs, twolevel
 from p2p_diloco.protocol.twolevel import Levels
 from p2p_diloco.swarm import HivemindSwarm
 from p2p_diloco.swarm.averaging.allreduce import ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.averager import DiLoCoAverager
 from p2p_diloco.swarm.averaging.ledger import Ledger
+from p2p_diloco.swarm.averaging.stage2 import Stage2
 from p2p_diloco.trust import audit
 
 NUMEL = 1000
@@ -106,6 +107,17 @@ def die_in_stage2() -> None:
         os.kill(os.getpid(), signal.SIGKILL)
 
     faults.install(faults.FaultPoint.STAGE2, die)
+
+
+def forge_partial() -> None:
+    """Patch stage 2, inherited by the averager process: as a span's owner, this peer sends 100
+    times its group's partial under the digests its group sealed."""
+    original = Stage2.run
+
+    async def forging(self, plan, partial):
+        return await original(self, plan, twolevel.Partial(partial.values * 100, partial.weight, partial.digests))
+
+    Stage2.run = forging
 
 
 def kill_averager_after_start() -> None:
@@ -179,10 +191,13 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
                         "error": str(e),
                         "kind": type(e).__name__,
                         "own_delta_intact": bool(torch.equal(swarm.buffer, delta)),
+                        "convicted": sorted(swarm.step.convicted()),
                     }
                 ),
                 flush=True,
             )
+            if two_level:  # a peer whose round failed serves on what it decided, as a running peer does
+                select.select([sys.stdin], [], [], 60)
             return
         if "probe" in sys.argv:
             # The first all-reduce started a probe sweep of the others' links; once it is over, a
@@ -232,6 +247,8 @@ if __name__ == "__main__":
         vouch_for_all()
     if "die-in-stage2" in sys.argv:
         die_in_stage2()
+    if "forge-partial" in sys.argv:
+        forge_partial()
 
     numel = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6].isdigit() else NUMEL
     main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5], numel)

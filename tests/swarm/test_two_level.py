@@ -101,6 +101,30 @@ def test_owners_nobody_met_across_groups_end_with_their_group_s_average(swarm):
 
 
 @pytest.mark.timeout(240)
+def test_a_member_refuses_what_its_groups_lone_owner_made_of_a_partial_the_group_did_not_compute(swarm):
+    # As above, one group alone, but peer 0 sends 100 times its group's partial as its spans'
+    # owner: nobody else sums it, so nobody checks it in stage 2. Peer 1 fetches peer 0's spans in
+    # stage 3, finds a sum of its group alone that is not the partial it computes itself, convicts
+    # peer 0 and applies nothing.
+    weights = [1.0, 3.0]
+    workers, peers = start(swarm, weights, ["forge-partial"])
+    go(workers, round_key_splitting(peers, 2, [2, 0]))
+    forger, member = [json.loads(read_line(w, 120)) for w in workers]
+    for w in workers:
+        w.stdin.close()
+        assert w.wait(timeout=60) == 0
+    assert "is not this group's partial" in member.get("error", ""), member
+    assert member["own_delta_intact"] and member["convicted"] == [peers[0]]
+    # The forger ends with its forgery, or without a result where peer 1 refused it at its doors
+    # (convicted) before it fetched peer 1's spans.
+    assert "error" not in forger or "no decided sum" in forger["error"], forger
+    if "error" not in forger:
+        mean, values = ramp_mean([0, 1], weights), torch.tensor(forger["values"])
+        honest, forged = (torch.isclose(values, want, rtol=1e-5, atol=0) for want in (mean, 100 * mean))
+        assert bool((honest | forged).all() and honest.any() and forged.any())
+
+
+@pytest.mark.timeout(240)
 def test_a_group_whose_stage_1_ends_later_within_the_slack_still_counts(swarm):
     # One group's members start their step 6 s late (a slower inner phase): the other group's
     # owners wait for them in their assemblies (3 x the matchmaking slack, 12 s here) instead of

@@ -428,6 +428,22 @@ def test_a_round_without_faults_equals_the_flat_mean_and_one_without_a_sub_span_
     assert ended.failed and not ended.finished
 
 
+def test_a_sum_of_a_group_alone_is_that_groups_partial_bit_for_bit_or_refused():
+    own = Partial(torch.tensor([1.5, -0.0, 2.25, 3.0, -7.0]), 4.0)
+    alone = twolevel.reduce_sub_span(2, 1, (2, 5), {3: own}, "owner")
+    assert twolevel.lone_refusal(alone, 3, (2, 5), own) is None  # 0 + x is x, -0.0 included
+    changed = Output(2, 1, (3,), alone.values + torch.tensor([0.0, 0.0, 1e-6]), 4.0, "owner")
+    assert "owner's sum of sub-span 1 of span 2 is not this group's partial" in twolevel.lone_refusal(
+        changed, 3, (2, 5), own
+    )
+    heavier = Output(2, 1, (3,), alone.values, 5.0, "owner")
+    assert twolevel.lone_refusal(heavier, 3, (2, 5), own) is not None
+    # A sum naming other groups too: the group's members cannot tell its share, and say nothing.
+    both = twolevel.reduce_sub_span(2, 1, (2, 5), {0: Partial(torch.ones(5), 1.0), 3: own}, "owner")
+    assert twolevel.lone_refusal(both, 3, (2, 5), own) is None
+    assert twolevel.lone_refusal(changed, 0, (2, 5), own) is None  # another group's alone
+
+
 def test_two_signed_sums_of_one_sub_span_convict_their_replica():
     """Real identity keys: the evidence is two statements, each verified under the replica's key."""
     key = RSAPrivateKey()

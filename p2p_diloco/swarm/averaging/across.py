@@ -262,7 +262,7 @@ class Across:
             if span in mine:
                 work.append(self._own(levels, span, Claim(self.me, layout, seals), mine[span]))
             else:
-                work.append(self._fetched(levels, span, layout, end - start))
+                work.append(self._fetched(levels, span, layout, partials.of_group(flat[start:end], weight)))
         done = await asyncio.gather(*work, return_exceptions=True)
         failed = [e for e in done if isinstance(e, BaseException)]
         if failed:
@@ -317,8 +317,10 @@ class Across:
             raise AcrossError(f"span {span}: the owners' assembly did not count this group's claim")
         return await self.stage2.run(plan, partial)
 
-    async def _fetched(self, levels: Levels, span: int, layout: GroupLayout, numel: int) -> list[Output]:
-        """Span `span`, owned by another member of the group: stage 3."""
+    async def _fetched(self, levels: Levels, span: int, layout: GroupLayout, own: Partial) -> list[Output]:
+        """Span `span`, owned by another member of the group: stage 3. A sub-span whose sum names
+        this group alone must be `own` (the group's partial, as this member computes it): else its
+        decider is convicted and nothing is applied."""
         assert self.assembly is not None
         owner = layout.span_owners[span]
         shown = await self._admitted(
@@ -326,7 +328,14 @@ class Across:
         )
         holds = self._holds(levels.key)
         counted, key = claims.plan_for_member(shown, owner, layout, levels.seed, levels.groups, span, holds)
-        return await self.stage2.fetch_decided(Plan.of(key, span, levels.spans, counted, numel), via=owner)
+        plan = Plan.of(key, span, levels.spans, counted, own.values.numel())
+        outputs = await self.stage2.fetch_decided(plan, via=owner)
+        group = plan.owners.index(owner) if owner in plan.owners else -1  # its claim may not count
+        for output in outputs:
+            if (why := twolevel.lone_refusal(output, group, plan.bounds(output.sub), own)) is not None:
+                self.stage2.convict(output.by, why)
+                raise AcrossError(f"span {span}: {why}; nothing applied")
+        return outputs
 
     async def _admitted(self, shown: list[Claim]) -> list[Claim]:
         """The claims with only the seals of members that may come in, from claimants that may:

@@ -221,7 +221,8 @@ class Stage2(_Rounds):
         self.me, self._signer, self._stub, self.wait_s, self._told = me, signer, stub, wait_s, convicted
         self.convicted: set[str] = set()  # owners whose partial, sum or decision did not check here
 
-    def _convict(self, peer: str, why: str) -> None:
+    def convict(self, peer: str, why: str) -> None:
+        """Refuse `peer` from now on (and tell the averager), saying why."""
         self.convicted.add(peer)
         logger.warning("stage 2: convicted %s: %s", peer, why)
         self._told(peer)
@@ -327,7 +328,7 @@ class Stage2(_Rounds):
         if own is None and output is not None and any(g not in held for g in output.groups):
             return  # cannot judge: abstain, as a dead primary would
         if own is None and (output is None or twolevel.cross_check(output, plan.piece(sub), held) is not None):
-            self._convict(plan.decider(sub), f"its decision of span {plan.span} sub-span {sub} does not check")
+            self.convict(plan.decider(sub), f"its decision of span {plan.span} sub-span {sub} does not check")
             await self._note(r, lambda: r.contested.add(sub))
             return
         cosign = own if own is not None else seal(self._signer, plan.round_key, decided)
@@ -354,7 +355,7 @@ class Stage2(_Rounds):
         """The decider's one decision (twolevel.settle), signed; under `r.changed`."""
         settled = twolevel.settle(primary, plan.span, sub, plan.piece(sub), r.held.get(sub, {}), self.me)
         if settled.convicted is not None:
-            self._convict(settled.convicted, f"its sum of span {plan.span} sub-span {sub} does not check")
+            self.convict(settled.convicted, f"its sum of span {plan.span} sub-span {sub} does not check")
         if settled.output is not None:
             statement = settled.output.statement()
             r.decided[sub] = (statement, seal(self._signer, plan.round_key, statement))
@@ -420,7 +421,7 @@ class Stage2(_Rounds):
         sender = str(context.remote_id)
         value = check(plan, sub, sender, self.me, request.tensor_part.buffer, request.peer_id)
         if isinstance(value, _Guilty):
-            self._convict(sender, f"its {what} of span {plan.span} sub-span {sub}: {value}")
+            self.convict(sender, f"its {what} of span {plan.span} sub-span {sub}: {value}")
             await self._note(r, lambda: r.forged.setdefault(sub, set()).add(value.group))
         if isinstance(value, str):
             logger.warning("stage 2: %s from %s refused: %s", what, sender, value)
