@@ -8,7 +8,9 @@ decision in stage 2, each member's division in stage 3. Its invariants are check
 reference written here apart from the module: every member that finishes holds the same bytes;
 those bytes are a fixed-order computation over exactly the contributions the faults left in (and,
 for the mean, the flat weighted mean of those contributions, in float64); a replica that sums
-wrong or signs two sums is convicted.
+wrong or signs two sums is convicted; an owner that sends a partial its group did not seal
+(protocol/partials.py: each replica checks it against the root the group sealed) is convicted, and
+its group counts in no sub-span of that span.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from p2p_diloco.protocol import codecs, twolevel
+from p2p_diloco.protocol import partials as sealing
 from p2p_diloco.protocol.twolevel import Output, Partial
 from p2p_diloco.trust import robust
 
@@ -199,12 +202,13 @@ def test_cost_against_the_flat_butterfly():
 class Faults:
     """What goes wrong in a round: senders that die in stage 1, owners that die after it (group,
     span), replicas that die in stage 2 ((span, sub, "primary" | "secondary")), primaries that
-    sum wrong ((span, sub))."""
+    sum wrong ((span, sub)), owners that send a partial their group did not seal ((group, span))."""
 
     senders: set[str] = field(default_factory=set)
     owners: set[tuple[int, int]] = field(default_factory=set)
     replicas: set[tuple[int, int, str]] = field(default_factory=set)
     liars: set[tuple[int, int]] = field(default_factory=set)
+    forgers: set[tuple[int, int]] = field(default_factory=set)
 
 
 @dataclass
@@ -247,17 +251,37 @@ class Round:
                 if (g, k) in faults.owners or not senders:
                     continue
                 parts = [self.decoded(p, k) for p in senders]
-                out[(g, k)] = twolevel.partial(parts, [self.weight[p] for p in senders], self.how, CLIP, WEIGHT_CAP)
+                made = twolevel.partial(parts, [self.weight[p] for p in senders], self.how, CLIP, WEIGHT_CAP)
+                out[(g, k)] = Partial(made.values, made.weight, sealing.digests(made.values))
         return out
 
+    def held_by(self, replica: int, k: int, j: int, made: dict, faults: Faults, convicted: set[str]) -> dict:
+        """What group `replica`'s owner of span k holds of sub-span j: every partial that came and
+        checks against the root its group sealed (its own unchecked); the owner of one that does
+        not is convicted."""
+        numel = self.span_bounds[k][1] - self.span_bounds[k][0]
+        bounds = sealing.sub_spans(numel, len(self.groups))[j]
+        held = {}
+        for g in range(len(self.groups)):
+            if (g, k) not in made:
+                continue
+            sealed = made[(g, k)]
+            sent = Partial(sealed.values * 3 + 1, sealed.weight, sealed.digests) if (g, k) in faults.forgers else sealed
+            piece = Partial(sent.values[bounds[0] : bounds[1]], sent.weight, sent.digests)
+            root = sealing.root(k, sealed.weight, sealed.digests)
+            if g != replica and sealing.refusal(piece, k, numel, bounds, root) is not None:
+                convicted.add(self.owner(g, k))
+                continue
+            held[g] = sent
+        return held
+
     def run(self, faults: Faults) -> Ended:
-        partials = self.stage1(faults)
+        made = self.stage1(faults)
         outputs, convicted, failed = {}, set(), False
         count = len(self.groups)
         for k, (a, b) in enumerate(self.span_bounds):
-            held = {g: partials[(g, k)] for g in range(count) if (g, k) in partials}
-            for j, bounds in enumerate(twolevel.spans(b - a, count)):
-                settled = self.stage2(k, j, bounds, held, faults)
+            for j, bounds in enumerate(sealing.sub_spans(b - a, count)):
+                settled = self.stage2(k, j, bounds, made, faults, convicted)
                 if settled.output is None:
                     failed = True
                     continue
@@ -280,7 +304,8 @@ class Round:
         held by both replicas (the primary serves only what its secondary decided)."""
         return Output(settled.span, settled.sub, settled.groups, settled.values.clone(), settled.weight, settled.by)
 
-    def stage2(self, k: int, j: int, bounds: tuple[int, int], held: dict[int, Partial], faults: Faults):
+    def stage2(self, k: int, j: int, bounds: tuple[int, int], made: dict, faults: Faults, convicted: set[str]):
+        """Sub-span j of span k: the primary's sum of what it holds, the secondary's decision on what it holds."""
         count = len(self.groups)
         first, second = twolevel.replicas(j, count)
         primary_id = self.owner(first, k) if (first, k) not in faults.owners else None
@@ -289,10 +314,14 @@ class Round:
             primary_id = None
         if (k, j, "secondary") in faults.replicas:
             secondary_id = None
-        primary = twolevel.reduce_sub_span(k, j, bounds, held, primary_id) if primary_id and held else None
+        held = [
+            self.held_by(g, k, j, made, faults, convicted) if who else {}
+            for g, who in ((first, primary_id), (second, secondary_id))
+        ]
+        primary = twolevel.reduce_sub_span(k, j, bounds, held[0], primary_id) if primary_id and held[0] else None
         if primary is not None and (k, j) in faults.liars:
             primary = Output(k, j, primary.groups, primary.values * 3 + 1, primary.weight, primary.by)
-        return twolevel.settle(primary, k, j, bounds, held, secondary_id)
+        return twolevel.settle(primary, k, j, bounds, held[1], secondary_id)
 
     def owner(self, g: int, k: int) -> str:
         return twolevel.owners(self.seed, self.groups[g], self.size)[k]
@@ -307,14 +336,14 @@ class Round:
             partial_of = {}
             for g, group in enumerate(self.groups):
                 senders = [p for p in group if p not in faults.senders]
-                if (g, k) in faults.owners or not senders:
+                if (g, k) in faults.owners or (g, k) in faults.forgers or not senders:
                     continue
                 ws = [self.weight[p] for p in senders]
                 combined, fates = robust.combine([self.decoded(p, k) for p in senders], ws, self.how, CLIP, WEIGHT_CAP)
                 capped = ws if self.how == "mean" else robust.cap_weights(ws, WEIGHT_CAP)
                 kept = math.fsum(w for w, f in zip(capped, fates) if f != "dropped" and w > 0)
                 partial_of[g] = (combined * kept, kept)
-            for start, end in twolevel.spans(b - a, count):
+            for start, end in sealing.sub_spans(b - a, count):
                 total, weight = torch.zeros(end - start), 0.0
                 for g in sorted(partial_of):
                     total += partial_of[g][0][start:end]
@@ -332,7 +361,7 @@ class Round:
                 if p in faults.senders:
                     continue
                 for k, (a, b) in enumerate(self.span_bounds):
-                    if (g, k) not in faults.owners:
+                    if (g, k) not in faults.owners | faults.forgers:
                         total[a:b] += self.weight[p] * self.decoded(p, k).double()
                         weight[a:b] += self.weight[p]
         return torch.where(weight > 0, total / weight.clamp(min=1e-30), torch.zeros_like(total))
@@ -359,7 +388,28 @@ def rounds(draw, peers: int, sizes: tuple[int, ...] = (4, 8, 16)):
         for k, j in draw(st.sets(keys, max_size=2))
         if groups > 1 and (twolevel.replicas(j, groups)[1], k) not in owners and (k, j, "secondary") not in replicas
     }
-    return r, Faults(set(dead), owners, replicas, liars)
+    drawn = draw(st.sets(keys, max_size=2))
+    # One forger a span at most: two neighbours forging are both replicas of a sub-span colluding.
+    forgers = {
+        (g, k)
+        for k, g in drawn
+        if groups > 1
+        and sum(1 for other, _ in drawn if other == k) == 1
+        and forger_checked(g, k, groups, owners, replicas, liars)
+        and set(r.groups[g]) - dead
+    }
+    return r, Faults(set(dead), owners, replicas, liars, forgers)
+
+
+def forger_checked(g: int, k: int, groups: int, owners: set, replicas: set, liars: set) -> bool:
+    """Whether group g's owner of span k, forging its partial, is checked by a replica that lives
+    wherever it sums or decides: the decider of sub-span g (the next group's owner), and the
+    primary of sub-span g - 1 (the previous group's), which must not lie itself. A replica alone
+    is checked by nobody (docs/design.md: the design's gap, not simulated)."""
+    before, after = (g - 1) % groups, (g + 1) % groups
+    alive = (g, k) not in owners and (before, k) not in owners and (after, k) not in owners
+    roles = (k, g, "secondary") not in replicas and (k, before, "primary") not in replicas
+    return alive and roles and (k, before) not in liars
 
 
 def check(r: Round, faults: Faults) -> None:
@@ -379,7 +429,7 @@ def check(r: Round, faults: Faults) -> None:
         live = tuple(
             g
             for g in range(len(r.groups))
-            if (g, k) not in faults.owners and any(p not in faults.senders for p in r.groups[g])
+            if (g, k) not in faults.owners | faults.forgers and any(p not in faults.senders for p in r.groups[g])
         )
         assert out.groups == live, (k, j)
     summed = {
@@ -387,7 +437,8 @@ def check(r: Round, faults: Faults) -> None:
         for k, j in faults.liars
         if (twolevel.replicas(j, len(r.groups))[0], k) not in faults.owners and (k, j, "primary") not in faults.replicas
     }
-    assert ended.convicted == {r.owner(twolevel.replicas(j, len(r.groups))[0], k) for k, j in summed}
+    forgers = {r.owner(g, k) for g, k in faults.forgers}  # refused by every replica they sent to
+    assert ended.convicted == {r.owner(twolevel.replicas(j, len(r.groups))[0], k) for k, j in summed} | forgers
 
 
 FEW = settings(max_examples=12, deadline=None, derandomize=True, suppress_health_check=[HealthCheck.too_slow])
