@@ -304,6 +304,7 @@ class RunLog:
             "tokens_trained": sum(trained for _, trained in credit.values()),
             "train_loss": _mean(seen.records[p].loss for p in counted if seen.records[p].loss >= 0),
             "eval_loss": evaluated[1] if evaluated and evaluated[0] == agreed else None,
+            "levels": levels_of(seen.records, counted),
         }
 
     def _not_counted(self, peer: str, seen: RoundSeen, agreed: str, counted: set[str], closed: bool) -> str | None:
@@ -375,6 +376,21 @@ def reason(peer: str, seen: RoundSeen, agreed: str, counted: set[str], open_: bo
     if peer in counted or not any(m != peer and m in seen.records for m in record.group):
         return None  # counted, or no other member's record of the round was seen (expired before the observer came)
     return "unconfirmed"
+
+
+def levels_of(records: Mapping[str, RoundRecord], counted: set[str]) -> dict[str, Any] | None:
+    """A two-level round's groups as its counted peers published them: each stage-1 group (its
+    members), the most groups a sub-span of the result counted, and the spans a group; None for a
+    flat round (nobody counted says it averaged in two levels)."""
+    two_level = [records[p] for p in sorted(counted) if records[p].spans > 0]
+    if not two_level:
+        return None
+    groups = sorted({tuple(sorted(rec.group)) for rec in two_level}, key=lambda g: (-len(g), g))
+    return {
+        "groups": [list(g) for g in groups],
+        "counted": max(rec.groups for rec in two_level),
+        "spans": max(rec.spans for rec in two_level),
+    }
 
 
 def credited(records: Mapping[str, RoundRecord], counted: set[str], credit: Credit) -> dict[str, tuple[int, int]]:

@@ -291,6 +291,12 @@ def status_lines(view: dict[str, Any], peer: str | None = None) -> list[str]:
         lines.append(
             f"round {last['round']}: digest {last['digest'][:12]}, {agree}, {len(last['counted'])} counted{loss}"
         )
+        if (levels := last.get("levels")) is not None:
+            sizes = "+".join(str(len(g)) for g in levels["groups"])
+            lines.append(
+                f"  two levels: {len(levels['groups'])} groups ({sizes} peers), {levels['spans']} spans a group; "
+                f"the result counted at most {levels['counted']} groups a sub-span"
+            )
     if peer is not None:
         lines += _peer_lines(view, peer)
     return lines

@@ -310,6 +310,8 @@ class RoundRecord:
     outcome: str = ""  # how the round went: one of OUTCOMES ("" from a peer that does not say)
     history: tuple[PastRound, ...] = ()  # its final records of its latest past rounds, newest first
     punches: bool = False  # a private peer under swarm.hole_punching: it reduces for members that reached it
+    groups: int = 1  # a two-level round's: the most groups a sub-span of its result counted (1: flat)
+    spans: int = 0  # a two-level round's spans a group (0: a flat round; `group` is then its stage-1 group)
 
     @classmethod
     def parse(cls, value: Any) -> RoundRecord | None:
@@ -335,12 +337,21 @@ class RoundRecord:
             wire.field(record, "outcome", outcome_word, ""),
             parse_history(record.get("history"), round_),
             punches=wire.field(record, "punches", wire.flag, False),
+            groups=wire.field(record, "groups", level_count, 1),
+            spans=wire.field(record, "spans", lambda v: wire.integer(v, 0, MAX_LEVEL), 0),
         )
 
     @property
     def tier(self) -> str:
         """public, punched (private, under hole punching) or private: protocol/reachability.py."""
         return "public" if self.serves else "punched" if self.punches else "private"
+
+
+MAX_LEVEL = 1024  # groups of a round, or spans of a group, a record may name (claims.MAX_SHOWN)
+
+
+def level_count(value: Any) -> int:
+    return wire.integer(value, 1, MAX_LEVEL)
 
 
 def address_list(value: Any) -> tuple[str, ...]:
@@ -355,6 +366,8 @@ class Made:
     group: tuple[str, ...] = ()
     outcome: RoundOutcome = "start"
     copied: bool = False
+    groups: int = 1  # a two-level round's: the most groups a sub-span of its result counted
+    spans: int = 0  # a two-level round's spans a group (0: a flat round)
 
 
 STARTED = Made()  # the state a peer starts from: θ(0) or its checkpoint
@@ -378,6 +391,7 @@ class AllReduced:
     groups: int = 1  # a two-level round's: the most groups a sub-span of the result counted
     across_s: float = 0.0  # of allreduce_s: a two-level round's stages 2 and 3, after the audit
     across_bytes: tuple[int, int] = (0, 0)  # their messages' bytes, (sent, received), not in bytes_sent/received
+    spans: int = 0  # a two-level round's spans a group (0: a flat round)
 
 
 class Swarm(Protocol):

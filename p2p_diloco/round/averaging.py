@@ -44,6 +44,7 @@ class CommStats:
     groups: int = 1  # a two-level round's groups (the most a sub-span counted)
     across_s: float = 0.0  # of allreduce_s, a two-level round's stages 2 and 3
     across_bytes: tuple[int, int] = (0, 0)  # their bytes (sent, received), apart from bytes_sent and bytes_received
+    spans: int = 0  # a two-level round's spans a group (0: flat)
 
     def record(self) -> dict[str, Any]:
         out: dict[str, Any] = {
@@ -53,8 +54,9 @@ class CommStats:
         }
         if self.from_group:
             out.update(link_mbit_s=self.link_mbit_s, audit_s=self.audit_s, audit_bytes=self.audit_bytes)
-        if self.groups > 1:
-            out.update(groups=self.groups, across_s=self.across_s, across_bytes=list(self.across_bytes))
+        if self.spans:
+            out.update(groups=self.groups, spans=self.spans, across_s=self.across_s)
+            out.update(across_bytes=list(self.across_bytes))
         out.update(
             dropped=self.dropped,
             averaging_s=self.averaging_s,
@@ -257,4 +259,5 @@ def _group_stats(result: AllReduced, dropped: bool) -> CommStats:
         groups=result.groups,
         across_s=result.across_s,
         across_bytes=result.across_bytes,
+        spans=result.spans,
     )

@@ -202,7 +202,8 @@ class RoundDriver:
         self.sync.note_round(r, trained.delta, outcome.delta)  # a state offered for r + 1 must agree with it
         stepped = outer.outer_step(replica.state, outcome.delta, oc.lr, oc.momentum, oc.nesterov)
         replica.offer(stepped)  # served to the round's peers from now on: they may download it as the majority's
-        made = Made(outcome.group, averaging.outcome_kind(outcome))
+        comm = outcome.comm
+        made = Made(outcome.group, averaging.outcome_kind(outcome), groups=comm.groups, spans=comm.spans)
         collecting = self.sync.agree_later(stepped, expected, trained.phase, made) if defer else None
         adopted = None if defer else self.sync.agree(stepped, expected, trained.phase, made)
         if not defer and self.sync.gone is not None:  # nobody serves the majority's state: has the run ended?

@@ -216,19 +216,10 @@ class HivemindSwarm:
         return self.reachability.serves
 
     def publish_round(self, round_: int, digest: str, tokens: int, loss: float, made: Made = STARTED) -> None:
+        addrs, history = tuple(self.visible_maddrs()), history_after(self._last_record, round_)
         record = RoundRecord(
-            peer=self.peer_id,
-            round=round_,
-            digest=digest,
-            tokens=tokens,
-            loss=published_loss(loss),
-            addrs=tuple(self.visible_maddrs()),
-            serves=self.serves,
-            copied=made.copied,
-            group=tuple(sorted(made.group)),
-            outcome=made.outcome,
-            history=history_after(self._last_record, round_),
-            punches=self.punching is not None,
+            *(self.peer_id, round_, digest, tokens, published_loss(loss), addrs, self.serves, made.copied),
+            *(tuple(sorted(made.group)), made.outcome, history, self.punching is not None, made.groups, made.spans),
         )
         self.run_dht.publish_round(record)
         self._last_record = record

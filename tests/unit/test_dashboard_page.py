@@ -112,3 +112,25 @@ def test_the_page_says_why_the_held_out_loss_is_off():
     dom = rendered(log)
     assert re.search(r'id="eval-loss">off<', dom)
     assert f'id="eval-off">{log.eval_off}<' in dom.replace("&#x27;", "'").replace("&#39;", "'")
+
+
+def test_a_two_level_round_shows_its_groups_and_spans_and_a_flat_round_says_flat():
+    log = RunLog("levels", "fp", 2, partial(weighed_tokens, how="mean", weight_cap=2.0))
+    log.names.update({A: "alice", B: "bob", C: "carol"})
+    D = "QmDave" + "d" * 40
+    for r, levels in ((1, True), (2, False)):
+        groups = ((A, B), (C, D)) if levels else ((A, B, C, D),)
+        records = {
+            p: RoundRecord(p, r, digest(r), 100, 2.0, group=g, outcome="averaged", groups=len(groups), spans=4 * levels)
+            for g in groups
+            for p in g
+        }
+        log.ingest(records, [ProgressReport(p, r, 0, 10.0, 10.0 * r) for p in records], {}, now=10.0 * r)
+    dom = rendered(log)
+    cells = dict(re.findall(r'<tr class="round" data-round="(\d+)">.*?<td class="levels">(.*?)</td>', dom, re.S))
+    assert cells["2"] == '<span class="muted">flat</span>'
+    assert cells["1"].startswith("2 groups × 4 spans<br>")
+    assert re.findall(r'<span class="group" title="([^"]*)">(\d): (\d) peers</span>', cells["1"]) == [
+        ("alice, bob", "1", "2"),
+        ("carol, " + D[-8:], "2", "2"),
+    ]

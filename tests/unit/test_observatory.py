@@ -244,3 +244,24 @@ def test_the_run_s_last_round_is_evaluated_whatever_eval_every_says():
     assert log.to_evaluate(every=10, now=4) == Target(4, "4" * 64, (A, B))  # 4 < 3 + 10, but the last
     log.note_evaluation(4, "4" * 64, 1.9)
     assert log.to_evaluate(every=10, now=4) is None
+
+
+def test_a_two_level_round_shows_its_groups_and_spans_and_a_flat_round_none():
+    log = RunLog("r", "fp", rounds_total=10)
+
+    def two_level(peer, group, groups=2):
+        return RoundRecord(peer, 1, D1, 100, 2.0, group=group, outcome="averaged", groups=groups, spans=4)
+
+    # A, B and C in one stage-1 group, D and E in another.
+    E = "peer-eeeeeeee"
+    records = {p: two_level(p, (A, B, C)) for p in (A, B, C)} | {p: two_level(p, (D, E)) for p in (D, E)}
+    log.ingest(records, [beat(p, 9) for p in records], {}, now=10)
+    log.ingest({p: rec(p, 2, D2, group=tuple(records)) for p in records}, [beat(p, 19) for p in records], {}, now=20)
+    one, two = log.view(now=20)["rounds"][:2]
+    assert one["round"] == 1 and one["counted"] == sorted([A, B, C, D, E])
+    assert one["levels"] == {"groups": [[A, B, C], [D, E]], "counted": 2, "spans": 4}
+    assert two["round"] == 2 and two["levels"] is None
+    run = {"run_id": "r", "fingerprint": "f", "round": 2, "rounds_total": 10, "finished": False}
+    lines = status_lines({"run": run, "rounds": [one, {**two, "closed": False}], "peers": []})
+    said = "  two levels: 2 groups (3+2 peers), 4 spans a group; the result counted at most 2 groups a sub-span"
+    assert lines[3] == said

@@ -29,8 +29,17 @@ def test_parse_keeps_good_records_and_drops_malformed_ones():
         {**good, "tokens": "many"},
         {k: v for k, v in good.items() if k != "peer"},
         {**good, "peer": "x" * 500},
+        {**good, "groups": 0},
+        {**good, "groups": 1025},
+        {**good, "groups": True},
+        {**good, "spans": -1},
+        {**good, "spans": 2.0},
     ]:
         assert RoundRecord.parse(bad) is None, bad
+    two_level = RoundRecord.parse({**good, "groups": 3, "spans": 16})
+    assert (two_level.groups, two_level.spans) == (3, 16)
+    flat = RoundRecord.parse(good)  # a flat round's, or an older peer's
+    assert (flat.groups, flat.spans) == (1, 0)
 
 
 def test_ties_go_to_the_smallest_digest_so_every_peer_picks_the_same():

@@ -58,6 +58,7 @@ class AllreduceStats:
     audit_s: float = 0.0  # then the audit of the other reducers (auditor.py), before anything is applied
     audit_bytes: int = 0  # what their answers to the audit took, apart from bytes_received
     groups: int = 1  # a two-level round's: the most groups a sub-span counted (across.py)
+    spans: int = 0  # a two-level round's spans a group (0: a flat round)
     across_s: float = 0.0  # a two-level round's stages 2 and 3, after the audit
     across_sent: int = 0  # their messages' bytes (apart from bytes_sent and bytes_received)
     across_received: int = 0

@@ -647,7 +647,11 @@ class Reduction:
             cost = self.across.last
             assert cost is not None  # set by a finish that returned
             across = dict(
-                groups=cost.groups, across_s=cost.seconds, across_sent=cost.sent, across_received=cost.received
+                groups=cost.groups,
+                spans=self.across.levels.spans,
+                across_s=cost.seconds,
+                across_sent=cost.sent,
+                across_received=cost.received,
             )
         for tensor, averaged in zip(tensors, results):
             tensor.copy_(averaged)

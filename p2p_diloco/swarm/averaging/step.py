@@ -199,6 +199,7 @@ class AveragingStep:
             result.stats.groups,
             result.stats.across_s,
             (result.stats.across_sent, result.stats.across_received),
+            result.stats.spans,
         )
 
     def _link_report(self) -> tuple[float | None, dict[str, float]]:
