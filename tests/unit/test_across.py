@@ -11,7 +11,7 @@ import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 
 from p2p_diloco.swarm.averaging.across import AcrossServicer, _shaped
-from p2p_diloco.swarm.averaging.assembly import AssemblyServicer
+from p2p_diloco.swarm.averaging.assembly import AssemblyServicer, Traffic
 
 KEY = b"round key"
 MEMBER, OUTSIDER = SimpleNamespace(remote_id="member"), SimpleNamespace(remote_id="outsider")
@@ -29,7 +29,6 @@ def push(servicer: AcrossServicer, key: bytes = KEY, context=MEMBER, statement=b
 
 def test_an_owner_takes_the_seals_its_members_push_for_the_round_it_expects():
     async def scenario():
-        servicer = AcrossServicer(door)
         await push(servicer)  # before the step's levels are set: not kept
         assert servicer.seals == {}
         servicer.expect(KEY)
@@ -45,6 +44,18 @@ def test_an_owner_takes_the_seals_its_members_push_for_the_round_it_expects():
         servicer.expect(KEY + b"2")  # a retry: the attempt's own seals only
         assert servicer.seals == {}
 
+        # Every push counted, kept or not: 5 requests in and 5 answers out, by protobuf's sizes by
+        # hand (a field: its tag and length bytes, then its bytes; the statement nested in a Tensor).
+        def size(key: bytes, statement: bytes = b"", seal: bytes = b"") -> int:
+            return 2 + len(key) + (4 + len(statement) if statement else 0) + (2 + len(seal) if seal else 0)
+
+        pushed = [(KEY, b"layout", b"seal")] * 3 + [(b"another round", b"layout", b"seal")]
+        pushed.append((KEY, b"its layout", b"its seal"))
+        assert traffic.received == sum(size(*p) for p in pushed) == 147
+        assert traffic.sent == sum(size(p[0]) for p in pushed) == 59  # each answer names the round it was for
+
+    traffic = Traffic()
+    servicer = AcrossServicer(door, traffic)
     asyncio.run(scenario())
 
 

@@ -47,7 +47,7 @@ from p2p_diloco.protocol import claims, partials, twolevel
 from p2p_diloco.protocol.claims import Claim, GroupLayout
 from p2p_diloco.protocol.twolevel import Levels, Output, Partial
 from p2p_diloco.swarm.averaging import stage2
-from p2p_diloco.swarm.averaging.assembly import SEALS_WAITS, Assembly, AssemblyError, Door, open_door
+from p2p_diloco.swarm.averaging.assembly import SEALS_WAITS, Assembly, AssemblyError, Door, Traffic, open_door
 from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2, Stage2Error, Stage2Servicer
 from p2p_diloco.trust import robust
 from p2p_diloco.trust.wire import WireError
@@ -71,9 +71,10 @@ class Group:
 
 @dataclass(frozen=True)
 class AcrossStats:
-    """What stages 2 and 3 of one round cost this member: seconds, and the bytes of stage 2's
-    messages it sent and received (protobuf payloads, as the all-reduce counts its parts; the
-    owners' assembly and the layout seals not included), and the most groups a sub-span counted."""
+    """What stages 2 and 3 of one round cost this member: seconds, and the bytes it sent and
+    received (protobuf payloads, as the all-reduce counts its parts: stage 2's and 3's messages, the
+    layout seals, and the claims of the owners' assembly as gathered, `assembly.Traffic`), and the
+    most groups a sub-span counted."""
 
     seconds: float
     sent: int
@@ -81,17 +82,10 @@ class AcrossStats:
     groups: int
 
 
-class _Traffic:
-    """Bytes of stage-2 messages, both ways, since this peer started: a round's share is the difference."""
-
-    def __init__(self) -> None:
-        self.sent = self.received = 0
-
-
 class _CountingStub:
     """A stage-2 stub whose calls count what they send and what comes back."""
 
-    def __init__(self, stub: Any, traffic: _Traffic) -> None:
+    def __init__(self, stub: Any, traffic: Traffic) -> None:
         self._stub, self._traffic = stub, traffic
 
     def __getattr__(self, name: str) -> Any:
@@ -109,7 +103,7 @@ class _CountingStub:
 class SpanServicer(Stage2Servicer):
     """Stage 2's handlers in a swarm peer, counting what other owners and members send and fetch."""
 
-    def __init__(self, desk: Stage2, traffic: _Traffic, door: Door) -> None:
+    def __init__(self, desk: Stage2, traffic: Traffic, door: Door) -> None:
         super().__init__(desk)
         self._traffic, self._door = traffic, door
 
@@ -142,8 +136,8 @@ class SpanServicer(Stage2Servicer):
 class AcrossServicer(ServicerBase):
     """Takes the layout seals the group's members push to this peer, one of their span owners."""
 
-    def __init__(self, door: Door = open_door) -> None:
-        self._door = door
+    def __init__(self, door: Door = open_door, traffic: Traffic | None = None) -> None:
+        self._door, self._traffic = door, traffic or Traffic()
         self.expected: bytes | None = None  # the key of the round and attempt this peer is in (Levels.key)
         self.seals: dict[str, tuple[bytes, bytes]] = {}  # member -> (statement, seal) under `expected`
         self._pushed: asyncio.Condition | None = None  # made in the averager's loop, at the first use
@@ -172,7 +166,9 @@ class AcrossServicer(ServicerBase):
                 if len(self.seals) < claims.MAX_MEMBERS or member in self.seals:
                     self.seals[member] = (statement, seal)
                 self.pushed.notify_all()
-        return averaging_pb2.AveragingData(group_id=request.group_id)
+        answer = averaging_pb2.AveragingData(group_id=request.group_id)
+        self._traffic.count(answer.ByteSize(), request.ByteSize())
+        return answer
 
     async def wait_for(self, key: bytes, members: Sequence[str], deadline_s: float) -> dict[str, tuple[bytes, bytes]]:
         """The seals pushed under `key` once every one of `members` pushed one, or the deadline passed."""
@@ -207,9 +203,9 @@ class Across:
         self.me, self._signer, self.namespace, self.wait_s = me, signer, namespace.replace(".", "_"), wait_s
         self._door, self._patience_s = door, patience_s
         self._levels: Levels | None = None
-        self.servicer = AcrossServicer(door)
+        self.traffic = Traffic()
+        self.servicer = AcrossServicer(door, self.traffic)
         self._p2p: P2P | None = None
-        self.traffic = _Traffic()
         self.stage2 = Stage2(me, signer, self._stage2_stub, wait_s, convicted)
         self.assembly: Assembly | None = None
         self.last: AcrossStats | None = None  # the last `finish`'s, once it ended with a result
@@ -227,7 +223,7 @@ class Across:
     async def start(self, p2p: P2P, dht: DHT, serves: bool) -> None:
         """The handlers, where others can dial this peer; a client only fetches."""
         self._p2p, self.assembly = p2p, Assembly(p2p, dht, self.namespace, self.wait_s, self._patience_s)
-        self.assembly.servicer.door = self._door
+        self.assembly.servicer.door, self.assembly.servicer.traffic = self._door, self.traffic
         if serves:
             await self.assembly.start()
             await SpanServicer(self.stage2, self.traffic, self._door).add_p2p_handlers(p2p, namespace=self.namespace)
@@ -286,7 +282,8 @@ class Across:
             group_id=round_key, tensor_part=runtime_pb2.Tensor(buffer=layout.statement()), peer_id=seal
         )
         try:
-            await asyncio.wait_for(stub.rpc_layout_seal(request), SEALS_WAITS * self.wait_s)
+            answer = await asyncio.wait_for(stub.rpc_layout_seal(request), SEALS_WAITS * self.wait_s)
+            self.traffic.count(request.ByteSize(), answer.ByteSize())
         except Exception as e:  # noqa: BLE001 - that owner's claim counts without this seal, or not at all
             logger.warning("two levels: layout seal to %s: %s", owner, type(e).__name__)
 

@@ -55,6 +55,18 @@ class _Step:
 Door = Callable[[str, str], Awaitable[bool]]  # (peer, which door) -> whether it may come in
 
 
+class Traffic:
+    """Bytes of a two-level round's messages, both ways, since this peer started (a round's share
+    is the difference): stage 2's and 3's, the layout seals, and the assembly's claims."""
+
+    def __init__(self) -> None:
+        self.sent = self.received = 0
+
+    def count(self, sent: int, received: int) -> None:
+        self.sent += sent
+        self.received += received
+
+
 async def open_door(peer: str, door: str) -> bool:
     """The door of a peer with no doors (tests, a bare assembly): everyone comes in."""
     return True
@@ -75,6 +87,7 @@ class AssemblyServicer(ServicerBase):
         self.wait_s = wait_s
         self._kept: asyncio.Condition | None = None  # made in the serving loop, at the first use
         self.door: Door = open_door  # whether a peer may come in (the averager's: admission, audits)
+        self.traffic = Traffic()  # what its members' requests for an assembly's claims took
 
     @property
     def kept(self) -> asyncio.Condition:
@@ -103,7 +116,9 @@ class AssemblyServicer(ServicerBase):
             except asyncio.TimeoutError:
                 pass
             shown = runtime_pb2.Tensor(buffer=self.shown.get(key, b""))
-        return averaging_pb2.AveragingData(group_id=request.group_id, tensor_part=shown)
+        answer = averaging_pb2.AveragingData(group_id=request.group_id, tensor_part=shown)
+        self.traffic.count(answer.ByteSize(), request.ByteSize())
+        return answer
 
     async def rpc_join_group(
         self, request: averaging_pb2.JoinRequest, context: P2PContext
@@ -165,6 +180,8 @@ class Assembly:
             shown = [(str(peer), bytes(data)) for peer, data in zip(group.peer_ids, group.gathered)]
         if (why := claims.unfit(shown, most)) is not None:  # the leader's list, which a follower takes as sent
             raise AssemblyError(f"the span owners' assembly under {key}: its leader showed {why}; nothing kept")
+        # Its claim out, the others' in: the gather's payload (a leader also sends each follower the list).
+        self.servicer.traffic.count(len(claim), sum(len(raw) for peer, raw in shown if peer != str(self._p2p.peer_id)))
         await self.servicer.keep(key, claims.pack_shown(shown))
         return shown
 
@@ -198,10 +215,9 @@ class Assembly:
         passes it on, or AssemblyError; each claim is still for claims.parse_claim."""
         try:
             stub = AssemblyServicer.get_stub(self._p2p, PeerID.from_base58(owner), namespace=self.namespace)
-            answer = await asyncio.wait_for(
-                stub.rpc_assembled(averaging_pb2.AveragingData(group_id=key.encode())),
-                self.servicer.wait_s + self.wait_s,
-            )
+            request = averaging_pb2.AveragingData(group_id=key.encode())
+            answer = await asyncio.wait_for(stub.rpc_assembled(request), self.servicer.wait_s + self.wait_s)
+            self.servicer.traffic.count(request.ByteSize(), answer.ByteSize())
             if not answer.tensor_part.buffer:
                 raise AssemblyError(f"{owner} holds no assembly under {key}")
             return claims.unpack_shown(answer.tensor_part.buffer)
