@@ -120,6 +120,17 @@ def forge_partial() -> None:
     Stage2.run = forging
 
 
+def show_double_weight() -> None:
+    """Patch the step's hand-over: this peer shows twice its weight in the all-gather (a two-level
+    round's group weight is made of what members show) and sends its parts with its own."""
+    original = DiLoCoAverager.start_step
+
+    def showing(self, weight, timeout, gather, init_timeout):
+        return original(self, weight, timeout, {**gather, "weight": 2 * gather["weight"]}, init_timeout)
+
+    DiLoCoAverager.start_step = showing
+
+
 def kill_averager_after_start() -> None:
     """Patch the step's hand-over so that the averager process is killed once it took the step."""
     original = DiLoCoAverager.start_step
@@ -249,6 +260,8 @@ if __name__ == "__main__":
         die_in_stage2()
     if "forge-partial" in sys.argv:
         forge_partial()
+    if "show-double-weight" in sys.argv:
+        show_double_weight()
 
     numel = int(sys.argv[6]) if len(sys.argv) > 6 and sys.argv[6].isdigit() else NUMEL
     main(sys.argv[1], int(sys.argv[2]), float(sys.argv[3]), sys.argv[4], sys.argv[5], numel)

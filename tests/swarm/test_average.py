@@ -172,6 +172,20 @@ def test_a_lie_on_one_chunk_is_caught_by_members_that_did_not_check_it_from_thei
 
 
 @pytest.mark.timeout(180)
+def test_a_member_that_shows_another_weight_than_its_parts_carry_fails_the_group_alike(swarm):
+    # Worker 0 shows twice its weight in the all-gather (a two-level round's group weight is made
+    # of the shown weights) and signs its parts with its own: every other reducer refuses its parts
+    # (ledger.accept_part), and no member applies anything.
+    workers = start_workers(swarm, [1.0, 1.0, 1.0], "fp32", ["mean", "show-double-weight"], ["mean"], ["mean"])
+    results = [json.loads(read_line(w, 120)) for w in workers]
+    for w in workers:
+        w.stdin.close()
+        assert w.wait(timeout=60) == 0
+    for r in results:
+        assert "error" in r and "all-reduce failed" in r["error"] and r["own_delta_intact"], r
+
+
+@pytest.mark.timeout(180)
 def test_reducer_killed_mid_allreduce_leaves_no_partial_update(swarm):
     # 3M values: each peer reduces a span of ~1M, i.e. 2 parts; peer 0 dies when its second part arrives.
     numel = "3000000"

@@ -617,7 +617,9 @@ class Reduction:
         """The all-reduce's ledger, with every member's identity key from the all-gather."""
         peers = [str(p) for p in group_info.peer_ids]
         senders = [p for p, e in zip(peers, entries) if e.mode != AveragingMode.AUX]
-        return Ledger(group_id, peers, senders, self._signer, self._gathering.member_keys(group_info, entries))
+        ledger = Ledger(group_id, peers, senders, self._signer, self._gathering.member_keys(group_info, entries))
+        ledger.shown_weights = {p: e.weight for p, e in zip(peers, entries) if e.weight is not None}
+        return ledger
 
     async def apply(
         self, runner: ConsistentAllReduceRunner, tensors: Sequence[torch.Tensor], group_info: GroupInfo

@@ -141,6 +141,9 @@ class Ledger:
         # only this member knows the span layout it computed, so no case others could judge;
         # refused here from then on, like a bad signer.
         self.misfits: set[str] = set()
+        # Each sender's weight as it showed it in the all-gather (a two-level round's group weight
+        # is made of them): a part of another weight is refused (`accept_part`).
+        self.shown_weights: dict[str, float] = {}
         self.lots = Board(peers, keys, self._lot_holds)  # every member's lot in this group's audit
         self.verdicts = Board(peers, keys, self._verdicts_hold)  # every member's verdicts on the items it checked
 
@@ -155,8 +158,10 @@ class Ledger:
     def accept_part(
         self, reducer: int, sender: int, part: int, weight: float, encoded: runtime_pb2.Tensor, sealed: bytes
     ) -> SignedPart:
-        """Keep a sender's part of this member's span, once its signature verifies. Its norms are
-        not checked here (the caller decodes it: audit.misnormed)."""
+        """Keep a sender's part of this member's span, once its signature verifies and its weight is
+        the one its sender showed in the all-gather (else the all-reduce fails: the shown weight
+        came through the leader, so nobody is convicted). Its norms are not checked here (the
+        caller decodes it: audit.misnormed)."""
         signer = self.senders[sender]
         try:
             norms, _, signature = unsealed(sealed, signer)
@@ -170,6 +175,10 @@ class Ledger:
         if not self.keys[signer].verify(statement, signature):
             self.bad_signers.add(signer)
             raise AllreduceException(f"sender {signer} sent part {part} without a valid signature")
+        shown = self.shown_weights.get(signer, weight)
+        if weight != shown:
+            why = f"weight {weight:g}, not the {shown:g} it showed in the all-gather"
+            raise AllreduceException(f"sender {signer} signed part {part} with {why}")
         signed = self.parts.setdefault(part, {})[sender] = SignedPart(sender, weight, encoded, signature, seal)
         return signed
 
