@@ -72,10 +72,16 @@ def lab_available(upnp: bool = False) -> str | None:
 class HomeNet(NetLab):
     """`public` hosts on the internet bridge (hosts 0 … public-1), then one host per home."""
 
-    def __init__(self, public: int, homes: list[Home], public_link: tuple[float | None, float | None] = (None, None)):
+    def __init__(
+        self,
+        public: int,
+        homes: list[Home],
+        public_link: tuple[float | None, float | None] = (None, None),
+        cc: str | None = None,
+    ):
         self.public, self.homes = public, homes
         self._folders: list[Path] = []  # a UPnP router's config and leases, removed on close
-        super().__init__([public_link] * public + [(h.up, h.down) for h in homes], tag="phn")
+        super().__init__([public_link] * public + [(h.up, h.down) for h in homes], tag="phn", cc=cc)
 
     def home_host(self, j: int) -> int:
         """The host index of home `j`'s host."""

@@ -15,6 +15,10 @@ per round (the all-reduce's payload, stages 2 and 3 apart, and everything its ve
 median round and all-reduce times, and the all-reduces that failed.
 
     .venv/bin/python bench/two_level.py --peers 8 --group-size 4    # as root; about 8 minutes on 2 cores
+    .venv/bin/python bench/two_level.py --peers 9 --group-size 3 --homes 2 --out two_level_9
+
+`--homes K`: the last K peers each behind a home router's NAT (homenet.py's `Home("cone")`, the
+same link): clients, which seal their group's layout and fetch their spans but own none.
 
 Writes bench/results/two_level.json.
 """
@@ -31,7 +35,8 @@ from pathlib import Path
 
 from p2p_diloco.swarm.transport import leftovers
 
-from netlab import NetLab, available
+from homenet import Home, HomeNet, lab_available
+from netlab import NetLab
 from netswarm import NetSwarm
 
 HERE = Path(__file__).resolve().parent
@@ -58,15 +63,26 @@ def overrides(args: argparse.Namespace, group_size: int) -> dict[str, str]:
     }
 
 
+def lab_of(args: argparse.Namespace) -> tuple[NetLab, list[int], int]:
+    """The lab, its peers' hosts and the bootstrap node's: the public peers, the bootstrap node
+    (no limit), then the peers behind home routers."""
+    public = args.peers - args.homes
+    if not args.homes:
+        return NetLab([(args.mbit, args.mbit)] * public + [(None, None)], cc="cubic"), list(range(public)), public
+    homes = [Home("cone", up=args.mbit, down=args.mbit)] * args.homes
+    lab = HomeNet(public + 1, homes, (args.mbit, args.mbit), cc="cubic")
+    return lab, [*range(public), *(lab.home_host(j) for j in range(args.homes))], public
+
+
 def run(args: argparse.Namespace, group_size: int, faults: dict[int, str], folder: Path) -> dict:
-    n = args.peers
-    with NetLab([(args.mbit, args.mbit)] * n + [(None, None)], cc="cubic") as lab:
-        swarm = NetSwarm(lab, folder, overrides(args, group_size), bootstrap_host=n)
+    built, hosts, bootstrap = lab_of(args)
+    with built as lab:
+        swarm = NetSwarm(lab, folder, overrides(args, group_size), bootstrap_host=bootstrap)
         swarm.faults = faults
-        wall = swarm.run_peers(list(range(n)), timeout_s=300 + 60 * args.rounds)
-        veth = {host: sum(lab.link_bytes(host)) for host in range(n)}
-        records = {host: swarm.records(host) for host in range(n)}
-        logs = {host: (folder / f"peer{host}.log").read_text(errors="replace") for host in range(n)}
+        wall = swarm.run_peers(hosts, timeout_s=300 + 60 * args.rounds)
+        veth = {host: sum(lab.link_bytes(host)) for host in hosts}
+        records = {host: swarm.records(host) for host in hosts}
+        logs = {host: (folder / f"peer{host}.log").read_text(errors="replace") for host in hosts}
     leftovers.sweep_below(folder)  # the shared memory the lab's peers left (leftovers.py)
     return summary(records, veth, logs, swarm.codes, wall) | {"group_size": group_size, "faults": faults}
 
@@ -114,8 +130,9 @@ def main() -> int:
     parser.add_argument("--runs", nargs="+", default=["flat", "two-level", "faults"])
     parser.add_argument("--out", default="two_level")
     parser.add_argument("--keep", type=Path, help="keep each run's logs and run dirs under this folder")
+    parser.add_argument("--homes", type=int, default=0, help="K: the last K peers behind home routers' NAT")
     args = parser.parse_args()
-    if (why := available()) is not None:
+    if (why := lab_available()) is not None:
         print(f"cannot build the network lab: {why}", file=sys.stderr)
         return 2
     settings = {
@@ -131,6 +148,7 @@ def main() -> int:
         print(name, json.dumps(results[name]), flush=True)
     out = HERE / "results" / f"{args.out}.json"
     setting = {"peers": args.peers, "group_size": args.group_size, "rounds": args.rounds, "mbit": args.mbit}
+    setting["homes"] = args.homes
     out.write_text(
         json.dumps({"setting": setting, "config": overrides(args, args.group_size), "runs": results}, indent=1) + "\n"
     )

@@ -175,6 +175,7 @@ def main(maddr: str, index: int, weight: float, codec: str, run_dir: str, numel:
             "swarm.averaging_timeout_s": "20",
             "swarm.aggregator": "mean" if "mean" in sys.argv else "clip",
             "run.dir": run_dir,
+            **({"swarm.reachability": "private"} if "private" in sys.argv else {}),  # as behind a home router's NAT
         },
     )
     Path(run_dir).mkdir(parents=True)

@@ -138,3 +138,29 @@ def test_a_replica_holds_what_a_group_sealed_and_convicts_an_owner_that_sends_an
     answer = asyncio.run(replica.take_partial(sent(groups[1].values[start:end].clone()), sender))
     assert answer.tensor_part.buffer == b"held" and torch.equal(kept.held[1][1].values, groups[1].values[3:6])
     assert told == [ids[1]]  # the sealed partial convicts nobody
+
+
+def test_an_owner_keeps_every_span_it_owns_in_this_round_and_the_last():
+    # Found in the lab (bench/two_level.py --homes 2): a group of two whose other member is behind
+    # NAT has one owner of all its spans. With 2 planned spans kept, planning its third evicted its
+    # first: every other owner's message for that span then waited out the wait, and the span's
+    # sub-spans failed for them while this owner ended with a result.
+    from hivemind.utils.crypto import RSAPrivateKey
+
+    from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2
+
+    desk = Stage2("me", RSAPrivateKey(), lambda peer: None, 1.0)
+
+    def plans(r: int, spans: int = 4) -> list[Plan]:
+        return [Plan(b"round %d span %d" % (r, k), k, spans, ("me", "b"), 8, (bytes(32),) * 2) for k in range(spans)]
+
+    this, last = plans(2), plans(1)
+    for plan in last + this:
+        desk._round(plan.key, plan)
+    assert all(desk._round(p.key).plan is p for p in last + this)  # every span of both rounds
+    for plan in plans(3):
+        desk._round(plan.key, plan)
+    assert all(desk._round(p.key).plan is p for p in this)
+    # Another owner may open a round here before this one planned it: as many as two rounds' spans.
+    opened = [desk._round(b"early %d" % i) for i in range(2 * 4)]
+    assert all(r is not None for r in opened) and desk._round(b"one too many") is None

@@ -50,8 +50,8 @@ from p2p_diloco.trust.wire import WireError
 
 logger = get_logger(__name__)
 
-KEEP_ROUNDS = 2  # rounds whose partials and decisions an owner keeps
-MAX_UNPLANNED = 4  # rounds another owner may open here before this owner planned them
+KEEP_ROUNDS = 2  # rounds whose partials and decisions an owner keeps, every span it owns in each
+MAX_UNPLANNED = 2  # rounds' worth of spans other owners may open here before this owner planned them
 MAX_SEAL = 4096  # bytes of a signature and a key
 DECIDE_AFTER = 1.5  # the secondary decides alone this many waits after it started
 FETCH_UNTIL = 2.5  # an owner looks for every decided sub-span until this many waits after it started
@@ -170,20 +170,25 @@ class _Rounds:
     """The stage-2 rounds a peer keeps, by plan key, and the waits on their changes."""
 
     def __init__(self) -> None:
-        self._rounds: OrderedDict[bytes, _Round] = OrderedDict()  # Plan.key -> its state
+        self._rounds: OrderedDict[bytes, _Round] = OrderedDict()  # Plan.key (a round's span) -> its state
+        # A round's spans, as this peer's latest plan says: an owner may own all of its group's
+        # spans (its other members behind NAT), each its own stage 2 here.
+        self._spans = twolevel.GROUP_SIZE
 
     def _round(self, key: bytes, plan: Plan | None = None) -> _Round | None:
-        """The state of round `key`; a new one only if planned here or MAX_UNPLANNED are not open."""
+        """The state of span round `key`; a new one only if planned here or fewer than MAX_UNPLANNED
+        rounds' spans are open unplanned. Planning one keeps the latest KEEP_ROUNDS rounds' spans."""
         r = self._rounds.get(key)
         if r is None:
-            if plan is None and sum(1 for x in self._rounds.values() if x.plan is None) >= MAX_UNPLANNED:
+            unplanned = sum(1 for x in self._rounds.values() if x.plan is None)
+            if plan is None and unplanned >= MAX_UNPLANNED * self._spans:
                 return None
             r = self._rounds[key] = _Round()
         if plan is not None and r.plan is None:
-            r.plan = plan
+            r.plan, self._spans = plan, plan.spans
             r.planned.set()
             planned = [k for k, x in self._rounds.items() if x.plan is not None]
-            for old in planned[:-KEEP_ROUNDS]:
+            for old in planned[: -KEEP_ROUNDS * plan.spans]:
                 del self._rounds[old]
         return r
 
