@@ -7,6 +7,7 @@ import asyncio
 import time
 from types import SimpleNamespace
 
+import pytest
 import torch
 from hivemind.proto import averaging_pb2, runtime_pb2
 
@@ -164,3 +165,26 @@ def test_an_owner_keeps_every_span_it_owns_in_this_round_and_the_last():
     # Another owner may open a round here before this one planned it: as many as two rounds' spans.
     opened = [desk._round(b"early %d" % i) for i in range(2 * 4)]
     assert all(r is not None for r in opened) and desk._round(b"one too many") is None
+
+
+def test_a_groups_dialable_members_share_its_spans_by_their_link_figures():
+    from hivemind.averaging.allreduce import AveragingMode
+
+    from p2p_diloco.protocol import twolevel
+    from p2p_diloco.swarm.averaging.across import AcrossError, group_of
+    from p2p_diloco.swarm.averaging.gathered import Entry
+
+    def entry(bandwidth, mode=AveragingMode.NODE, serves=True, weight=1.0):
+        return Entry(bandwidth, mode, 3, {}, b"key", None, serves, frozenset(), weight)
+
+    # a: 100 (vouched, as gathered.fair left it), b: a client behind NAT (0), c: 50, d: public but may
+    # not reduce (0: gathered.fair's figure for a member not every other member reaches directly)
+    members = ["a", "b", "c", "d"]
+    entries = [entry(100.0), entry(0.0, AveragingMode.CLIENT, serves=False), entry(50.0), entry(0.0, weight=2.0)]
+    group = group_of(members, entries)
+    assert group.dialable == {"a", "c", "d"} and group.weights == (1.0, 1.0, 1.0, 2.0)
+    assert group.rates == (100.0, 0.0, 50.0, 0.0)
+    owners = twolevel.owners("seed", group.members, 6, group.dialable.__contains__, dict(zip(members, group.rates)))
+    assert sorted(owners.count(m) for m in members) == [0, 0, 2, 4] and owners.count("a") == 4  # D'Hondt: 100:50
+    with pytest.raises(AcrossError, match="showed no weight"):
+        group_of(members, [*entries[:3], entry(10.0, weight=None)])

@@ -37,6 +37,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from hivemind.averaging.allreduce import AveragingMode
 from hivemind.dht import DHT
 from hivemind.p2p import P2P, P2PContext, PeerID, ServicerBase
 from hivemind.proto import averaging_pb2, runtime_pb2
@@ -48,6 +49,7 @@ from p2p_diloco.protocol.claims import Claim, GroupLayout
 from p2p_diloco.protocol.twolevel import Levels, Output, Partial
 from p2p_diloco.swarm.averaging import stage2
 from p2p_diloco.swarm.averaging.assembly import SEALS_WAITS, Assembly, AssemblyError, Door, Traffic, open_door
+from p2p_diloco.swarm.averaging.gathered import Entry
 from p2p_diloco.swarm.averaging.stage2 import Plan, Stage2, Stage2Error, Stage2Servicer
 from p2p_diloco.trust import robust
 from p2p_diloco.trust.wire import WireError
@@ -62,11 +64,24 @@ class AcrossError(SwarmError):
 @dataclass(frozen=True)
 class Group:
     """What stage 2 needs of a stage-1 group, from its all-gather: its members in group order, those
-    others can dial (they may own spans) and each member's weight."""
+    others can dial (they may own spans), each member's weight, and each member's link figure as
+    the group counts it (gathered.fair: vouched for by the others' probes; 0 for one that may not
+    reduce), by which its dialable members share the spans."""
 
     members: tuple[str, ...]
     dialable: frozenset[str]
     weights: tuple[float, ...]
+    rates: tuple[float, ...] = ()
+
+
+def group_of(members: Sequence[str], entries: Sequence[Entry]) -> Group:
+    """A group from its members (in group order) and their all-gather entries, as `gathered.fair`
+    left them; AcrossError where a member showed no weight (a peer from before two-level rounds)."""
+    if any(e.weight is None for e in entries):
+        raise AcrossError("a group member showed no weight in the all-gather; nothing applied")
+    dialable = frozenset(m for m, e in zip(members, entries) if e.serves and e.mode != AveragingMode.CLIENT)
+    weights = tuple(float(e.weight or 0.0) for e in entries)
+    return Group(tuple(members), dialable, weights, tuple(float(e.bandwidth or 0.0) for e in entries))
 
 
 @dataclass(frozen=True)
@@ -246,7 +261,8 @@ class Across:
         assert levels is not None and self.assembly is not None, "a two-level round, started"
         started, sent, received = time.perf_counter(), self.traffic.sent, self.traffic.received
         flat = torch.cat([r.reshape(-1).float() for r in results])
-        owners = twolevel.owners(levels.seed, group.members, levels.spans, group.dialable.__contains__)
+        rates = dict(zip(group.members, group.rates)) if group.rates else None
+        owners = twolevel.owners(levels.seed, group.members, levels.spans, group.dialable.__contains__, rates)
         weight = twolevel.group_weight(group.weights, how, cap)
         roots, mine = _partials(flat, weight, owners, self.me)
         layout = GroupLayout(levels.key, group.members, tuple(owners), roots)

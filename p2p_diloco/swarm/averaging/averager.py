@@ -47,7 +47,7 @@ from p2p_diloco.protocol import chunks, links
 from p2p_diloco.protocol.deadlines import state_bytes
 from p2p_diloco.protocol.network import Assembled
 from p2p_diloco.protocol.twolevel import Levels
-from p2p_diloco.swarm.averaging.across import Across, AcrossError, Group
+from p2p_diloco.swarm.averaging.across import Across, Group, group_of
 from p2p_diloco.swarm.averaging.allreduce import LOSSY_TENSOR, AllreduceStats, ConsistentAllReduceRunner
 from p2p_diloco.swarm.averaging.auditor import Auditor
 from p2p_diloco.swarm.averaging.chunked import ChunkFetcher, ChunkServer
@@ -606,12 +606,7 @@ class Reduction:
     def _group(self, group_info: GroupInfo) -> Group:
         """The group as stage 2 needs it (across.py), from its all-gather; AcrossError where a
         member showed no weight (a peer from before two-level rounds)."""
-        entries = self._gathering.entries(group_info)
-        members = tuple(str(p) for p in group_info.peer_ids)
-        if any(e.weight is None for e in entries):
-            raise AcrossError("a group member showed no weight in the all-gather; nothing applied")
-        dialable = frozenset(m for m, e in zip(members, entries) if e.serves and e.mode != AveragingMode.CLIENT)
-        return Group(members, dialable, tuple(float(e.weight or 0.0) for e in entries))
+        return group_of([str(p) for p in group_info.peer_ids], self._gathering.entries(group_info))
 
     def _ledger(self, group_info: GroupInfo, group_id: bytes, entries: list[Entry]) -> Ledger:
         """The all-reduce's ledger, with every member's identity key from the all-gather."""
