@@ -63,11 +63,16 @@ def root(span: int, weight: float, pieces: Sequence[bytes]) -> bytes:
     return hashlib.sha256(ROOT_TAG + struct.pack(">Id", span, weight) + b"".join(pieces)).digest()
 
 
+def scaled(average: torch.Tensor, weight: float) -> torch.Tensor:
+    """A group's partial values of a span from its average of the span and its weight: each value
+    times the weight rounded to fp32, each product rounded to fp32 (IEEE: the same bytes on every
+    member that holds the same average)."""
+    return (average.float() * weight).float()
+
+
 def of_group(average: torch.Tensor, weight: float) -> Partial:
-    """The partial of a span that a group's owner sends, from the group's average of the span and
-    the group's weight: each value times the weight rounded to fp32, each product rounded to fp32
-    (IEEE: the same bytes on every member that holds the same average)."""
-    values = (average.float() * weight).float()
+    """The partial of a span that a group's owner sends (`scaled`), with its pieces' digests."""
+    values = scaled(average, weight)
     return Partial(values, weight, digests(values))
 
 

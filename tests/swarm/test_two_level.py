@@ -127,7 +127,8 @@ def test_a_member_refuses_what_its_groups_lone_owner_made_of_a_partial_the_group
     # As above, one group alone, but peer 0 sends 100 times its group's partial as its spans'
     # owner: nobody else sums it, so nobody checks it in stage 2. Peer 1 fetches peer 0's spans in
     # stage 3, finds a sum of its group alone that is not the partial it computes itself, convicts
-    # peer 0 and applies nothing.
+    # peer 0 and applies nothing. (Its other spans owned by peer 0 then fail too, at its doors:
+    # the error names every span's reason.)
     weights = [1.0, 3.0]
     workers, peers = start(swarm, weights, ["forge-partial"])
     go(workers, round_key_splitting(peers, 2, [2, 0]))

@@ -274,15 +274,16 @@ class Across:
             if span in mine:
                 work.append(self._own(levels, span, Claim(self.me, layout, seals), mine[span]))
             else:
-                work.append(self._fetched(levels, span, layout, partials.of_group(flat[start:end], weight)))
+                work.append(self._fetched(levels, span, layout, flat[start:end], weight))
         done = await asyncio.gather(*work, return_exceptions=True)
         failed = [e for e in done if isinstance(e, BaseException)]
         if failed:
             known = (AcrossError, AssemblyError, Stage2Error, WireError)
             if not all(isinstance(e, known) for e in failed):
                 raise next(e for e in failed if not isinstance(e, known))
-            why = str(failed[0]).removesuffix("; nothing applied")
-            raise AcrossError(f"two-level round {levels.round}: {why}; nothing applied")
+            # every span's reason, once each (which span fails first is a race; a conviction's matters)
+            whys = list(dict.fromkeys(str(e).removesuffix("; nothing applied") for e in failed))
+            raise AcrossError(f"two-level round {levels.round}: {'; '.join(whys[:4])}; nothing applied")
         outputs = [o for each in done for o in each]  # type: ignore[union-attr]
         took = time.perf_counter() - started
         traffic = (self.traffic.sent - sent, self.traffic.received - received)
@@ -330,10 +331,12 @@ class Across:
             raise AcrossError(f"span {span}: the owners' assembly did not count this group's claim")
         return await self.stage2.run(plan, partial)
 
-    async def _fetched(self, levels: Levels, span: int, layout: GroupLayout, own: Partial) -> list[Output]:
+    async def _fetched(
+        self, levels: Levels, span: int, layout: GroupLayout, average: torch.Tensor, weight: float
+    ) -> list[Output]:
         """Span `span`, owned by another member of the group: stage 3. A sub-span whose sum names
-        this group alone must be `own` (the group's partial, as this member computes it): else its
-        decider is convicted and nothing is applied."""
+        this group alone must be the group's partial as this member computes it from its group's
+        `average` of the span and `weight`: else its decider is convicted and nothing is applied."""
         assert self.assembly is not None
         owner = layout.span_owners[span]
         shown = await self._admitted(
@@ -341,10 +344,12 @@ class Across:
         )
         holds = self._holds(levels.key)
         counted, key = claims.plan_for_member(shown, owner, layout, levels.seed, levels.groups, span, holds)
-        plan = Plan.of(key, span, levels.spans, counted, own.values.numel())
+        plan = Plan.of(key, span, levels.spans, counted, average.numel())
         outputs = await self.stage2.fetch_decided(plan, via=owner)
         group = plan.owners.index(owner) if owner in plan.owners else -1  # its claim may not count
-        for output in outputs:
+        alone = [o for o in outputs if o.groups == (group,)]  # rare: the partial is computed only then
+        own = Partial(partials.scaled(average, weight), weight) if alone else Partial(average, weight)
+        for output in alone:
             if (why := twolevel.lone_refusal(output, group, plan.bounds(output.sub), own)) is not None:
                 self.stage2.convict(output.by, why)
                 raise AcrossError(f"span {span}: {why}; nothing applied")
