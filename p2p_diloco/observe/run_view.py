@@ -480,6 +480,7 @@ def _run_metrics(view: Mapping[str, Any], label: str) -> list[str]:
             label,
             len(last.get("counted", [])),
         ),
+        *_levels_metrics(last.get("levels") or {}, label),
         *_metric(
             "p2p_diloco_round_all_agree",
             "gauge",
@@ -507,6 +508,26 @@ def _run_metrics(view: Mapping[str, Any], label: str) -> list[str]:
             "peers the organiser revoked",
             label,
             sum(p.get("revoked") is not None for p in view["peers"]),
+        ),
+    ]
+
+
+def _levels_metrics(levels: Mapping[str, Any], label: str) -> list[str]:
+    """The latest closed round's groups (`levels_of`; a flat round is one group)."""
+    return [
+        *_metric(
+            "p2p_diloco_round_groups",
+            "gauge",
+            "stage-1 groups of the latest closed round (1: one flat group; more: two levels)",
+            label,
+            len(levels.get("groups", [])) or 1,
+        ),
+        *_metric(
+            "p2p_diloco_round_groups_counted",
+            "gauge",
+            "the most groups a sub-span of the latest closed round's result counted",
+            label,
+            levels.get("counted", 1),
         ),
     ]
 

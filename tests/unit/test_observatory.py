@@ -97,6 +97,7 @@ def test_prometheus_text_has_the_run_s_figures():
     assert 'p2p_diloco_verified_tokens_total{run_id="r"} 820' in text
     assert 'p2p_diloco_tokens_per_s{run_id="r"} 100.0' in text and 'p2p_diloco_peers_revoked{run_id="r"} 0' in text
     assert f'p2p_diloco_peer_verified_tokens{{run_id="r",peer="{B}"}} 420' in text
+    assert 'p2p_diloco_round_groups{run_id="r"} 1' in text  # one flat group
     assert "# TYPE p2p_diloco_round gauge" in text and text.endswith("\n")
 
 
@@ -265,3 +266,5 @@ def test_a_two_level_round_shows_its_groups_and_spans_and_a_flat_round_none():
     lines = status_lines({"run": run, "rounds": [one, {**two, "closed": False}], "peers": []})
     said = "  two levels: 2 groups (3+2 peers), 4 spans a group; the result counted at most 2 groups a sub-span"
     assert lines[3] == said
+    text = prometheus(log.view(now=20))  # round 1 is the latest closed one
+    assert 'p2p_diloco_round_groups{run_id="r"} 2' in text and 'p2p_diloco_round_groups_counted{run_id="r"} 2' in text
