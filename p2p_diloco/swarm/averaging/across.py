@@ -128,8 +128,7 @@ class SpanServicer(Stage2Servicer):
             answer = await handle(request, context)
         else:
             answer = averaging_pb2.AveragingData()
-        self._traffic.received += request.ByteSize()
-        self._traffic.sent += answer.ByteSize()
+        self._traffic.count(answer.ByteSize(), request.ByteSize())
         return answer
 
     async def rpc_stage2_partial(
